@@ -1,0 +1,5 @@
+import sys
+
+from opreg.cli import main
+
+sys.exit(main())

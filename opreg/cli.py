@@ -1,0 +1,137 @@
+"""``python -m opreg {list,build,demo}``: what exists, build it, see it work."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+import opreg
+from opreg import _build, registry
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header), fmt.format(*["-" * w for w in widths]),
+                      *(fmt.format(*map(str, r)) for r in rows)])
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    rows = [[r["op"], r["impl"], r["devices"], r["priority"], "yes" if r["available"] else "no",
+             r["why_not"]] for r in registry.implementations()]
+    print(_table(rows, ["op", "implementation", "devices", "priority", "available", "why not"]))
+    print(f"\nkernel cache: {_build.cache_root()} (set OPREG_CACHE_DIR to move it)")
+    return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    """Build every kernel library this machine can build; non-zero exit on any failure."""
+    targets: list[tuple[_build.Extension, str | None]] = []
+    if args.only in (None, "cpu"):
+        targets.append((_build.CPU, None))
+    if args.only in (None, "cuda"):
+        arch = args.cuda_arch
+        if torch.version.cuda is None:
+            print("cuda: skipped (torch was built without CUDA)")
+        elif _build.cuda_home() is None:
+            print("cuda: skipped (nvcc not found; set CUDA_HOME)")
+        elif arch is None and not torch.cuda.is_available():
+            print("cuda: skipped (no CUDA device; pass --cuda-arch 9.0 to compile anyway)")
+        else:
+            targets.append((_build.CUDA, arch))
+    failed = 0
+    for i, (ext, arch) in enumerate(targets, 1):
+        srcs = ", ".join(s.name for s in ext.sources())
+        print(f"[{i}/{len(targets)}] {ext.name}: {srcs}", flush=True)
+        t0 = time.monotonic()
+        try:
+            path = _build.build(ext, cuda_arch=arch, verbose=args.verbose)
+        except _build.BuildError as e:
+            failed += 1
+            print(f"  FAILED: {e}", file=sys.stderr)
+            continue
+        print(f"  ok ({time.monotonic() - t0:.1f} s): {path}")
+    return 1 if failed else 0
+
+
+def _median_us(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run both reference models eagerly and through opreg; check and time them."""
+    from opreg.models import cat_linear as cat_model
+    from opreg.models import moe_combine_loop as moe_model
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows, ok = [], True
+
+    moe = moe_model.Model().to(device)
+    eh, idx, gates, t = moe_model.get_inputs(device=str(device), generator=gen)
+    sc = opreg.get("scatter_combine")
+    expected, got = moe(eh, idx, gates, t), sc(eh, idx, gates, t)
+    rows.append(["moe_combine_loop", "scatter_combine", _check(got, expected),
+                 _median_us(lambda: moe(eh, idx, gates, t), device, 3),
+                 _median_us(lambda: sc(eh, idx, gates, t), device, 50)])
+
+    cat = cat_model.Model().to(device)
+    (x,) = cat_model.get_inputs(device=str(device), generator=gen)
+    cl = opreg.get("cat_linear")
+    w, b = cat.proj.weight, cat.proj.bias
+    with torch.no_grad():
+        expected, got = cat(x), cl(list(x.unbind(0)), w, b)
+        rows.append(["cat_linear", "cat_linear", _check(got, expected),
+                     _median_us(lambda: cat(x), device, 200),
+                     _median_us(lambda: cl(list(x.unbind(0)), w, b), device, 200)])
+    ok = all(r[2] == "match" for r in rows)
+    print(f"device: {device} (torch {torch.__version__}, opreg {opreg.__version__})")
+    print(_table([[r[0], r[1], r[2], f"{r[3]:.1f}", f"{r[4]:.1f}", f"{r[3] / r[4]:.1f}x"]
+                  for r in rows],
+                 ["model", "opreg op", "result", "eager µs", "opreg µs", "speed-up"]))
+    print("implementations used: " + ", ".join(
+        f"{op}={registry.bound(op, device.type)}" for op in ("scatter_combine", "cat_linear")))
+    return 0 if ok else 1
+
+
+def _check(got: torch.Tensor, expected: torch.Tensor) -> str:
+    try:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        return "match"
+    except AssertionError as e:
+        print(e, file=sys.stderr)
+        return "MISMATCH"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m opreg", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="ops x implementations, available or why not")
+    b = sub.add_parser("build", help="build every kernel library available on this machine")
+    b.add_argument("--only", choices=["cpu", "cuda"], help="build just one library")
+    b.add_argument("--cuda-arch", help="CUDA target, e.g. 9.0 (compiles without a GPU)")
+    b.add_argument("--verbose", action="store_true", help="show the compiler commands")
+    d = sub.add_parser("demo", help="run the reference models against opreg, with timings")
+    d.add_argument("--device", help="cpu or cuda (default: cuda if present)")
+    e = sub.add_parser("explain", help="show what the opreg backend rewrites in a model")
+    e.add_argument("rest", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    if args.cmd == "explain":
+        from opreg import explain
+
+        return explain.main(args.rest)
+    return {"list": cmd_list, "build": cmd_build, "demo": cmd_demo}[args.cmd](args)
