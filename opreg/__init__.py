@@ -19,6 +19,7 @@ from . import ops as _ops  # noqa: F401  (defines torch.ops.opreg.*)
 from ._build import BuildError
 from ._log import logger
 from ._version import __version__
+from .optimize import optimize  # eager: the function shadows its submodule's name
 from .registry import Impl, autograd_kind, bound, get, implementations, use
 from .registry import add_impl as _add_impl
 from .registry import define_op as _define_op
@@ -26,7 +27,7 @@ from .registry import remove_impl as unregister_impl
 
 __all__ = [
     "BuildError", "Impl", "__version__", "autograd_kind", "bound", "check_indices", "get",
-    "implementations", "logger", "register_impl", "register_op", "unregister_impl", "use",
+    "implementations", "logger", "optimize", "register_impl", "register_op", "unregister_impl", "use",
 ]
 
 

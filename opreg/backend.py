@@ -1,14 +1,19 @@
 """opreg's ``torch.compile`` backend: rewrite the graph with opreg's pattern passes, then
 compile what is left with Inductor (or run it eagerly).
 
-    model = torch.compile(model, backend="opreg")                              # Inductor below
+    model = torch.compile(model, backend="opreg")                              # see "auto"
+    model = torch.compile(model, backend="opreg", options={"inner": "inductor"})
     model = torch.compile(model, backend="opreg", options={"inner": "eager"})  # no codegen
     model = torch.compile(model, backend="opreg", mode="max-autotune")
 
 ``options`` (all optional; the rest are Inductor config options, as for the default backend):
 
-* ``"inner"``: ``"inductor"`` (default), ``"aot_eager"`` (AOTAutograd, no codegen) or
-  ``"eager"`` (run the rewritten graph as is).
+* ``"inner"``: ``"auto"`` (default), ``"inductor"``, ``"aot_eager"`` (AOTAutograd, no
+  codegen) or ``"eager"`` (run the rewritten graph as is). ``"auto"`` is Inductor, except
+  for a rewritten graph left with nothing to generate code for (only opreg ops, views and
+  indexing): that one runs as is, since Inductor's per-call wrapper would be its main
+  cost (H200, reference cat_linear model: 91 µs per call through Inductor vs 52 eager).
+  Giving ``mode`` or Inductor options means Inductor.
 * ``"patterns"``: names of the patterns to run (default: all registered; ``[]``: none).
 * ``"mode"``: an Inductor mode, like ``torch.compile(mode=...)`` (which can't be combined
   with ``options``).
@@ -59,13 +64,19 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ._log import logger
 
 __all__ = [
-    "Finding", "GraphEditor", "GraphPattern", "PassContext", "RewriteRejected", "apply_patterns",
-    "inductor_config_patches", "opreg_backend", "patterns_uuid", "register_pattern",
-    "registered_patterns", "stats", "unregister_pattern",
+    "Finding", "GraphEditor", "GraphPattern", "PassContext", "RecordingBackend", "RewriteRejected",
+    "apply_patterns", "inductor_config_patches", "op_counts", "opreg_backend", "patterns_uuid",
+    "register_pattern", "registered_patterns", "stats", "unregister_pattern",
 ]
 
 BACKEND_NAME = "opreg"
-INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+INNER_COMPILERS = ("auto", "inductor", "aot_eager", "eager")
+# What may sit beside opreg ops in a graph that "auto" runs without Inductor: views and
+# indexing only (nothing that computes, so nothing for Inductor to fuse or schedule).
+_VIEW_CALLS = {operator.getitem, torch.unbind, torch.select, torch.narrow, torch.t,
+               torch.transpose, torch.permute, torch.reshape, torch.squeeze, torch.unsqueeze}
+_VIEW_METHODS = {"unbind", "select", "narrow", "t", "transpose", "permute", "view", "reshape",
+                 "squeeze", "unsqueeze", "size", "dim", "contiguous", "expand"}
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 #: Totals since import (tests reset them): "graphs" compiled, "rewrites" made.
@@ -238,6 +249,24 @@ def is_pure(node: fx.Node) -> bool:
         return not t._schema.is_mutable
     name = getattr(t, "__name__", "")
     return not (name.endswith("_") and not name.endswith("__"))
+
+
+def mutation_between(chain: Iterable[Any], anchor: fx.Node) -> fx.Node | None:
+    """The first possibly-mutating node after the earliest node of ``chain`` and before
+    ``anchor``. A replacement reads its inputs at ``anchor``, where the original read
+    them along ``chain``; an in-place op in between (on them or on an alias) could make
+    the two differ, so patterns refuse then."""
+    chain = {n for n in chain if isinstance(n, fx.Node) and n.op in ("call_function", "call_method")}
+    inside = False
+    for n in anchor.graph.nodes:
+        if n is anchor:
+            return None
+        if n in chain:
+            inside = True
+        elif inside and (n.op == "call_module" or (n.op in ("call_function", "call_method")
+                                                   and not is_pure(n))):
+            return n
+    return None
 
 
 def erase_dead(graph: fx.Graph, nodes: Iterable[Any]) -> None:
@@ -580,8 +609,15 @@ def _propagate_fakes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
 
 # ============================================================================ backend
 
+def _as_passes(value: Any) -> tuple[Any, ...]:
+    """A config value of custom passes as a tuple (None, one pass, or a list of them)."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
 def _cache_key_pass_type() -> type:
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class OpregCacheKey(CustomGraphPass):
         """Inductor ``post_grad_custom_pre_pass`` for one opreg compile. It rewrites
@@ -591,7 +627,7 @@ def _cache_key_pass_type() -> type:
 
         def __init__(self, key: str, chained: Any) -> None:
             self.key = key
-            self.chained = tuple(get_custom_graph_passes(chained))
+            self.chained = _as_passes(chained)
 
         def __call__(self, graph: fx.Graph) -> None:
             for p in self.chained:
@@ -635,28 +671,27 @@ def inductor_config_patches(mode: str | None = None, options: Mapping[str, Any] 
     return patches
 
 
-def opreg_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
-                  options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
-    """The ``"opreg"`` Dynamo backend: the pattern passes, then ``options["inner"]``.
-
-    ``gm``: the graph Dynamo captured (rewritten in place); ``example_inputs``: its
-    inputs. ``mode``/``options`` are what ``torch.compile`` forwards; see the module
-    docstring for the keys.
-    """
+def _parse_options(mode: str | None, options: Mapping[str, Any] | None
+                   ) -> tuple[str, list[str] | None, str | None, dict[str, Any]]:
     opts = dict(options or {})
-    inner = opts.pop("inner", "inductor")
+    inner = opts.pop("inner", "auto")
     names = opts.pop("patterns", None)
     mode = opts.pop("mode", mode)
     if inner not in INNER_COMPILERS:
         raise ValueError(f"opreg backend: inner must be one of {INNER_COMPILERS}, got {inner!r}")
-    if names is not None and not isinstance(names, (list, tuple, set, frozenset)):
-        names = [] if names is False else [names]
-    ctx = apply_patterns(gm, example_inputs, only=names)
-    stats["graphs"] += 1
-    stats["rewrites"] += ctx.rewrites
+    if names is not None:
+        names = [] if names is False else [names] if isinstance(names, str) else list(names)
+    if inner == "auto" and (opts or (mode and mode != "default")):
+        inner = "inductor"
     if inner != "inductor" and (opts or (mode and mode != "default")):
         raise ValueError(f"opreg backend: Inductor options/mode given with inner={inner!r}: "
                          f"{sorted(opts)} {mode or ''}".strip())
+    return inner, names, mode, opts
+
+
+def _compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str,
+                   names: list[str] | None, mode: str | None, opts: dict[str, Any]
+                   ) -> Callable[..., Any]:
     if inner == "eager":
         return gm.forward
     if inner == "aot_eager":
@@ -665,9 +700,94 @@ def opreg_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: st
         return aot_eager(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
-    used = registered_patterns() if names is None else [p for p in registered_patterns()
-                                                          if p.name in names]
+    used = [p for p in registered_patterns() if names is None or p.name in names]
     return compile_fx(gm, example_inputs, config_patches=inductor_config_patches(mode, opts, used))
+
+
+def opreg_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
+                  options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+    """The ``"opreg"`` Dynamo backend: the pattern passes, then ``options["inner"]``.
+
+    ``gm``: the graph Dynamo captured (rewritten in place); ``example_inputs``: its
+    inputs. ``mode``/``options`` are what ``torch.compile`` forwards; see the module
+    docstring for the keys.
+    """
+    inner, names, mode, opts = _parse_options(mode, options)
+    ctx = apply_patterns(gm, example_inputs, only=names)
+    stats["graphs"] += 1
+    stats["rewrites"] += ctx.rewrites
+    if inner == "auto":
+        inner = "eager" if ctx.rewrites and _nothing_to_generate(gm) else "inductor"
+    return _compile_inner(gm, example_inputs, inner, names, mode, opts)
+
+
+def _nothing_to_generate(gm: fx.GraphModule) -> bool:
+    """Only opreg ops, views and indexing: Inductor would add overhead and no speed."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            t = node.target
+            if not (t in _VIEW_CALLS or (isinstance(t, torch._ops.OpOverload)
+                                         and t.namespace == "opreg")):
+                return False
+        elif node.op == "call_method" and node.target not in _VIEW_METHODS:
+            return False
+        elif node.op == "call_module":
+            return False
+    return True
+
+
+def op_name(node: fx.Node) -> str:
+    """A readable name for what ``node`` calls: ``"opreg::scatter_combine"``,
+    ``"index_add_"`` (a method), ``"cat"``, ``"linear"``, ``"mul"``."""
+    t = node.target
+    if node.op == "call_method":
+        return str(t)
+    if isinstance(t, torch._ops.OpOverload):
+        return t.name()
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return t._qualified_op_name
+    return getattr(t, "__name__", str(t))
+
+
+def op_counts(gm: fx.GraphModule) -> collections.Counter[str]:
+    """How many times each op is called in ``gm`` (see :func:`op_name`)."""
+    return collections.Counter(op_name(n) for n in gm.graph.nodes
+                               if n.op in ("call_function", "call_method", "call_module"))
+
+
+class RecordingBackend:
+    """A backend for tests and pattern authors: the opreg backend, which also keeps,
+    per graph Dynamo captures, the ops before and after the passes (``before``,
+    ``after``: lists of :func:`op_counts`) and the findings. ``inner`` defaults to
+    ``"eager"`` (no codegen)::
+
+        rec = RecordingBackend()
+        torch.compile(fn, backend=rec)(*args)
+        assert rec.after[-1]["opreg::scatter_combine"] == 1
+    """
+
+    def __init__(self, inner: str = "eager", patterns: Sequence[str] | None = None,
+                 options: Mapping[str, Any] | None = None) -> None:
+        self.options = {**(options or {}), "inner": inner}
+        if patterns is not None:
+            self.options["patterns"] = list(patterns)
+        self.before: list[collections.Counter[str]] = []
+        self.after: list[collections.Counter[str]] = []
+        self.findings: list[Finding] = []
+        self.graphs: list[fx.GraphModule] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        inner, names, mode, opts = _parse_options(None, self.options)
+        self.before.append(op_counts(gm))
+        ctx = apply_patterns(gm, example_inputs, only=names)
+        self.after.append(op_counts(gm))
+        self.findings.extend(ctx.findings)
+        self.graphs.append(gm)
+        return _compile_inner(gm, example_inputs, inner, names, mode, opts)
+
+    @property
+    def near_misses(self) -> list[Finding]:
+        return [f for f in self.findings if not f.matched]
 
 
 def _register_backend() -> None:

@@ -49,12 +49,12 @@ def cmd_build(args: argparse.Namespace) -> int:
         print(f"[{i}/{len(targets)}] {ext.name}: {srcs}", flush=True)
         t0 = time.monotonic()
         try:
-            path = _build.build(ext, cuda_arch=arch, verbose=args.verbose)
+            registry.load(ext, cuda_arch=arch, verbose=args.verbose)
         except _build.BuildError as e:
             failed += 1
             print(f"  FAILED: {e}", file=sys.stderr)
             continue
-        print(f"  ok ({time.monotonic() - t0:.1f} s): {path}")
+        print(f"  ok ({time.monotonic() - t0:.1f} s): {_build.build_dir(ext)}")
     return 1 if failed else 0
 
 

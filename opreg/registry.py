@@ -183,7 +183,11 @@ def _set_py_kernel(op_name: str, key: str, fn: Callable[..., Any] | None) -> Non
         old[0]._destroy()
     if fn is not None:
         lib = torch.library.Library(NAMESPACE, "IMPL")
-        lib.impl(op_name, fn, key)
+        with warnings.catch_warnings():
+            # Deliberate: a Python kernel over our C++ one is how a scope or plug-in wins
+            # (torch 2.11 warns about it; 2.14 doesn't).
+            warnings.filterwarnings("ignore", "(?s).*Overriding a previously registered kernel")
+            lib.impl(op_name, fn, key)
         _py_libs[(op_name, key)] = (lib, fn)
 
 
@@ -212,7 +216,7 @@ def _ensure_autograd(op: Op) -> None:
     ext = op.autograd_extension
     if ext is not None:
         try:
-            _load(ext)
+            load(ext)
             _set_py_kernel(op.name, "Autograd", None)
             _autograd[op.name] = "cpp"
             return
@@ -259,36 +263,43 @@ def _reference_vjp(op: Op) -> tuple[Callable[..., None], Callable[..., Any]]:
     return setup_context, backward
 
 
-def _load(ext: Extension) -> None:
-    """Build and load ``ext`` once per process; remember a failure."""
-    state = _extensions.get(ext)
-    if isinstance(state, BuildError):
-        raise state
-    if state is not None:
-        return
-    try:
-        _extensions[ext] = _build.build(ext)
-    except BuildError as e:
-        _extensions[ext] = e
-        raise
-    # Its C++ kernels now sit on top of the dispatch keys it registers. Python kernels
-    # there (stubs, scoped bindings) must stay on top, so register them again; autograd
-    # stubs of the ops it carries C++ autograd for are simply dropped.
-    for op in _ops.values():
-        if op.autograd_extension is ext and op.name not in _autograd:
-            _set_py_kernel(op.name, "Autograd", None)
-            _autograd[op.name] = "cpp"
-        for impl in op.impls.values():
-            if impl.extension is ext:
-                for device in impl.devices:
-                    entry = _py_libs.get((op.name, DEVICE_KEYS[device]))
-                    if entry is not None:
-                        _set_py_kernel(op.name, DEVICE_KEYS[device], entry[1])
+def load(ext: Extension, cuda_arch: str | None = None, verbose: bool = False) -> None:
+    """Build and load ``ext`` once per process (remembering a failure), keeping every
+    Python kernel we placed (stubs, scoped bindings) above its C++ kernels."""
+    with _lock:
+        state = _extensions.get(ext)
+        if isinstance(state, BuildError):
+            raise state
+        if state is not None:
+            return
+        # Lift our Python kernels off the keys it registers while it loads (a C++
+        # registration over a Python one warns "Overriding a previously registered
+        # kernel"), then put them back on top. Autograd stubs go for good: C++ replaces them.
+        keys = {(op.name, DEVICE_KEYS[d]) for op in _ops.values() for i in op.impls.values()
+                if i.extension is ext for d in i.devices}
+        cpp_autograd = [op.name for op in _ops.values()
+                        if op.autograd_extension is ext and op.name not in _autograd]
+        keys |= {(name, "Autograd") for name in cpp_autograd}
+        lifted = {k: _py_libs[k][1] for k in keys if k in _py_libs}
+        for k in lifted:
+            _set_py_kernel(*k, None)
+        try:
+            _extensions[ext] = _build.build(ext, cuda_arch=cuda_arch, verbose=verbose)
+        except BuildError as e:
+            _extensions[ext] = e
+            raise
+        finally:
+            for (name, key), fn in lifted.items():
+                if not (key == "Autograd" and name in cpp_autograd and ext in _extensions
+                        and not isinstance(_extensions[ext], BuildError)):
+                    _set_py_kernel(name, key, fn)
+        for name in cpp_autograd:
+            _autograd[name] = "cpp"
 
 
 def _bind(op: Op, device: str, impl: Impl) -> None:
     if impl.extension is not None:
-        _load(impl.extension)
+        load(impl.extension)
         _set_py_kernel(op.name, DEVICE_KEYS[device], None)  # the C++ kernel is below
     else:
         _set_py_kernel(op.name, DEVICE_KEYS[device], _python_kernel(op, impl))
@@ -340,7 +351,7 @@ def _usable(impl: Impl, device: str) -> bool:
     if impl.extension is None:
         return True
     try:
-        _load(impl.extension)
+        load(impl.extension)
         return True
     except BuildError as e:
         _warn_once(impl.extension.name,
@@ -382,10 +393,15 @@ def get(op: str, impl: str | None = None) -> Callable[..., Any]:
     if reason is not None:
         raise RuntimeError(f"opreg: {op}/{impl} is unavailable: {reason}")
     with _lock:
-        _load(i.extension)  # type: ignore[arg-type]
+        load(i.extension)  # type: ignore[arg-type]
+        for d in i.devices:  # not used on d yet, and the default there anyway: bind now
+            if (op, d) not in _bound and _resolve(o, d) is i:
+                _bind(o, d, i)
     if all(_bound.get((op, d)) is i for d in i.devices):
         return o.torch_op
 
+    # Another implementation is bound there (a use() scope, a plug-in): rebind per call.
+    # Slow (~70 µs), and only for this unusual combination.
     def pinned(*args: Any) -> Any:
         with use(**{op: impl}):
             return o.torch_op(*args)

@@ -94,12 +94,14 @@ BAD = [
 ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("what,mutate,exc,word", BAD, ids=[b[0] for b in BAD])
-def test_bad_input_cpu(impl, what, mutate, exc, word):
-    args = mutate(*make_inputs((5,), [3, 4, 2], 6, torch.float32, "cpu"))
+def test_bad_input(device, impl, what, mutate, exc, word):
+    skip_without(device)
+    args = mutate(*make_inputs((5,), [3, 4, 2], 6, torch.float32, device))
     with pytest.raises(exc, match=word):
-        run(impl, "cpu", *args)
+        run(impl, device, *args)
 
 
 @pytest.mark.cuda

@@ -21,6 +21,7 @@ def test_build():
     out = opreg_cli("build")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "opreg_cpu" in out.stdout and "ok" in out.stdout
+    assert "Overriding a previously registered kernel" not in out.stderr
 
 
 def test_demo():

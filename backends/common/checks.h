@@ -15,8 +15,26 @@
 #include <c10/util/Exception.h>
 
 #include <optional>
+#include <string>
 
 namespace opreg {
+
+// Numbers and shapes go into messages as std::string, never streamed: on the H200 box
+// (torch 2.11, g++ 13.3) an extension that streamed an int64_t into a c10 error message
+// segfaulted inside std::ostream::_M_insert<long> (2026-11-29), a libstdc++ mismatch
+// between the extension and the process. Strings stream safely.
+inline std::string num(int64_t v) {
+  return std::to_string(v);
+}
+
+inline std::string shape(c10::IntArrayRef s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) {
+    out += (i ? ", " : "") + std::to_string(s[i]);
+  }
+  return out + "]";
+}
+
 namespace detail {
 
 inline bool is_supported_float(c10::ScalarType t) {
@@ -46,8 +64,8 @@ inline void check_same_device(
     const at::Tensor& ref) {
   TORCH_CHECK_VALUE(
       t.device() == ref.device(),
-      op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
-      ref.device());
+      op, ": ", name, " is on ", t.device().str(), " but ", ref_name, " is on ",
+      ref.device().str());
 }
 
 // Shared by forward and backward (op differs only in the message prefix).
@@ -59,7 +77,7 @@ inline void check_combine_inputs(
   TORCH_CHECK_VALUE(
       expert_hidden.dim() == 2,
       op, ": expert_hidden must be 2-D (N, H), got shape ",
-      expert_hidden.sizes());
+      shape(expert_hidden.sizes()));
   check_float_dtype(op, "expert_hidden", expert_hidden);
   const int64_t n = expert_hidden.size(0);
 
@@ -69,8 +87,8 @@ inline void check_combine_inputs(
       op, ": token_idx must be int32 or int64, got ", it);
   TORCH_CHECK_VALUE(
       token_idx.dim() == 1 && token_idx.size(0) == n,
-      op, ": token_idx must have shape (N,) = (", n, ",), got ",
-      token_idx.sizes());
+      op, ": token_idx must have shape (N,) = (", num(n), ",), got ",
+      shape(token_idx.sizes()));
 
   // float32 gates are allowed with low-precision hidden states because
   // routers usually produce fp32 probabilities.
@@ -81,7 +99,7 @@ inline void check_combine_inputs(
       expert_hidden.scalar_type(), ") or float32, got ", gt);
   TORCH_CHECK_VALUE(
       gates.dim() == 1 && gates.size(0) == n,
-      op, ": gates must have shape (N,) = (", n, ",), got ", gates.sizes());
+      op, ": gates must have shape (N,) = (", num(n), ",), got ", shape(gates.sizes()));
 
   check_same_device(op, "token_idx", token_idx, "expert_hidden", expert_hidden);
   check_same_device(op, "gates", gates, "expert_hidden", expert_hidden);
@@ -97,7 +115,7 @@ inline void check_scatter_combine(
   constexpr const char* op = "scatter_combine";
   detail::check_combine_inputs(op, expert_hidden, token_idx, gates);
   TORCH_CHECK_VALUE(
-      num_tokens >= 0, op, ": num_tokens must be >= 0, got ", num_tokens);
+      num_tokens >= 0, op, ": num_tokens must be >= 0, got ", num(num_tokens));
 }
 
 inline void check_scatter_combine_backward(
@@ -110,8 +128,8 @@ inline void check_scatter_combine_backward(
   const int64_t h = expert_hidden.size(1);
   TORCH_CHECK_VALUE(
       grad_out.dim() == 2 && grad_out.size(1) == h,
-      op, ": grad_out must have shape (num_tokens, H) with H = ", h,
-      ", got ", grad_out.sizes());
+      op, ": grad_out must have shape (num_tokens, H) with H = ", num(h),
+      ", got ", shape(grad_out.sizes()));
   TORCH_CHECK_TYPE(
       grad_out.scalar_type() == expert_hidden.scalar_type(),
       op, ": grad_out must have expert_hidden's dtype (",
@@ -138,40 +156,40 @@ inline void check_cat_linear(
     const at::Tensor& p = parts[i];
     TORCH_CHECK_TYPE(
         p.scalar_type() == p0.scalar_type(),
-        op, ": parts[", i, "] has dtype ", p.scalar_type(),
+        op, ": parts[", num(i), "] has dtype ", p.scalar_type(),
         " but parts[0] has dtype ", p0.scalar_type());
     // Leading dims must match exactly (no broadcasting), like torch.cat.
     TORCH_CHECK_VALUE(
         p.dim() == p0.dim() && p.sizes().slice(0, p.dim() - 1) == lead,
-        op, ": parts[", i, "] has shape ", p.sizes(),
-        " whose leading dims differ from parts[0]'s shape ", p0.sizes());
+        op, ": parts[", num(i), "] has shape ", shape(p.sizes()),
+        " whose leading dims differ from parts[0]'s shape ", shape(p0.sizes()));
     TORCH_CHECK_VALUE(
         p.device() == p0.device(),
-        op, ": parts[", i, "] is on ", p.device(), " but parts[0] is on ",
-        p0.device());
+        op, ": parts[", num(i), "] is on ", p.device().str(), " but parts[0] is on ",
+        p0.device().str());
     width += p.size(-1);
   }
 
   TORCH_CHECK_VALUE(
       weight.dim() == 2,
       op, ": weight must be 2-D (K, sum of widths), got shape ",
-      weight.sizes());
+      shape(weight.sizes()));
   TORCH_CHECK_TYPE(
       weight.scalar_type() == p0.scalar_type(),
       op, ": weight has dtype ", weight.scalar_type(),
       " but parts have dtype ", p0.scalar_type());
   TORCH_CHECK_VALUE(
       weight.size(1) == width,
-      op, ": weight has ", weight.size(1),
-      " columns but the parts' widths sum to ", width);
+      op, ": weight has ", num(weight.size(1)),
+      " columns but the parts' widths sum to ", num(width));
   detail::check_same_device(op, "weight", weight, "parts[0]", p0);
 
   if (bias.has_value() && bias->defined()) {
     const at::Tensor& b = *bias;
     TORCH_CHECK_VALUE(
         b.dim() == 1 && b.size(0) == weight.size(0),
-        op, ": bias must have shape (K,) = (", weight.size(0), ",), got ",
-        b.sizes());
+        op, ": bias must have shape (K,) = (", num(weight.size(0)), ",), got ",
+        shape(b.sizes()));
     TORCH_CHECK_TYPE(
         b.scalar_type() == p0.scalar_type(),
         op, ": bias has dtype ", b.scalar_type(), " but parts have dtype ",

@@ -3,7 +3,7 @@
 // blocks of W: sum_i parts[i] @ W[:, off_i : off_i + H_i]^T, so each part is
 // fed to one GEMM that accumulates into the same output (beta = 1). The
 // column block of W is a strided view; BLAS consumes it via its leading
-// dimension, so nothing is copied.
+// dimension, so nothing is copied (except for small problems: see below).
 #include <ATen/ATen.h>
 #include <c10/util/accumulate.h>
 #include <torch/library.h>
@@ -36,10 +36,22 @@ at::Tensor cat_linear_cpu(
   const at::Tensor w_acc = weight.to(acc_type);  // no copy when acc_type == dtype
   at::Tensor out2d = at::empty({m, k}, w_acc.options());
 
+  // Small problems take one GEMM over the concatenated parts: below ~4M multiply-adds
+  // each GEMM call's fixed cost outweighs copying the parts (R4 B12 H32 K56 fp32, 2 cores:
+  // 31.8 µs as four GEMMs vs 12.2 as cat + one GEMM; equal from B64 H256 K1024 up).
+  std::vector<at::Tensor> blocks;
+  blocks.reserve(parts.size());
+  for (const at::Tensor& p : parts) {
+    blocks.push_back(p.reshape({m, p.size(-1)}));
+  }
+  if (blocks.size() > 1 && m * k * weight.size(1) < (int64_t(1) << 22)) {
+    blocks = {at::cat(blocks, 1)};
+  }
+
   int64_t off = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const int64_t w = parts[i].size(-1);
-    const at::Tensor a = parts[i].reshape({m, w}).to(acc_type);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const int64_t w = blocks[i].size(1);
+    const at::Tensor a = blocks[i].to(acc_type);
     const at::Tensor wt = w_acc.narrow(1, off, w).t();
     if (i > 0) {
       out2d.addmm_(a, wt);

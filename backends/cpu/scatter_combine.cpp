@@ -60,8 +60,8 @@ TokenRows build_token_rows(const idx_t* idx, int64_t n, int64_t num_tokens) {
     const int64_t t = idx[r];
     TORCH_CHECK_INDEX(
         t >= 0 && t < num_tokens,
-        "scatter_combine: token_idx[", r, "] = ", t,
-        " is out of range [0, num_tokens=", num_tokens, ")");
+        "scatter_combine: token_idx[", num(r), "] = ", num(t),
+        " is out of range [0, num_tokens=", num(num_tokens), ")");
     ++csr.offsets[t + 1];
   }
   std::partial_sum(csr.offsets.begin(), csr.offsets.end(), csr.offsets.begin());
@@ -282,8 +282,8 @@ std::tuple<at::Tensor, at::Tensor> scatter_combine_backward_cpu(
     for (int64_t r = 0; r < n; ++r) {
       TORCH_CHECK_INDEX(
           ip[r] >= 0 && ip[r] < num_tokens,
-          "scatter_combine_backward: token_idx[", r, "] = ", ip[r],
-          " is out of range [0, num_tokens=", num_tokens, ")");
+          "scatter_combine_backward: token_idx[", num(r), "] = ", num(ip[r]),
+          " is out of range [0, num_tokens=", num(num_tokens), ")");
     }
     AT_DISPATCH_FLOATING_TYPES_AND(
         at::kBFloat16, x.scalar_type(), "scatter_combine_backward_cpu", [&] {

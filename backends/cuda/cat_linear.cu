@@ -1,0 +1,413 @@
+// CUDA kernel for opreg::cat_linear: linear(cat(parts, -1), weight, bias).
+//
+// Two paths, chosen on the host from shapes alone:
+//  * SIMT (small problems): ONE launch that reads every part in place (part
+//    pointers travel in a __grid_constant__ kernel-argument struct, up to
+//    kMaxParts), so there is no cat, no extra allocation, no second kernel.
+//    Block tile 16 (rows) x 32 (outputs); the reduction dimension is walked
+//    in chunks that never straddle a part, staged through an 8-deep cp.async
+//    shared-memory pipeline (16-byte copies, zero-filled at the edges); the
+//    8 warps split each chunk's k range and their partial 4x4 micro-tiles are
+//    summed in a fixed order at the end (deterministic). fp32 accumulation
+//    (fp64 for double), exact fp32 FMAs: never TF32, so it is at least as
+//    accurate as what allow_tf32 would permit.
+//  * GEMM (large problems): a SIMT kernel cannot compete with cuBLAS on
+//    tensor cores, so the parts are concatenated once (at::cat) and cuBLAS
+//    runs one addmm/mm with the bias fused in its epilogue; this honours
+//    allow_tf32 exactly like F.linear. Measured on the H200: our own
+//    single-launch cat kernel was no faster than at::cat (381.5 vs 381.6 us,
+//    221.5 vs 221.3 us end to end), so it was dropped. Per-part accumulating
+//    GEMMs (beta=1) were rejected: each one re-reads and re-writes the
+//    whole output.
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAStream.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/SmallVector.h>
+#include <torch/library.h>
+
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "checks.h"
+#include "cuda_common.cuh"
+
+namespace opreg {
+namespace {
+
+using cuda::Vec;
+using cuda::vec16;
+
+constexpr int kMaxParts = 64;
+constexpr int kFewParts = 8;
+
+// Passed by value as a __grid_constant__ parameter: indexing it with a
+// block-uniform part number reads the constant bank, no copy to local memory.
+// Two sizes, so that the common few-part call launches with 192 bytes of
+// parameters instead of 1.5 KB.
+template <int MAXR>
+struct PartArgs {
+  const void* ptr[MAXR];
+  int64_t row_stride[MAXR];  // elements between consecutive rows (leading dims flattened)
+  int width[MAXR];           // H_i
+  int kstart[MAXR];          // column of weight where part i starts
+};
+
+// ---------------------------------------------------------------------------
+// SIMT kernel.
+constexpr int kTM = 16;       // output rows per block
+constexpr int kTN = 32;       // output columns per block
+constexpr int kKG = 8;        // warps; each takes 1/8 of every k chunk
+// 8 stages x 12 KB = 96 KB of dynamic shared memory: with 4 stages (48 KB,
+// the static limit) the 64 x 1024 x 1024 fp32 case took 12.8 us per call in
+// a CUDA graph, stalled on load latency (~3 chunks in flight, ~0.13 us of
+// math per chunk); all chunks of the 12 x 56 x 128 case now load at once.
+constexpr int kStages = 8;
+constexpr int kVPR = 16;      // 16-byte vectors per tile row per chunk: TK = 16 * V
+constexpr int kSimtThreads = kKG * 32;
+constexpr int kTileRows = kTM + kTN;
+static_assert(kTileRows * kVPR == 3 * kSimtThreads, "each thread copies 3 vectors per chunk");
+
+// Row r of a stage stores its 16 vectors XOR-swizzled by (r / 4) % 8: the 4
+// x-rows (8 w-rows) a warp reads together then hit distinct bank groups.
+__device__ __forceinline__ int swz(int row, int kv) {
+  return kv ^ ((row >> 2) & 7);
+}
+
+template <typename scalar_t>
+constexpr int simt_smem_bytes() {
+  return kStages * kTileRows * kVPR * 16;
+}
+
+template <typename scalar_t, bool VEC, int MAXR>
+__global__ void __launch_bounds__(kSimtThreads) cat_linear_simt_kernel(
+    const __grid_constant__ PartArgs<MAXR> pa,
+    int nparts,
+    const scalar_t* __restrict__ w,
+    int64_t ldw,
+    const scalar_t* __restrict__ bias,
+    scalar_t* __restrict__ out,
+    int M,
+    int N,
+    int nchunks) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int V = vec16<scalar_t>();
+  constexpr int TK = kVPR * V;
+  using vec_t = Vec<scalar_t, V>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto smem = reinterpret_cast<vec_t(*)[kTileRows][kVPR]>(smem_raw);
+
+  const int tid = threadIdx.x, lane = tid & 31, kg = tid >> 5;
+  const int mg = lane >> 3, ng = lane & 7;
+  const int m0 = blockIdx.y * kTM, n0 = blockIdx.x * kTN;
+
+  // Load cursor: chunk = (part lp, columns [lk, lk + TK) of it).
+  int lp = 0, lk = 0;
+  while (lp < nparts && pa.width[lp] == 0) ++lp;
+  // Compute cursor: the same walk, to know each chunk's valid length.
+  int cp = lp, ck = 0;
+
+  auto load_chunk = [&](int stage) {
+    const int len = min(TK, pa.width[lp] - lk);
+    const scalar_t* xb = static_cast<const scalar_t*>(pa.ptr[lp]);
+    const int64_t rs = pa.row_stride[lp];
+    const int64_t wk = int64_t(pa.kstart[lp]) + lk;
+    if constexpr (VEC) {
+#pragma unroll
+      for (int l = 0; l < 3; ++l) {
+        const int q = tid + l * kSimtThreads;
+        const int row = q >> 4, kv = q & 15;
+        const bool kin = kv * V < len;
+        const scalar_t* src;
+        bool valid;
+        if (row < kTM) {
+          const int m = m0 + row;
+          valid = kin && m < M;
+          src = valid ? xb + int64_t(m) * rs + lk + kv * V : xb;
+        } else {
+          const int nn = n0 + row - kTM;
+          valid = kin && nn < N;
+          src = valid ? w + int64_t(nn) * ldw + wk + kv * V : w;
+        }
+        cuda::cp_async16(&smem[stage][row][swz(row, kv)], src, valid);
+      }
+    } else {
+      // Misaligned parts: plain element loads (correct, slower).
+      for (int q = tid; q < kTileRows * TK; q += kSimtThreads) {
+        const int row = q / TK, kk = q % TK;
+        scalar_t val = scalar_t(0);
+        if (kk < len) {
+          if (row < kTM) {
+            const int m = m0 + row;
+            if (m < M) val = xb[int64_t(m) * rs + lk + kk];
+          } else {
+            const int nn = n0 + row - kTM;
+            if (nn < N) val = w[int64_t(nn) * ldw + wk + kk];
+          }
+        }
+        smem[stage][row][swz(row, kk / V)].v[kk % V] = val;
+      }
+    }
+    lk += TK;
+    if (lk >= pa.width[lp]) {
+      lk = 0;
+      do {
+        ++lp;
+      } while (lp < nparts && pa.width[lp] == 0);
+    }
+  };
+
+  acc_t acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = acc_t(0);
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nchunks) load_chunk(s);
+    cuda::cp_async_commit();
+  }
+  for (int c = 0; c < nchunks; ++c) {
+    cuda::cp_async_wait<kStages - 2>();  // chunk c has landed (this thread's copies)
+    __syncthreads();                     // ... everyone's; and chunk c-1 is consumed
+    if (c + kStages - 1 < nchunks) load_chunk((c + kStages - 1) % kStages);
+    cuda::cp_async_commit();
+    const int st = c % kStages;
+    const int clen = min(TK, pa.width[cp] - ck);
+    ck += TK;
+    if (ck >= pa.width[cp]) {
+      ck = 0;
+      do {
+        ++cp;
+      } while (cp < nparts && pa.width[cp] == 0);
+    }
+    // Warps whose k slice lies past a short part's end skip the math.
+    if (kg * 2 * V >= clen) continue;
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int kv = kg * 2 + s;
+      vec_t xv[4], wv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) xv[i] = smem[st][mg * 4 + i][swz(mg * 4 + i, kv)];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) wv[j] = smem[st][kTM + ng * 4 + j][swz(kTM + ng * 4 + j, kv)];
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const acc_t xi = static_cast<acc_t>(xv[i].v[e]);
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            acc[i][j] = cuda::fma_acc(xi, static_cast<acc_t>(wv[j].v[e]), acc[i][j]);
+        }
+      }
+    }
+  }
+  cuda::cp_async_wait<0>();
+  __syncthreads();
+
+  // Sum the 8 warps' partial tiles in a fixed order (deterministic).
+  acc_t* red = reinterpret_cast<acc_t*>(&smem[0][0][0]);  // [kKG][kTM][kTN], <= 32 KB
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) red[(kg * kTM + mg * 4 + i) * kTN + ng * 4 + j] = acc[i][j];
+  __syncthreads();
+  for (int o = tid; o < kTM * kTN; o += kSimtThreads) {
+    const int m = o / kTN, nn = o % kTN;
+    acc_t s = red[m * kTN + nn];
+#pragma unroll
+    for (int g = 1; g < kKG; ++g) s += red[(g * kTM + m) * kTN + nn];
+    if (m0 + m < M && n0 + nn < N) {
+      if (bias != nullptr) s += static_cast<acc_t>(bias[n0 + nn]);
+      out[int64_t(m0 + m) * N + n0 + nn] = static_cast<scalar_t>(s);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Host side.
+
+// Leading dims of p flatten to rows with one stride? (Views such as x[i] of a
+// contiguous (R, B, H) tensor, or expanded rows with stride 0, qualify.)
+bool flat_rows(const at::Tensor& p, int64_t* rs) {
+  const int64_t d = p.dim();
+  if (p.size(-1) > 1 && p.stride(-1) != 1) return false;
+  *rs = 0;
+  bool first = true;
+  int64_t expect = 0;
+  for (int64_t i = d - 2; i >= 0; --i) {
+    if (p.size(i) == 1) continue;
+    if (first) {
+      *rs = p.stride(i);
+      expect = p.stride(i) * p.size(i);
+      first = false;
+    } else {
+      if (p.stride(i) != expect) return false;
+      expect *= p.size(i);
+    }
+  }
+  return true;
+}
+
+// Single-launch SIMT vs at::cat + cuBLAS, measured on the H200 (torch 2.11),
+// us per call inside a CUDA graph, MACs = M * N * K:
+//   fp32 2^26 (M=64, K=1024, N=1024): SIMT 13.8, cat+cuBLAS 26.8
+//   fp32 2^28 (M=256):                SIMT 36.3, cat+cuBLAS 29.3
+//   bf16 2^28 (M=256):                SIMT 32.5, cat+cuBLAS  6.2 (tensor cores)
+// so SIMT up to 2^27 MACs for fp32/fp64 and 2^24 for 16-bit types.
+int64_t simt_max_macs(at::ScalarType t) {
+  return (t == at::kFloat || t == at::kDouble) ? (int64_t(1) << 27) : (int64_t(1) << 24);
+}
+
+// Inside CUDA-graph capture the host cost vanishes and only device time
+// counts: at 12 x 56 x 128 fp32 the SIMT kernel replays in 4.4 us vs 3.5 us
+// for at::cat + cuBLAS's gemv (1.0 + 2.0 us of kernels), while eagerly the
+// single launch wins on the host (~8-13 vs 20-29 us per call). For bf16 the
+// tensor-core GEMM path also replays faster at 2^24 MACs (4.4 vs 5.6 us). So
+// while capturing, 16-bit problems and fp32 ones up to 2^20 MACs (a guess
+// between the measured 2^17.6 and 2^24 points) take the GEMM path.
+int64_t capture_gemm_max_macs(at::ScalarType t) {
+  return (t == at::kFloat || t == at::kDouble) ? (int64_t(1) << 20) : (int64_t(1) << 24);
+}
+
+// Benchmark/debug override: OPREG_CAT_LINEAR_PATH=simt|gemm (0 = auto).
+int forced_path() {
+  const char* e = std::getenv("OPREG_CAT_LINEAR_PATH");
+  if (e == nullptr || e[0] == '\0') return 0;
+  if (std::strcmp(e, "simt") == 0) return 1;
+  if (std::strcmp(e, "gemm") == 0) return 2;
+  return 0;
+}
+
+// Opt each kernel instantiation into > 48 KB of dynamic shared memory, once
+// per device (a plain attribute call; also legal during graph capture).
+template <typename scalar_t, bool VEC, int MAXR>
+void ensure_smem(c10::DeviceIndex dev) {
+  static bool done[C10_COMPILE_TIME_MAX_GPUS] = {};
+  if (!done[dev]) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(
+        cat_linear_simt_kernel<scalar_t, VEC, MAXR>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        simt_smem_bytes<scalar_t>()));
+    done[dev] = true;
+  }
+}
+
+template <typename scalar_t, bool VEC, int MAXR>
+void launch_simt(
+    const PartArgs<kMaxParts>& all, int R, const at::Tensor& w, int64_t ldw, const scalar_t* bias,
+    at::Tensor& out, int64_t M, int64_t N) {
+  PartArgs<MAXR> pa;
+  int nchunks = 0;
+  constexpr int TK = kVPR * vec16<scalar_t>();
+  for (int i = 0; i < R; ++i) {
+    pa.ptr[i] = all.ptr[i];
+    pa.row_stride[i] = all.row_stride[i];
+    pa.width[i] = all.width[i];
+    pa.kstart[i] = all.kstart[i];
+    nchunks += (all.width[i] + TK - 1) / TK;
+  }
+  ensure_smem<scalar_t, VEC, MAXR>(w.get_device());
+  const dim3 grid(static_cast<unsigned>((N + kTN - 1) / kTN), static_cast<unsigned>((M + kTM - 1) / kTM));
+  cat_linear_simt_kernel<scalar_t, VEC, MAXR>
+      <<<grid, kSimtThreads, simt_smem_bytes<scalar_t>(), c10::cuda::getCurrentCUDAStream()>>>(
+          pa, R, w.const_data_ptr<scalar_t>(), ldw, bias, out.mutable_data_ptr<scalar_t>(),
+          static_cast<int>(M), static_cast<int>(N), nchunks);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor cat_linear_cuda(
+    at::TensorList parts,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias) {
+  check_cat_linear(parts, weight, bias);
+  const c10::cuda::CUDAGuard guard(weight.device());
+  const at::Tensor& p0 = parts[0];
+  const auto lead = p0.sizes().slice(0, p0.dim() - 1);
+  int64_t M = 1;
+  for (const int64_t s : lead) M *= s;
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t R = static_cast<int64_t>(parts.size());
+  const bool has_bias = bias.has_value() && bias->defined();
+  c10::SmallVector<int64_t, 6> out_shape(lead.begin(), lead.end());
+  out_shape.push_back(N);
+  const at::ScalarType dt = weight.scalar_type();
+  const int path = forced_path();
+
+  const bool fits_simt = R <= kMaxParts && M < int64_t(65535) * kTM && N < INT_MAX && K < INT_MAX;
+  const int64_t macs = M * N * std::max<int64_t>(K, 1);
+  bool use_simt = fits_simt && (path == 1 || (path == 0 && macs <= simt_max_macs(dt)));
+  if (use_simt && path == 0 && macs <= capture_gemm_max_macs(dt) && M > 0 && N > 0 && K > 0) {
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &st));
+    use_simt = st == cudaStreamCaptureStatusNone;
+  }
+
+  if (use_simt) {
+    at::Tensor out = at::empty(out_shape, weight.options());
+    if (M == 0 || N == 0) return out;
+    // Describe the parts in place; copy only those whose rows are not flat.
+    const int V = static_cast<int>(16 / c10::elementSize(dt));
+    PartArgs<kMaxParts> pa;
+    std::vector<at::Tensor> keep;  // owns contiguous copies, if any (rare)
+    bool vec_ok = K % V == 0;
+    int64_t kstart = 0;
+    for (int64_t i = 0; i < R; ++i) {
+      const at::Tensor* p = &parts[i];
+      int64_t rs = 0;
+      if (!flat_rows(*p, &rs)) {
+        keep.push_back(p->contiguous());
+        p = &keep.back();
+        flat_rows(*p, &rs);
+      }
+      const int64_t wi = p->size(-1);
+      pa.ptr[i] = p->const_data_ptr();
+      pa.row_stride[i] = rs;
+      pa.width[i] = static_cast<int>(wi);
+      pa.kstart[i] = static_cast<int>(kstart);
+      kstart += wi;
+      vec_ok = vec_ok && wi % V == 0 && rs % V == 0 && (wi == 0 || cuda::aligned16(pa.ptr[i]));
+    }
+    // Weight rows must be unit-stride; a padded row stride (ldw) is fine.
+    const at::Tensor wc = weight.stride(1) == 1 || K <= 1 ? weight : weight.contiguous();
+    const int64_t ldw = N <= 1 ? K : wc.stride(0);
+    vec_ok = vec_ok && ldw % V == 0 && cuda::aligned16(wc.const_data_ptr());
+    const at::Tensor bc = has_bias ? bias->contiguous() : at::Tensor();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "cat_linear_cuda", [&] {
+      const scalar_t* bp = has_bias ? bc.const_data_ptr<scalar_t>() : nullptr;
+      const int r = static_cast<int>(R);
+      if (vec_ok && R <= kFewParts) {
+        launch_simt<scalar_t, true, kFewParts>(pa, r, wc, ldw, bp, out, M, N);
+      } else if (vec_ok) {
+        launch_simt<scalar_t, true, kMaxParts>(pa, r, wc, ldw, bp, out, M, N);
+      } else {
+        launch_simt<scalar_t, false, kMaxParts>(pa, r, wc, ldw, bp, out, M, N);
+      }
+    });
+    return out;
+  }
+
+  // GEMM path: at::cat (any R, any alignment) + one cuBLAS call.
+  std::vector<at::Tensor> p2d;
+  p2d.reserve(parts.size());
+  for (const at::Tensor& p : parts) p2d.push_back(p.reshape({M, p.size(-1)}));
+  const at::Tensor xcat = at::cat(p2d, 1);
+  at::Tensor out2d = has_bias ? at::addmm(*bias, xcat, weight.t()) : at::mm(xcat, weight.t());
+  return out2d.view(out_shape);
+}
+
+} // namespace
+} // namespace opreg
+
+TORCH_LIBRARY_IMPL(opreg, CUDA, m) {
+  m.impl("cat_linear", &opreg::cat_linear_cuda);
+}

@@ -1,0 +1,233 @@
+"""One GPU session's report: the issue's cases, timed in one run, printed as a table.
+
+    python bench/gpu_report.py [--json out.json]
+
+Per case and variant: host-timed per-call µs of back-to-back calls (what a model
+sees at small sizes), the same calls replayed from a CUDA graph, and the device time
+from CUDA events (median of many); with GB/s (scatter) or TFLOP/s (cat_linear).
+Every variant's output is checked against the float64 reference first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+import opreg
+from opreg.ops.cat_linear import reference as cat_ref
+from opreg.ops.scatter_combine import reference as sc_ref
+
+DEV = "cuda"
+
+
+def per_call_us(fn: Callable[[], Any], calls: int = 400, reps: int = 7) -> float:
+    """Host time per call of ``calls`` back-to-back calls (median of ``reps``)."""
+    import time
+
+    for _ in range(min(calls, 20)):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(out)
+
+
+def graph_us(fn: Callable[[], Any], calls: int = 50, reps: int = 20) -> float:
+    """Per-call time of ``calls`` calls captured in one CUDA graph and replayed."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return device_us(g.replay, reps=reps) / calls
+
+
+def device_us(fn: Callable[[], Any], reps: int = 15, batch: int = 10) -> float:
+    """Device time of one call: CUDA events around ``batch`` back-to-back calls (so the
+    host runs ahead and its own time stays out), median of ``reps``."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(batch):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / batch)
+    return statistics.median(times)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def index_add(hidden, idx, gates, t):
+    out = torch.zeros(t, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+    return out.index_add_(0, idx, hidden * gates[:, None].to(hidden.dtype))
+
+
+def cat_eager(parts, weight, bias):
+    return F.linear(torch.cat(parts, -1), weight, bias)
+
+
+SCATTER = [  # tokens, fanout, hidden, dtype, small (time per call + graph)
+    (1536, 2, 128, torch.float32, True),
+    (16384, 2, 4096, torch.bfloat16, False),
+    (8192, 8, 7168, torch.bfloat16, False),
+]
+CAT = [  # R, B, H, K, dtype, small
+    (4, 12, 32, 56, torch.float32, True),
+    (4, 64, 256, 1024, torch.float32, True),
+    (8, 8192, 512, 4096, torch.bfloat16, False),
+    (32, 4096, 128, 4096, torch.bfloat16, False),
+]
+
+
+def scatter_rows() -> list[dict[str, Any]]:
+    rows = []
+    for t, k, h, dtype, small in SCATTER:
+        n = t * k
+        expert = torch.randint(0, 64, (n,), device=DEV)
+        idx = torch.arange(t, device=DEV).repeat_interleave(k)[torch.sort(expert, stable=True).indices]
+        idx = idx.to(torch.int32)
+        hidden = torch.randn(n, h, device=DEV, dtype=dtype)
+        gates = torch.rand(n, device=DEV, dtype=dtype)
+        want = sc_ref(hidden.double(), idx, gates.double(), t)
+        nbytes = (n * h + t * h) * hidden.element_size() + n * (4 + gates.element_size())
+        torch._dynamo.reset()
+        variants = {
+            "eager index_add_": index_add,
+            "inductor": torch.compile(index_add, dynamic=False),
+            "opreg cuda": opreg.get("scatter_combine", impl="cuda"),
+        }
+        case = f"scatter {t}x{k}x{h} {str(dtype)[6:]}"
+        for name, fn in variants.items():
+            call = lambda: fn(hidden, idx, gates, t)  # noqa: E731
+            err = rel_err(call(), want)
+            dev = device_us(call)
+            rows.append({"case": case, "variant": name, "rel_err": err, "device_us": dev,
+                         "GB/s": nbytes / dev / 1e3,
+                         "per_call_us": per_call_us(call) if small else None,
+                         "graph_us": graph_us(call) if small else None})
+            if name == "opreg cuda":
+                rows[-1]["deterministic"] = all(torch.equal(call(), call()) for _ in range(3))
+    return rows
+
+
+def cat_rows() -> list[dict[str, Any]]:
+    rows = []
+    for r, b, h, k, dtype, small in CAT:
+        x = torch.randn(r, b, h, device=DEV, dtype=dtype)
+        parts = list(x.unbind(0))
+        weight = torch.randn(k, r * h, device=DEV, dtype=dtype) / (r * h) ** 0.5
+        bias = torch.randn(k, device=DEV, dtype=dtype)
+        want = cat_ref([p.double() for p in parts], weight.double(), bias.double())
+        flops = 2 * b * r * h * k
+        torch._dynamo.reset()
+        variants = {
+            "eager": cat_eager,
+            "inductor": torch.compile(cat_eager, dynamic=False),
+            "opreg cuda": opreg.get("cat_linear", impl="cuda"),
+        }
+        case = f"cat_linear R{r} B{b} H{h} K{k} {str(dtype)[6:]}"
+        for name, fn in variants.items():
+            call = lambda: fn(parts, weight, bias)  # noqa: E731
+            with torch.no_grad():
+                err = rel_err(call(), want)
+                dev = device_us(call)
+                rows.append({"case": case, "variant": name, "rel_err": err, "device_us": dev,
+                             "TFLOP/s": flops / dev / 1e6,
+                             "per_call_us": per_call_us(call) if small else None,
+                             "graph_us": graph_us(call) if small else None})
+    return rows
+
+
+def model_rows() -> list[dict[str, Any]]:
+    """The two reference models: eager, Inductor, and opreg (backend / optimize)."""
+    from opreg.models import cat_linear as cat_model
+    from opreg.models import moe_combine_loop as moe_model
+
+    rows = []
+    cat = cat_model.Model().to(DEV)
+    (x,) = cat_model.get_inputs(device=DEV)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = cat(x)
+        twin = cat_model.Model().to(DEV)  # its own compiled module, same weights
+        twin.load_state_dict(cat.state_dict())
+        for name, fn in {"eager": cat, "inductor": torch.compile(twin),
+                         "opreg backend": torch.compile(cat, backend="opreg")}.items():
+            torch.testing.assert_close(fn(x), want)
+            rows.append({"case": "model cat_linear", "variant": name,
+                         "per_call_us": per_call_us(lambda: fn(x), calls=200)})
+    moe = moe_model.Model()
+    args = moe_model.get_inputs(device=DEV)
+    want = moe(*args)
+    torch._dynamo.reset()
+    for name, fn in {"eager loop": moe, "inductor": torch.compile(moe_model.Model()),
+                     "opreg.optimize": opreg.optimize(moe_model.Model())}.items():
+        torch.testing.assert_close(fn(*args), want)
+        slow = name != "opreg.optimize"
+        rows.append({"case": "model moe_combine_loop", "variant": name,
+                     "per_call_us": per_call_us(lambda: fn(*args), calls=2 if slow else 200,
+                                                reps=3 if slow else 7)})
+    return rows
+
+
+def baseline_rows() -> list[dict[str, Any]]:
+    x = torch.randn(1024, device=DEV)
+    return [{"case": "host floor", "variant": "aten x.add_(1)",
+             "per_call_us": per_call_us(lambda: x.add_(1)), "graph_us": graph_us(lambda: x.add_(1))}]
+
+
+def fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 0.01 else f"{v:.1f}"
+    return str(v)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 1
+    torch.manual_seed(0)
+    rows = baseline_rows() + scatter_rows() + cat_rows() + model_rows()
+    cols = ["case", "variant", "per_call_us", "graph_us", "device_us", "GB/s", "TFLOP/s", "rel_err",
+            "deterministic"]
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | opreg {opreg.__version__}")
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(fmt(r.get(c)) for c in cols) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

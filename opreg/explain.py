@@ -1,0 +1,190 @@
+"""``python -m opreg explain pkg.module:factory``: what the opreg backend would rewrite.
+
+For each place in the user's source: a match (which op replaces it) or a near miss and
+why not (``cat on dim 0``, ``index_put_ without accumulate``, ``cat result used
+elsewhere``, ...), plus the Python loops Dynamo can't trace that :func:`opreg.optimize`
+rewrites (or why it wouldn't).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["ExplainReport", "explain", "main"]
+
+
+@dataclasses.dataclass
+class ExplainReport:
+    """Findings of one :func:`explain` run. ``matches``/``near_misses``: from the graph
+    passes (:class:`opreg.backend.Finding`); ``loops``: from the loop rewriter
+    (:class:`opreg.optimize.LoopFinding`); ``graphs``: graphs Dynamo captured;
+    ``graph_breaks``: Dynamo's reasons for breaking or skipping frames."""
+
+    matches: list[Any]
+    near_misses: list[Any]
+    loops: list[Any]
+    graphs: int
+    graph_breaks: list[str]
+
+    def __str__(self) -> str:
+        out = [f"opreg explain: {self.graphs} graph(s) captured by Dynamo"
+               + (f", {len(self.graph_breaks)} graph break(s)/skipped frame(s)"
+                  if self.graph_breaks else "")]
+        out.append(f"\nrewritten by the opreg backend ({len(self.matches)}):")
+        out += [f"  {f.where}: {f.spelling} -> opreg::{_op_of(f)}" + (f"    {f.code}" if f.code else "")
+                for f in self.matches] or ["  (nothing)"]
+        out.append(f"\nnear misses, left as written ({len(self.near_misses)}):")
+        out += [f"  {f.where}: {f.spelling}: {f.reason}" + (f"\n      {f.code}" if f.code else "")
+                for f in self.near_misses] or ["  (none)"]
+        good = [f for f in self.loops if f.matched]
+        bad = [f for f in self.loops if not f.matched]
+        if self.loops:
+            out.append(f"\nPython loops ({len(self.loops)}):")
+            out += [f"  {f.where}: {f.code}\n      Dynamo can't trace this loop (each row's index "
+                    f"is data); opreg.optimize(model) rewrites it to opreg::scatter_combine"
+                    for f in good]
+            out += [f"  {f.where}: {f.code}\n      not rewritable by opreg.optimize: {f.reason}"
+                    for f in bad]
+        if self.graph_breaks:
+            out.append("\nDynamo graph breaks:")
+            out += [f"  {r[:240]}" for r in self.graph_breaks]
+        return "\n".join(out)
+
+
+def _op_of(f: Any) -> str:
+    from .backend import registered_patterns
+
+    for p in registered_patterns():
+        if p.name == f.pattern:
+            return p.op or p.name
+    return f.pattern
+
+
+def explain(model: Callable[..., Any], example_inputs: Sequence[Any], *, print_report: bool = True
+            ) -> ExplainReport:
+    """Compile ``model`` with the opreg passes (graphs run eagerly, ops bound to the
+    reference implementation: nothing is built) on ``example_inputs``, and report each
+    match and near miss with its ``file:line``; scan the model's methods for loops
+    :func:`opreg.optimize` would rewrite. Resets Dynamo first (as ``torch._dynamo.explain``
+    does), so earlier compiles don't hide graphs.
+    """
+    import opreg
+
+    from .backend import apply_patterns
+    from .optimize import _user_functions, find_loops
+
+    findings: list[Any] = []
+    graphs = 0
+
+    def backend(gm: torch.fx.GraphModule, example: Sequence[Any]) -> Callable[..., Any]:
+        nonlocal graphs
+        graphs += 1
+        findings.extend(apply_patterns(gm, example).findings)
+        return gm.forward
+
+    counters = torch._dynamo.utils.counters
+    before = {k: dict(counters[k]) for k in ("graph_break", "unimplemented")}
+    torch._dynamo.reset()
+    args = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs]
+    with opreg.use("reference"):
+        torch.compile(model, backend=backend)(*args)
+    breaks = list(dict.fromkeys(
+        " - ".join(x.strip() for x in r.strip().splitlines()[:2]) for k in ("graph_break", "unimplemented")
+        for r, n in counters[k].items() if n > before[k].get(r, 0) and r.strip()))
+    torch._dynamo.reset()  # don't leave our throwaway backend's code cached
+
+    loops: list[Any] = []
+    fns = (_user_functions(type(m)).values() for m in model.modules()) \
+        if isinstance(model, torch.nn.Module) else [[model]]
+    seen: set[Any] = set()
+    for group in fns:
+        for fn in group:
+            fn = getattr(fn, "__opreg_original__", fn)
+            if fn not in seen:
+                seen.add(fn)
+                loops.extend(find_loops(fn))
+    report = ExplainReport([f for f in findings if f.matched], [f for f in findings if not f.matched],
+                           loops, graphs, breaks)
+    if print_report:
+        print(report)
+    return report
+
+
+# ======================================================================== command line
+
+def _load(spec: str) -> tuple[Any, Any]:
+    """(module, attribute) of ``pkg.module:attr`` or ``path/to/file.py:attr``; attr
+    defaults to ``Model``."""
+    target, _, attr = spec.partition(":")
+    if target.endswith(".py") or os.sep in target:
+        path = os.path.abspath(target)
+        name = os.path.splitext(os.path.basename(path))[0]
+        s = importlib.util.spec_from_file_location(name, path)
+        if s is None or s.loader is None:
+            raise ImportError(f"cannot load {path}")
+        mod = importlib.util.module_from_spec(s)
+        sys.modules[name] = mod
+        s.loader.exec_module(mod)
+    else:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        mod = importlib.import_module(target)
+    attr = attr or "Model"
+    if not hasattr(mod, attr):
+        raise AttributeError(f"{mod.__name__} has no {attr!r}")
+    return mod, getattr(mod, attr)
+
+
+def _call_with_device(fn: Callable[..., Any], device: str) -> Any:
+    try:
+        if "device" in inspect.signature(fn).parameters:
+            return fn(device=device)
+    except (TypeError, ValueError):
+        pass
+    return fn()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``explain SPEC [--inputs NAME] [--device DEV]``.
+
+    SPEC is ``pkg.module:factory`` (or ``file.py:factory``; factory defaults to
+    ``Model``). ``factory()`` returns a model, or ``(model, example_inputs)``; without
+    inputs they come from the module's ``get_inputs()`` (or ``--inputs NAME``), as in the
+    reference models. A class factory gets the module's ``get_init_inputs()``.
+    """
+    p = argparse.ArgumentParser(prog="python -m opreg explain",
+                                description="Show what the opreg backend rewrites in a model.")
+    p.add_argument("spec", help="pkg.module:factory or path/to/file.py:factory")
+    p.add_argument("--inputs", default="get_inputs",
+                   help="function in the module returning example inputs (default get_inputs)")
+    p.add_argument("--device", default="cpu", help="device for the model and inputs (default cpu)")
+    args = p.parse_args(list(argv) if argv is not None else None)
+    try:
+        mod, factory = _load(args.spec)
+    except (ImportError, AttributeError, OSError) as e:
+        print(f"opreg explain: {e}", file=sys.stderr)
+        return 2
+    init = getattr(mod, "get_init_inputs", None) if inspect.isclass(factory) else None
+    made = factory(*(init() if init else []))
+    if isinstance(made, tuple) and len(made) == 2:
+        model, inputs = made
+    else:
+        model, get = made, getattr(mod, args.inputs, None)
+        if get is None:
+            print(f"opreg explain: {factory!r} returned only a model and {mod.__name__} has no "
+                  f"{args.inputs}() for example inputs", file=sys.stderr)
+            return 2
+        inputs = _call_with_device(get, args.device)
+    if isinstance(model, torch.nn.Module):
+        model = model.to(args.device)
+    inputs = [x.to(args.device) if isinstance(x, torch.Tensor) else x for x in inputs]
+    explain(model, inputs)
+    return 0
