@@ -4,7 +4,9 @@
 
 Each case is timed for ``F.linear(torch.cat(parts, -1), W, b)`` eagerly and under
 ``torch.compile`` (Inductor), and for every opreg implementation available here,
-after checking each output against the float64 reference. CPU runs the small cases.
+after checking each output against the float64 reference; ``opreg_stacked`` is
+``cat_linear_stacked(x, 0, W, b)`` on the tensor the parts are slices of (what the
+backend emits for the reference model). CPU runs the small cases.
 """
 from __future__ import annotations
 
@@ -33,11 +35,11 @@ def make(case: str):
     r, b, h, k, dtype = CASES[case]
     x = torch.randn(r, b, h, device=DEVICE, dtype=dtype)  # the reference model's layout
     weight = torch.randn(k, r * h, device=DEVICE, dtype=dtype) / (r * h) ** 0.5
-    return list(x.unbind(0)), weight, torch.randn(k, device=DEVICE, dtype=dtype)
+    return x, weight, torch.randn(k, device=DEVICE, dtype=dtype)
 
 
 def variants() -> list[str]:
-    names = ["eager", "inductor", "opreg_reference"]
+    names = ["eager", "inductor", "opreg_reference", "opreg_stacked"]
     op = opreg.registry.lookup("cat_linear")
     names += [f"opreg_{n}" for n, i in op.impls.items()
               if n != "reference" and i.unavailable(DEVICE) is None]
@@ -50,17 +52,21 @@ def fn_for(variant: str):
     if variant == "inductor":
         torch._dynamo.reset()
         return torch.compile(eager, dynamic=False)
+    if variant == "opreg_stacked":
+        return opreg.get("cat_linear_stacked")
     return opreg.get("cat_linear", impl=variant.removeprefix("opreg_"))
 
 
 @pytest.mark.parametrize("variant", variants())
 @pytest.mark.parametrize("case", CPU_CASES if DEVICE == "cpu" else list(CASES))
 def test_cat_linear(benchmark, case, variant):
-    parts, weight, bias = make(case)
+    x, weight, bias = make(case)
+    parts = list(x.unbind(0))
     fn = fn_for(variant)
+    args = (x, 0, weight, bias) if variant == "opreg_stacked" else (parts, weight, bias)
     want = reference([p.double() for p in parts], weight.double(), bias.double())
     with torch.no_grad():
-        got = fn(parts, weight, bias)
+        got = fn(*args)
     tol = 1e-5 if weight.dtype == torch.float32 else 1e-2
     err = ((got.double() - want).norm() / want.norm()).item()
     assert err < tol, f"{variant}: relative error {err:.3g}"
@@ -68,7 +74,7 @@ def test_cat_linear(benchmark, case, variant):
 
     def call():
         with torch.no_grad():
-            fn(parts, weight, bias)
+            fn(*args)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
 

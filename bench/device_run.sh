@@ -13,6 +13,7 @@ python3 -m opreg build 2>&1 | tee "$OUT/build.log"
 python3 -m pytest tests -q -p no:cacheprovider -k bad_input 2>&1 | tee "$OUT/bad_input.log" | tail -3
 python3 -m pytest tests -q -p no:cacheprovider -k "not bad_input" 2>&1 | tee "$OUT/tests.log" | tail -8
 python3 bench/gpu_report.py --json "$OUT/report.json" 2>&1 | tee "$OUT/report.md" | tail -40
+python3 bench/model_overhead.py 2>&1 | tee "$OUT/overhead.md" | tail -20
 [ "${SKIP_BENCH:-0}" = 1 ] && exit 0
 python3 -m pytest bench -q -p no:cacheprovider --benchmark-group-by=param:case \
   --benchmark-columns=median,iqr --benchmark-json="$OUT/bench.json" >"$OUT/bench.log" 2>&1

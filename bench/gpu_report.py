@@ -42,6 +42,35 @@ def per_call_us(fn: Callable[[], Any], calls: int = 400, reps: int = 7) -> float
     return statistics.median(out)
 
 
+def interleaved_times(fns: dict[str, Callable[[], Any]], calls: int = 300, rounds: int = 15
+                      ) -> dict[str, list[float]]:
+    """Per-call host µs of each of ``fns`` in each of ``rounds`` rounds; a round times one
+    batch of ``calls`` of every fn back to back, so host drift hits all of them alike."""
+    import time
+
+    for f in fns.values():
+        for _ in range(20):
+            f()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                f()
+            torch.cuda.synchronize()
+            times[k].append((time.perf_counter() - t0) / calls * 1e6)
+    return times
+
+
+def paired(times: dict[str, list[float]], a: str, b: str) -> str:
+    """``a`` against ``b`` round by round: the median ratio and how often ``a`` won."""
+    ratios = [x / y for x, y in zip(times[a], times[b])]
+    wins = sum(r < 1 for r in ratios)
+    return (f"{a} / {b}: median ratio {statistics.median(ratios):.3f} "
+            f"(range {min(ratios):.3f}-{max(ratios):.3f}), faster in {wins}/{len(ratios)} rounds")
+
+
 def graph_us(fn: Callable[[], Any], calls: int = 50, reps: int = 20) -> float:
     """Per-call time of ``calls`` calls captured in one CUDA graph and replayed."""
     s = torch.cuda.Stream()
@@ -135,6 +164,8 @@ def scatter_rows() -> list[dict[str, Any]]:
 
 def cat_rows() -> list[dict[str, Any]]:
     rows = []
+    cl = opreg.get("cat_linear", impl="cuda")
+    stacked = opreg.get("cat_linear_stacked", impl="cuda")
     for r, b, h, k, dtype, small in CAT:
         x = torch.randn(r, b, h, device=DEV, dtype=dtype)
         parts = list(x.unbind(0))
@@ -144,13 +175,14 @@ def cat_rows() -> list[dict[str, Any]]:
         flops = 2 * b * r * h * k
         torch._dynamo.reset()
         variants = {
-            "eager": cat_eager,
-            "inductor": torch.compile(cat_eager, dynamic=False),
-            "opreg cuda": opreg.get("cat_linear", impl="cuda"),
+            "eager": lambda: cat_eager(parts, weight, bias),
+            "inductor": (lambda f: lambda: f(parts, weight, bias))(
+                torch.compile(cat_eager, dynamic=False)),
+            "opreg cuda": lambda: cl(parts, weight, bias),
+            "opreg cuda stacked": lambda: stacked(x, 0, weight, bias),
         }
         case = f"cat_linear R{r} B{b} H{h} K{k} {str(dtype)[6:]}"
-        for name, fn in variants.items():
-            call = lambda: fn(parts, weight, bias)  # noqa: E731
+        for name, call in variants.items():
             with torch.no_grad():
                 err = rel_err(call(), want)
                 dev = device_us(call)
@@ -159,6 +191,9 @@ def cat_rows() -> list[dict[str, Any]]:
                              "per_call_us": per_call_us(call) if small else None,
                              "graph_us": graph_us(call) if small else None})
     return rows
+
+
+PAIRED: list[str] = []  # the model comparisons, round by round (printed after the table)
 
 
 def model_rows() -> list[dict[str, Any]]:
@@ -174,11 +209,17 @@ def model_rows() -> list[dict[str, Any]]:
         want = cat(x)
         twin = cat_model.Model().to(DEV)  # its own compiled module, same weights
         twin.load_state_dict(cat.state_dict())
-        for name, fn in {"eager": cat, "inductor": torch.compile(twin),
-                         "opreg backend": torch.compile(cat, backend="opreg")}.items():
+        fns = {"eager": cat, "inductor": torch.compile(twin),
+               "opreg backend": torch.compile(cat, backend="opreg")}
+        for name, fn in fns.items():
             torch.testing.assert_close(fn(x), want)
+        # Interleaved rounds: host drift during the run hits every variant alike.
+        times = interleaved_times({k: (lambda f: lambda: f(x))(f) for k, f in fns.items()})
+        for name, ts in times.items():
             rows.append({"case": "model cat_linear", "variant": name,
-                         "per_call_us": per_call_us(lambda: fn(x), calls=200)})
+                         "per_call_us": statistics.median(ts), "min_us": min(ts), "max_us": max(ts)})
+        PAIRED.extend([paired(times, "opreg backend", "eager"),
+                       paired(times, "opreg backend", "inductor")])
     moe = moe_model.Model()
     args = moe_model.get_inputs(device=DEV)
     want = moe(*args)
@@ -216,16 +257,18 @@ def main() -> int:
         return 1
     torch.manual_seed(0)
     rows = baseline_rows() + scatter_rows() + cat_rows() + model_rows()
-    cols = ["case", "variant", "per_call_us", "graph_us", "device_us", "GB/s", "TFLOP/s", "rel_err",
+    cols = ["case", "variant", "per_call_us", "min_us", "max_us", "graph_us", "device_us", "GB/s", "TFLOP/s", "rel_err",
             "deterministic"]
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | opreg {opreg.__version__}")
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(fmt(r.get(c)) for c in cols) + " |")
+    for line in PAIRED:
+        print(f"model cat_linear, paired by round: {line}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"rows": rows, "paired": PAIRED}, f, indent=1)
     return 0
 
 

@@ -158,6 +158,56 @@ def consumer_of(cat: fx.Node, user: fx.Node, gm: fx.GraphModule) -> Consumer | s
 # ============================================================================ replacement
 # cat_linear(parts, W, b) in place of the linear (and of the bias add it absorbed); the
 # cat, the transpose and the matmul die with it. nn.Linear's weight/bias become get_attr.
+# When the parts are every slice of one tensor x along one dim, in order
+# ([x[i] for i in range(R)] with R == x.size(0), list(x.unbind(d)), [x[:, 0], x[:, 1]]),
+# cat_linear_stacked(x, d, W, b) instead: the same sum, but the slices are never made in
+# Python (that is most of a small call's host time; see opreg/ops/cat_linear.py).
+
+def slice_of(node: Any) -> tuple[fx.Node, int, int] | None:
+    """(x, dim, index) if ``node`` is one slice of x along dim: x[i], x[:, i] (full
+    slices then an int), x.select(dim, i), or element i of x.unbind(dim)."""
+    if not isinstance(node, fx.Node) or node.kwargs or not node.args:
+        return None
+    src = node.args[0]
+    if not isinstance(src, fx.Node):
+        return None
+    if is_call(node, (operator.getitem,)) and len(node.args) == 2:
+        idx = node.args[1]
+        if is_call(src, (torch.unbind, torch.Tensor.unbind), ("unbind",)) and isinstance(idx, int):
+            a = bind(src, ("self", "dim"), {"dim": 0})
+            if a is None or not isinstance(a["self"], fx.Node) or not isinstance(a["dim"], int):
+                return None
+            return a["self"], a["dim"], idx
+        if tensor_value(src) is None:
+            return None
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        full = slice(None, None, None)
+        if not idx or not all(i == full for i in idx[:-1]) or type(idx[-1]) is not int:
+            return None
+        return src, len(idx) - 1, idx[-1]
+    if is_call(node, (torch.select, torch.Tensor.select), ("select",)):
+        a = bind(node, ("self", "dim", "index"))
+        if a is None or not all(type(a[k]) is int for k in ("dim", "index")):
+            return None
+        return a["self"], a["dim"], a["index"]
+    return None
+
+
+def stacked_source(parts: list[Any]) -> tuple[fx.Node, int] | None:
+    """(x, dim) if ``parts`` are x's slices 0, 1, ..., x.size(dim) - 1 along dim, in order."""
+    found = [slice_of(p) for p in parts]
+    if not found or any(f is None for f in found):
+        return None
+    x, dim = found[0][0], found[0][1]  # type: ignore[index]
+    v = tensor_value(x)
+    if v is None or v.dim() < 2 or not -v.dim() <= dim < v.dim():
+        return None
+    dim %= v.dim()
+    for i, (src, d, idx) in enumerate(found):  # type: ignore[misc]
+        if src is not x or d % v.dim() != dim or idx != i:
+            return None
+    return (x, dim) if known_equal(v.shape[dim], len(parts)) else None
+
 
 def emit_cat_linear(ed: GraphEditor, parts: list[fx.Node], c: Consumer) -> fx.Node:
     weight, bias = c.weight, c.bias
@@ -165,6 +215,10 @@ def emit_cat_linear(ed: GraphEditor, parts: list[fx.Node], c: Consumer) -> fx.No
         mod = ed.ctx.gm.get_submodule(c.module)
         weight = ed.get_attr(f"{c.module}.weight")
         bias = ed.get_attr(f"{c.module}.bias") if mod.bias is not None else None
+    stacked = stacked_source(parts)
+    if stacked is not None:
+        return ed.call_function(torch.ops.opreg.cat_linear_stacked.default,
+                                (stacked[0], stacked[1], weight, bias))
     return ed.call_function(torch.ops.opreg.cat_linear.default, (list(parts), weight, bias))
 
 
@@ -210,6 +264,24 @@ def check_cat_linear(cat: fx.Node, parts: list[Any], dim: Any, weight: torch.Ten
     return None
 
 
+DDP_SPLIT_REASON = ("the cat is an output of this graph, one of those DDP's graph split "
+                    "(DDPOptimizer, at a gradient-bucket boundary) makes: the linear it feeds "
+                    "is in the next graph. torch._dynamo.config.optimize_ddp = False keeps "
+                    "them in one graph (README, 'Distributed')")
+
+
+def under_ddp_split() -> bool:
+    """Is this graph one of the pieces DDPOptimizer splits a Dynamo graph into? (It
+    compiles them under a TracingContext whose ddp_optimizer_ctx it has set.)"""
+    ctx = torch._guards.TracingContext.try_get()
+    return getattr(ctx, "ddp_optimizer_ctx", None) is not None
+
+
+def cat_on_last_dim(cat: fx.Node, dim: Any) -> bool:
+    v = tensor_value(cat)
+    return v is not None and v.dim() > 0 and isinstance(dim, int) and dim % v.dim() == v.dim() - 1
+
+
 def autocast_active(gm: fx.GraphModule) -> bool:
     """Autocast on now (Dynamo guards on it) or entered inside the graph."""
     for dev in ("cpu", "cuda"):
@@ -241,7 +313,12 @@ class CatLinearPattern(GraphPattern):
             found = [(u, consumer_of(node, u, gm)) for u in list(node.users)]
             found = [(u, c) for u, c in found if c is not None]
             if not found:
-                continue  # not feeding a linear: nothing to say
+                # Not feeding a linear: nothing to say, unless DDP's graph split cut this
+                # cat off from the linear that follows it in the next graph.
+                if any(u.op == "output" for u in node.users) and under_ddp_split() \
+                        and cat_on_last_dim(node, dim):
+                    ctx.near_miss(self, node, "cat + linear", DDP_SPLIT_REASON)
+                continue
             user, c = found[0]
             if isinstance(c, str):
                 ctx.near_miss(self, user, "cat + linear", c)
@@ -272,7 +349,10 @@ class CatLinearPattern(GraphPattern):
             ctx.matched(self, user, c.spelling)
             c.anchor.replace_all_uses_with(op)
             gm.graph.erase_node(c.anchor)
-            erase_dead(gm.graph, [*c.dead, node])
+            # Slices the stacked form no longer reads go too (an unbind with them).
+            sources = [p.args[0] for p in parts if isinstance(p, fx.Node) and p.args
+                       and is_call(p.args[0], (torch.unbind, torch.Tensor.unbind), ("unbind",))]
+            erase_dead(gm.graph, [*c.dead, node, *parts, *sources])
             count += 1
         return count
 

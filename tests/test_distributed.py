@@ -37,7 +37,7 @@ EXPECTED = {
     "ddp_nosplit": (MATCHED_ALL, 1),
     "fsdp2": (MATCHED_ALL, 1),
 }
-OPS_ALL = ["opreg::cat_linear", "opreg::scatter_combine", "opreg::scatter_combine_backward"]
+OPS_ALL = ["opreg::cat_linear_stacked", "opreg::scatter_combine", "opreg::scatter_combine_backward"]
 RAN = {"ddp": OPS_ALL, "ddp_split": OPS_ALL[1:], "ddp_nosplit": OPS_ALL, "fsdp2": OPS_ALL}
 
 def _launch(out_dir: str) -> None:
@@ -119,15 +119,18 @@ def test_patterns_matched_and_ops_ran(scenario: str, results: list[dict[str, Any
 def test_ddp_graph_split_reported_by_explain(results: list[dict[str, Any]]) -> None:
     """opreg.explain on the DDP model (no compile of its own beyond explain's) sees the
     graphs DDPOptimizer hands the backend: split in two under small buckets, scatter_combine
-    matched, cat_linear absent (a cat feeding a graph output is no near miss: the
-    linear is in the other graph); one graph and both matched otherwise."""
+    matched, cat_linear a near miss that names the split (the cat is an output of one
+    piece, the linear in the next); one graph, both matched and no near miss otherwise."""
     for rank in range(w.WORLD):
         split = _scenario(results, "ddp_split", rank)["explain"]
         assert split["graphs"] >= 2, split["text"]
         assert split["matches"] == [("scatter_combine", "index_add_")], split["text"]
-        assert not any(p == "scatter_combine" for p, _ in split["near_misses"]), split["text"]
+        assert [p for p, _ in split["near_misses"]] == ["cat_linear"], split["text"]
+        assert "DDP's graph split" in split["near_misses"][0][1], split["text"]
+        assert "optimize_ddp = False" in split["text"], split["text"]
         for scenario in ("ddp", "ddp_nosplit"):
             whole = _scenario(results, scenario, rank)["explain"]
             assert whole["graphs"] == 1, whole["text"]
             assert whole["matches"] == [("cat_linear", "linear"), ("scatter_combine", "index_add_")], \
                 whole["text"]
+            assert whole["near_misses"] == [], whole["text"]

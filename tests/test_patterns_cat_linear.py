@@ -20,6 +20,7 @@ from opreg.ops.cat_linear import reference as cl_reference
 from opreg.patterns import cat_linear as pattern
 
 OP = "opreg::cat_linear"
+STACKED = "opreg::cat_linear_stacked"   # what a cat of all of one tensor's slices becomes
 R, B, S, H, K = 3, 5, 2, 4, 6
 DTYPES = [torch.float32, torch.float64]
 
@@ -59,6 +60,7 @@ def cat_separate(x: torch.Tensor) -> torch.Tensor:
 
 
 CATS = [cat_comprehension, cat_unbind, cat_separate]
+EMITS = {cat_comprehension: STACKED, cat_unbind: STACKED, cat_separate: OP}
 
 
 def _linears(dtype: torch.dtype) -> dict[str, tuple[Callable[..., Any], str, str]]:
@@ -96,10 +98,14 @@ def test_spelling(cat: Callable[..., Any], linear: str, parts_3d: bool, dtype: t
     x = torch.randn(R, B, S, H, dtype=dtype) if parts_3d else torch.randn(R, B, H, dtype=dtype)
     rec = run(model, [x])
     assert rec.before[0]["cat"] + rec.before[0]["concat"] == 1
-    assert rec.before[0][before_op] == 1 and rec.before[0][OP] == 0
-    after = rec.after[0]
-    assert after[OP] == 1 and after["cat"] == after["concat"] == after[before_op] == 0, after
+    assert rec.before[0][before_op] == 1 and rec.before[0][OP] == rec.before[0][STACKED] == 0
+    after, emitted = rec.after[0], EMITS[cat]
+    other = STACKED if emitted == OP else OP
+    assert after[emitted] == 1 and after[other] == 0, after
+    assert after["cat"] == after["concat"] == after[before_op] == 0, after
     assert after["add"] == 0 and after["numpy_T"] == after["t"] == 0, after
+    if emitted == STACKED:  # the slices are gone from the graph, not just unused
+        assert after["getitem"] == after["unbind"] == 0, after
     assert pattern.matches[spelling] == 1 == pattern.PATTERN.total
 
 
@@ -109,7 +115,8 @@ def test_reference_model() -> None:
     m = ref.Model()
     (x,) = ref.get_inputs()
     rec = run(m, [x])
-    assert rec.after[0][OP] == 1 and rec.after[0]["cat"] == 0
+    assert rec.after[0][STACKED] == 1 and rec.after[0]["cat"] == 0
+    assert sum(rec.after[0].values()) == 1, rec.after[0]  # nothing else runs
     w, b = m.proj.weight, m.proj.bias
     torch.testing.assert_close(torch.compile(m, backend=rec)(x),
                                cl_reference(list(x.unbind(0)), w, b))
@@ -139,14 +146,85 @@ def test_dynamic_batch_one_graph() -> None:
         x = torch.randn(R, b, H)
         torch._dynamo.mark_dynamic(x, 1)
         torch.testing.assert_close(f(x), lin(cat_unbind(x)))
-    assert len(rec.before) == 1 and rec.after[0][OP] == 1
+    assert len(rec.before) == 1 and rec.after[0][STACKED] == 1
+
+
+# ----------------------------------------------------------- the stacked form, and when not
+
+def _slices_dim1(x: torch.Tensor) -> list[torch.Tensor]:
+    return [x[:, i] for i in range(S)]
+
+
+@pytest.mark.parametrize("parts,dim", [
+    (lambda x: [x[:, i] for i in range(S)], 1),
+    (lambda x: [x.select(1, i) for i in range(S)], 1),
+    (lambda x: list(torch.unbind(x, 1)), 1),
+    (lambda x: list(x.unbind(dim=-2)), 1),
+    (lambda x: [x[i] for i in range(B)], 0),
+], ids=["getitem-dim1", "select-dim1", "torch.unbind-dim1", "unbind-neg-dim", "getitem-dim0"])
+def test_stacked_spellings(parts: Callable[..., Any], dim: int) -> None:
+    x = torch.randn(B, S, H)
+    w, b = torch.randn(K, x.shape[dim] * H), torch.randn(K)  # width = slices * H
+    rec = run(lambda t: F.linear(torch.cat(parts(t), -1), w, b), [x])
+    assert rec.after[0][STACKED] == 1 and rec.after[0][OP] == 0, rec.after[0]
+    call = next(n for n in rec.graphs[0].graph.nodes if n.op == "call_function"
+                and n.target is torch.ops.opreg.cat_linear_stacked.default)
+    assert call.args[1] == dim
+
+
+@pytest.mark.parametrize("parts", [
+    lambda x: [x[0], x[1]],                 # not every slice (x has R = 3)
+    lambda x: [x[1], x[0], x[2]],           # out of order
+    lambda x: [x[0], x[1], x[-1]],          # negative index
+    lambda x: [x[0], x[1], x[2] + 0],       # one is not a slice
+    lambda x: [x[0], x[1], x[2].clone()],
+], ids=["partial", "out-of-order", "negative", "computed", "clone"])
+def test_not_all_slices_keeps_the_list_form(parts: Callable[..., Any]) -> None:
+    x = torch.randn(R, B, H)
+    n = len(parts(x))
+    w = torch.randn(K, n * H)
+    rec = run(lambda t: F.linear(torch.cat(parts(t), -1), w), [x])
+    assert rec.after[0][OP] == 1 and rec.after[0][STACKED] == 0, rec.after[0]
+
+
+def test_slices_of_two_tensors_keep_the_list_form() -> None:
+    w = torch.randn(K, 4 * H)
+    rec = run(lambda a, c: F.linear(torch.cat([a[0], a[1], c[0], c[1]], -1), w),
+              [torch.randn(2, B, H), torch.randn(2, B, H)])
+    assert rec.after[0][OP] == 1 and rec.after[0][STACKED] == 0, rec.after[0]
+
+
+def test_slice_also_used_elsewhere_stays() -> None:
+    lin = nn.Linear(R * H, K)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        parts = [x[i] for i in range(R)]
+        return lin(torch.cat(parts, -1)) + parts[0].sum(-1, keepdim=True)
+    rec = run(fn, [torch.randn(R, B, H)])
+    assert rec.after[0][STACKED] == 1 and rec.after[0]["getitem"] == 1, rec.after[0]
+
+
+def test_stacked_gradients_match_eager() -> None:
+    lin = nn.Linear(S * H, K).double()
+    x0 = torch.randn(B, S, H, dtype=torch.float64)
+    f_eager = lambda t: lin(torch.cat(_slices_dim1(t), -1))  # noqa: E731
+    grads = []
+    for f in (f_eager, torch.compile(f_eager, backend=RecordingBackend(inner="aot_eager"),
+                                     fullgraph=True)):
+        lin.zero_grad()
+        x = x0.clone().requires_grad_()
+        f(x).sin().sum().backward()
+        grads.append((x.grad, lin.weight.grad.clone(), lin.bias.grad.clone()))
+    torch.testing.assert_close(grads[1], grads[0])
+    assert pattern.PATTERN.total == 1
 
 
 # --------------------------------------------------------------------- must not rewrite
 
 def _no_rewrite(fn: Callable[..., Any], args: list[Any], reason: str) -> None:
     rec = run(fn, args)
-    assert rec.after[0][OP] == 0 and pattern.PATTERN.total == 0, rec.after[0]
+    assert rec.after[0][OP] == rec.after[0][STACKED] == 0 and pattern.PATTERN.total == 0, \
+        rec.after[0]
     reasons = [f.reason for f in rec.near_misses]
     assert any(reason in r for r in reasons), reasons
 
@@ -197,7 +275,7 @@ def test_broadcast_bias_is_left_as_an_add() -> None:
     """A (B, K) bias is no linear bias: cat @ W.T is rewritten, the add stays."""
     w, b = torch.randn(K, R * H), torch.randn(B, K)
     rec = run(lambda x: cat_comprehension(x) @ w.T + b, [torch.randn(R, B, H)])
-    assert rec.after[0][OP] == 1 and rec.after[0]["add"] == 1
+    assert rec.after[0][STACKED] == 1 and rec.after[0]["add"] == 1
     assert pattern.matches["cat @ W.T"] == 1
 
 

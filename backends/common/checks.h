@@ -138,6 +138,47 @@ inline void check_scatter_combine_backward(
                             expert_hidden);
 }
 
+namespace detail {
+
+// weight (K, width) and bias (K,) of a cat_linear whose input rows are `width` wide and
+// whose input dtype/device are those of `ref` (named `ref_name` in messages).
+inline void check_linear_params(
+    const char* op,
+    const char* ref_name,
+    const at::Tensor& ref,
+    int64_t width,
+    const char* width_desc,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(
+      weight.dim() == 2,
+      op, ": weight must be 2-D (K, ", width_desc, "), got shape ", shape(weight.sizes()));
+  TORCH_CHECK_TYPE(
+      weight.scalar_type() == ref.scalar_type(),
+      op, ": weight has dtype ", weight.scalar_type(), " but ", ref_name, " has dtype ",
+      ref.scalar_type());
+  TORCH_CHECK_VALUE(
+      weight.size(1) == width,
+      op, ": weight has ", num(weight.size(1)), " columns but ", width_desc, " is ",
+      num(width));
+  check_same_device(op, "weight", weight, ref_name, ref);
+
+  if (bias.has_value() && bias->defined()) {
+    const at::Tensor& b = *bias;
+    TORCH_CHECK_VALUE(
+        b.dim() == 1 && b.size(0) == weight.size(0),
+        op, ": bias must have shape (K,) = (", num(weight.size(0)), ",), got ",
+        shape(b.sizes()));
+    TORCH_CHECK_TYPE(
+        b.scalar_type() == ref.scalar_type(),
+        op, ": bias has dtype ", b.scalar_type(), " but ", ref_name, " has dtype ",
+        ref.scalar_type());
+    check_same_device(op, "bias", b, ref_name, ref);
+  }
+}
+
+} // namespace detail
+
 inline void check_cat_linear(
     at::TensorList parts,
     const at::Tensor& weight,
@@ -169,33 +210,61 @@ inline void check_cat_linear(
         p0.device().str());
     width += p.size(-1);
   }
+  detail::check_linear_params(op, "parts[0]", p0, width, "the sum of the parts' widths",
+                              weight, bias);
+}
 
+// cat_linear_stacked(x, dim, weight, bias) = cat_linear(x.unbind(dim), weight, bias).
+// Returns dim made non-negative.
+inline int64_t check_cat_linear_stacked(
+    const at::Tensor& x,
+    int64_t dim,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias) {
+  constexpr const char* op = "cat_linear_stacked";
+  const int64_t nd = x.dim();
   TORCH_CHECK_VALUE(
-      weight.dim() == 2,
-      op, ": weight must be 2-D (K, sum of widths), got shape ",
-      shape(weight.sizes()));
-  TORCH_CHECK_TYPE(
-      weight.scalar_type() == p0.scalar_type(),
-      op, ": weight has dtype ", weight.scalar_type(),
-      " but parts have dtype ", p0.scalar_type());
+      nd >= 2, op, ": x must have at least 2 dims (the slices are 1-D or more), got shape ",
+      shape(x.sizes()));
   TORCH_CHECK_VALUE(
-      weight.size(1) == width,
-      op, ": weight has ", num(weight.size(1)),
-      " columns but the parts' widths sum to ", num(width));
-  detail::check_same_device(op, "weight", weight, "parts[0]", p0);
+      dim >= -nd && dim < nd,
+      op, ": dim must be in [", num(-nd), ", ", num(nd - 1), "] for x of shape ",
+      shape(x.sizes()), ", got ", num(dim));
+  const int64_t d = dim < 0 ? dim + nd : dim;
+  TORCH_CHECK_VALUE(
+      x.size(d) >= 1, op, ": x.size(dim) must be >= 1 (at least one slice), got x of shape ",
+      shape(x.sizes()), " and dim ", num(dim));
+  detail::check_float_dtype(op, "x", x);
+  // Each slice is x without dim d; its last dim is the slices' width.
+  const int64_t last = d == nd - 1 ? nd - 2 : nd - 1;
+  detail::check_linear_params(op, "x", x, x.size(d) * x.size(last),
+                              "x.size(dim) * the slices' width", weight, bias);
+  return d;
+}
 
-  if (bias.has_value() && bias->defined()) {
-    const at::Tensor& b = *bias;
-    TORCH_CHECK_VALUE(
-        b.dim() == 1 && b.size(0) == weight.size(0),
-        op, ": bias must have shape (K,) = (", num(weight.size(0)), ",), got ",
-        shape(b.sizes()));
-    TORCH_CHECK_TYPE(
-        b.scalar_type() == p0.scalar_type(),
-        op, ": bias has dtype ", b.scalar_type(), " but parts have dtype ",
-        p0.scalar_type());
-    detail::check_same_device(op, "bias", b, "parts[0]", p0);
-  }
+// The two cat_linear ops' device entry points around one unchecked kernel
+// `impl(parts, weight, bias)`: shared by the CPU and CUDA backends.
+using CatLinearImpl = at::Tensor (*)(
+    at::TensorList, const at::Tensor&, const std::optional<at::Tensor>&);
+
+template <CatLinearImpl impl>
+at::Tensor cat_linear_entry(
+    at::TensorList parts,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias) {
+  check_cat_linear(parts, weight, bias);
+  return impl(parts, weight, bias);
+}
+
+// The slices are views made here, in C++, where they cost no Python dispatch.
+template <CatLinearImpl impl>
+at::Tensor cat_linear_stacked_entry(
+    const at::Tensor& x,
+    int64_t dim,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias) {
+  const int64_t d = check_cat_linear_stacked(x, dim, weight, bias);
+  return impl(x.unbind(d), weight, bias);
 }
 
 } // namespace opreg

@@ -15,11 +15,11 @@
 namespace opreg {
 namespace {
 
-at::Tensor cat_linear_cpu(
+// Inputs already checked.
+at::Tensor cat_linear_impl(
     at::TensorList parts,
     const at::Tensor& weight,
     const std::optional<at::Tensor>& bias) {
-  check_cat_linear(parts, weight, bias);
   const bool has_bias = bias.has_value() && bias->defined();
   const auto lead = parts[0].sizes().slice(0, parts[0].dim() - 1);
   const int64_t m = c10::multiply_integers(lead);  // 1 for 1-D parts
@@ -27,11 +27,22 @@ at::Tensor cat_linear_cpu(
   std::vector<int64_t> out_shape(lead.begin(), lead.end());
   out_shape.push_back(k);
 
+  // Small fp32/fp64 problems: what F.linear(cat(parts)) runs, one cat and one GEMM,
+  // with nothing else around them. At this size the call is a handful of ATen
+  // dispatches, and each one counts: the general path below (reshapes, no-op
+  // casts, narrow, an out= GEMM) cost 27 us per call against eager's 13 (R4 B12
+  // H32 K56, 2 cores, bench/model_overhead.py).
+  const at::ScalarType dtype = weight.scalar_type();
+  if (!at::isReducedFloatingType(dtype) && m * k * weight.size(1) < (int64_t(1) << 22)) {
+    const at::Tensor x = (parts.size() == 1 ? parts[0] : at::cat(parts, -1)).reshape({m, weight.size(1)});
+    const at::Tensor out = has_bias ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
+    return out.view(out_shape);
+  }
+
   // fp16/bf16 are computed in fp32 and rounded once at the end: accumulating
   // part by part in the low-precision output would round once per part, and
   // CPU fp16/bf16 GEMMs (without AMX) measured 3-14x slower than upcasting
   // to fp32 GEMMs. Parts are upcast one at a time to bound the extra memory.
-  const at::ScalarType dtype = weight.scalar_type();
   const at::ScalarType acc_type = at::isReducedFloatingType(dtype) ? at::kFloat : dtype;
   const at::Tensor w_acc = weight.to(acc_type);  // no copy when acc_type == dtype
   at::Tensor out2d = at::empty({m, k}, w_acc.options());
@@ -69,5 +80,6 @@ at::Tensor cat_linear_cpu(
 } // namespace opreg
 
 TORCH_LIBRARY_IMPL(opreg, CPU, m) {
-  m.impl("cat_linear", &opreg::cat_linear_cpu);
+  m.impl("cat_linear", &opreg::cat_linear_entry<opreg::cat_linear_impl>);
+  m.impl("cat_linear_stacked", &opreg::cat_linear_stacked_entry<opreg::cat_linear_impl>);
 }

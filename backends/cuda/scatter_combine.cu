@@ -69,6 +69,45 @@ constexpr int64_t kSmallMaxWork = int64_t(1) << 21;  // N * blocks index reads
 constexpr int kSmallU = 4;                   // rows whose loads are in flight together
 static_assert(kSmallTok == 8, "list entries pack the local token in 3 bits");
 
+// acc[k][:] += gate(r) * x[r, j0 + 32 k] for r = row_at(u), u in [0, nvalid)
+// (nvalid <= U), in order. Every load of those rows is issued before the first
+// FMA, so up to U rows are in flight together. Rows are warp-uniform. Used by
+// both paths (small: rows from a ballot; large: rows from a token's list).
+template <typename scalar_t, int V, int NV, int U, typename acc_t, typename RowFn>
+__device__ __forceinline__ void accumulate_rows(
+    RowFn row_at, int nvalid, const Vec<scalar_t, V>* __restrict__ x, const void* gates,
+    bool g32, int hvec, int j0, acc_t (&acc)[NV][V]) {
+  using vec_t = Vec<scalar_t, V>;
+  acc_t g[U];
+  vec_t xv[U][NV];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (u < nvalid) {
+      const int r = row_at(u);
+      g[u] = load_gate<acc_t, scalar_t>(gates, r, g32);
+      const vec_t* xr = x + int64_t(r) * hvec;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int j = j0 + 32 * k;
+        if (j < hvec) xv[u][k] = xr[j];
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (u < nvalid) {
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        if (j0 + 32 * k < hvec) {
+#pragma unroll
+          for (int e = 0; e < V; ++e)
+            acc[k][e] = fma_acc(g[u], static_cast<acc_t>(xv[u][k].v[e]), acc[k][e]);
+        }
+      }
+    }
+  }
+}
+
 template <typename scalar_t, int V>
 __global__ void __launch_bounds__(kSmallThreads) scatter_small_kernel(
     const scalar_t* __restrict__ x,
@@ -136,43 +175,19 @@ __global__ void __launch_bounds__(kSmallThreads) scatter_small_kernel(
     unsigned mask = __ballot_sync(kFull, ent >= 0 && (ent & 7) == warp);
     while (mask) {  // warp-uniform
       int rows[kSmallU];
+      int nrows = 0;
 #pragma unroll
       for (int u = 0; u < kSmallU; ++u) {
-        rows[u] = -1;
         if (mask) {
           const int src = __ffs(mask) - 1;
           mask &= mask - 1;
           rows[u] = __shfl_sync(kFull, ent, src) >> 3;
+          nrows = u + 1;
         }
       }
-      // Issue every load of up to kSmallU rows before the first FMA.
-      acc_t g[kSmallU];
-      vec_t xv[kSmallU][kSmallVecPerLane_];
-#pragma unroll
-      for (int u = 0; u < kSmallU; ++u) {
-        if (rows[u] >= 0) {
-          g[u] = load_gate<acc_t, scalar_t>(gates, rows[u], g32);
-          const vec_t* xr = reinterpret_cast<const vec_t*>(x) + int64_t(rows[u]) * hvec;
-#pragma unroll
-          for (int k = 0; k < kSmallVecPerLane_; ++k) {
-            const int j = j0 + 32 * k;
-            if (j < hvec) xv[u][k] = xr[j];
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kSmallU; ++u) {
-        if (rows[u] >= 0) {
-#pragma unroll
-          for (int k = 0; k < kSmallVecPerLane_; ++k) {
-            if (j0 + 32 * k < hvec) {
-#pragma unroll
-              for (int e = 0; e < V; ++e)
-                acc[k][e] = fma_acc(g[u], static_cast<acc_t>(xv[u][k].v[e]), acc[k][e]);
-            }
-          }
-        }
-      }
+      accumulate_rows<scalar_t, V, kSmallVecPerLane_, kSmallU>(
+          [&](int u) { return rows[u]; }, nrows, reinterpret_cast<const vec_t*>(x), gates, g32,
+          hvec, j0, acc);
     }
   }
   vec_t* orow = reinterpret_cast<vec_t*>(out) + t * hvec;
@@ -323,36 +338,9 @@ template <typename scalar_t, int V, int NV, int U, typename acc_t, typename RowF
 __device__ __forceinline__ void warp_accumulate(
     RowFn row_at, int cnt, const Vec<scalar_t, V>* __restrict__ x, const void* gates, bool g32,
     int hvec, int j0, acc_t (&acc)[NV][V]) {
-  using vec_t = Vec<scalar_t, V>;
   for (int i = 0; i < cnt; i += U) {
-    acc_t g[U];
-    vec_t xv[U][NV];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (i + u < cnt) {
-        const int r = row_at(i + u);
-        g[u] = load_gate<acc_t, scalar_t>(gates, r, g32);
-        const vec_t* xr = x + int64_t(r) * hvec;
-#pragma unroll
-        for (int k = 0; k < NV; ++k) {
-          const int j = j0 + 32 * k;
-          if (j < hvec) xv[u][k] = xr[j];
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (i + u < cnt) {
-#pragma unroll
-        for (int k = 0; k < NV; ++k) {
-          if (j0 + 32 * k < hvec) {
-#pragma unroll
-            for (int e = 0; e < V; ++e)
-              acc[k][e] = fma_acc(g[u], static_cast<acc_t>(xv[u][k].v[e]), acc[k][e]);
-          }
-        }
-      }
-    }
+    accumulate_rows<scalar_t, V, NV, U>([&](int u) { return row_at(i + u); }, cnt - i, x, gates,
+                                        g32, hvec, j0, acc);
   }
 }
 
