@@ -181,6 +181,20 @@ def known_equal(a: Any, b: Any) -> bool:
         return False
 
 
+def known_le(a: Any, b: Any) -> bool:
+    """``a <= b`` for ints or SymInts, True only if provable now: never adds a guard."""
+    try:
+        r = a <= b
+    except Exception:  # noqa: BLE001
+        return False
+    if isinstance(r, bool):
+        return r
+    try:
+        return statically_known_true(r)
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def shape_is(t: torch.Tensor, shape: Sequence[Any]) -> bool:
     return t.dim() == len(shape) and all(known_equal(a, b) for a, b in zip(t.shape, shape))
 

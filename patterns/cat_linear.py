@@ -17,8 +17,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from opreg.backend import (FLOAT_DTYPES, GraphEditor, GraphPattern, PassContext, RewriteRejected,
-                           bind, erase_dead, is_call, known_equal, mutation_between, shape_is,
-                           tensor_value)
+                           bind, erase_dead, is_call, known_equal, known_le, mutation_between,
+                           shape_is, tensor_value)
 
 # ============================================================================= spellings
 # The cat: torch.cat / concat / concatenate(parts, dim=-1) of a list of tensors, however
@@ -160,6 +160,7 @@ def consumer_of(cat: fx.Node, user: fx.Node, gm: fx.GraphModule) -> Consumer | s
 # cat, the transpose and the matmul die with it. nn.Linear's weight/bias become get_attr.
 # When the parts are every slice of one tensor x along one dim, in order
 # ([x[i] for i in range(R)] with R == x.size(0), list(x.unbind(d)), [x[:, 0], x[:, 1]]),
+# and the problem is small (STACKED_MAX_MACS, provably: not for a dynamic size),
 # cat_linear_stacked(x, d, W, b) instead: the same sum, but the slices are never made in
 # Python (that is most of a small call's host time; see opreg/ops/cat_linear.py).
 
@@ -209,13 +210,22 @@ def stacked_source(parts: list[Any]) -> tuple[fx.Node, int] | None:
     return (x, dim) if known_equal(v.shape[dim], len(parts)) else None
 
 
-def emit_cat_linear(ed: GraphEditor, parts: list[fx.Node], c: Consumer) -> fx.Node:
+# The stacked form saves host time (no Python-made slices), which only matters when the
+# kernel is short. Above this many multiply-adds the CUDA op takes its GEMM path, where
+# the list form's at::cat measured faster (see cat_linear_stacked_cuda); so the stacked
+# form is used up to here, where both dtypes' CUDA calls run the single-launch kernel.
+STACKED_MAX_MACS = 1 << 24
+
+
+def emit_cat_linear(ed: GraphEditor, parts: list[fx.Node], c: Consumer, macs: Any) -> fx.Node:
+    """``macs``: rows * in-features * out-features of the linear (int or SymInt)."""
     weight, bias = c.weight, c.bias
     if c.module is not None:
         mod = ed.ctx.gm.get_submodule(c.module)
         weight = ed.get_attr(f"{c.module}.weight")
         bias = ed.get_attr(f"{c.module}.bias") if mod.bias is not None else None
-    stacked = stacked_source(parts)
+    small = known_le(macs, STACKED_MAX_MACS)
+    stacked = stacked_source(parts) if small else None
     if stacked is not None:
         return ed.call_function(torch.ops.opreg.cat_linear_stacked.default,
                                 (stacked[0], stacked[1], weight, bias))
@@ -341,7 +351,7 @@ class CatLinearPattern(GraphPattern):
                 continue
             ed = GraphEditor(ctx, c.anchor)
             try:
-                op = emit_cat_linear(ed, parts, c)
+                op = emit_cat_linear(ed, parts, c, tensor_value(node).numel() * w.shape[0])
             except RewriteRejected as e:
                 ed.rollback()
                 ctx.near_miss(self, user, c.spelling, f"replacement rejected: {e}")

@@ -34,7 +34,7 @@ def run(impl: str, device: str, *args) -> torch.Tensor:
 
 
 SHAPES = [((12,), [32] * 4, 56), ((3, 5), [7, 1, 16], 9), ((), [3, 5], 4), ((64,), [256] * 4, 100),
-          ((0,), [4, 4], 3)]
+          ((0,), [4, 4], 3), ((4,), [0, 0], 3)]  # no rows; zero-width parts (y = bias)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -157,7 +157,7 @@ def expected_stacked(x, dim, weight, bias) -> torch.Tensor:
 # (x shape, dim, K): the reference model's (R, B, H) along 0; a middle dim; the last dim
 # (slices are x[..., i]); a negative dim; 4-D; a large one (the GEMM path on CUDA).
 STACKED_SHAPES = [((4, 12, 32), 0, 56), ((5, 3, 8), 1, 9), ((6, 7, 3), 2, 5), ((2, 3, 4), -2, 4),
-                  ((2, 3, 4, 5), 0, 6), ((4, 64, 256), 0, 100), ((3, 0, 4), 0, 3)]
+                  ((2, 3, 4, 5), 0, 6), ((4, 64, 256), 0, 100), ((3, 0, 4), 0, 3), ((3, 4, 0), 0, 5)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -146,7 +146,8 @@ def test_dynamic_batch_one_graph() -> None:
         x = torch.randn(R, b, H)
         torch._dynamo.mark_dynamic(x, 1)
         torch.testing.assert_close(f(x), lin(cat_unbind(x)))
-    assert len(rec.before) == 1 and rec.after[0][STACKED] == 1
+    # A dynamic batch can be any size: the list form, which suits every size.
+    assert len(rec.before) == 1 and rec.after[0][OP] == 1 and rec.after[0][STACKED] == 0
 
 
 # ----------------------------------------------------------- the stacked form, and when not
@@ -185,6 +186,18 @@ def test_not_all_slices_keeps_the_list_form(parts: Callable[..., Any]) -> None:
     w = torch.randn(K, n * H)
     rec = run(lambda t: F.linear(torch.cat(parts(t), -1), w), [x])
     assert rec.after[0][OP] == 1 and rec.after[0][STACKED] == 0, rec.after[0]
+
+
+@pytest.mark.parametrize("rows,stacked", [(1024, True), (1025, False)])
+def test_stacked_only_for_small_problems(rows: int, stacked: bool) -> None:
+    """Up to STACKED_MAX_MACS multiply-adds (here 1024 rows x 1024 in x 16 out = 2^24)
+    the stacked form; above, the list form (its CUDA GEMM path measured faster)."""
+    x = torch.randn(4, rows, 256)
+    w = torch.randn(16, 4 * 256)
+    assert 1024 * 4 * 256 * 16 == pattern.STACKED_MAX_MACS
+    rec = run(lambda t: F.linear(torch.cat([t[i] for i in range(4)], -1), w), [x])
+    assert rec.after[0][STACKED if stacked else OP] == 1, rec.after[0]
+    assert rec.after[0][OP if stacked else STACKED] == 0, rec.after[0]
 
 
 def test_slices_of_two_tensors_keep_the_list_form() -> None:

@@ -242,7 +242,7 @@ inline int64_t check_cat_linear_stacked(
   return d;
 }
 
-// The two cat_linear ops' device entry points around one unchecked kernel
+// cat_linear's device entry point around an unchecked kernel
 // `impl(parts, weight, bias)`: shared by the CPU and CUDA backends.
 using CatLinearImpl = at::Tensor (*)(
     at::TensorList, const at::Tensor&, const std::optional<at::Tensor>&);
@@ -254,17 +254,6 @@ at::Tensor cat_linear_entry(
     const std::optional<at::Tensor>& bias) {
   check_cat_linear(parts, weight, bias);
   return impl(parts, weight, bias);
-}
-
-// The slices are views made here, in C++, where they cost no Python dispatch.
-template <CatLinearImpl impl>
-at::Tensor cat_linear_stacked_entry(
-    const at::Tensor& x,
-    int64_t dim,
-    const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias) {
-  const int64_t d = check_cat_linear_stacked(x, dim, weight, bias);
-  return impl(x.unbind(d), weight, bias);
 }
 
 } // namespace opreg

@@ -15,6 +15,19 @@
 namespace opreg {
 namespace {
 
+// fp32/fp64 and under ~4M multiply-adds (m rows): the one-GEMM path below.
+bool small_full_precision(const at::Tensor& weight, int64_t m) {
+  return !at::isReducedFloatingType(weight.scalar_type()) &&
+      m * weight.size(0) * weight.size(1) < (int64_t(1) << 22);
+}
+
+// x2d (M, K) @ weight^T + bias, as F.linear computes it.
+at::Tensor linear2d(const at::Tensor& x2d, const at::Tensor& weight,
+                    const std::optional<at::Tensor>& bias) {
+  return bias.has_value() && bias->defined() ? at::addmm(*bias, x2d, weight.t())
+                                             : at::mm(x2d, weight.t());
+}
+
 // Inputs already checked.
 at::Tensor cat_linear_impl(
     at::TensorList parts,
@@ -32,12 +45,11 @@ at::Tensor cat_linear_impl(
   // dispatches, and each one counts: the general path below (reshapes, no-op
   // casts, narrow, an out= GEMM) cost 27 us per call against eager's 13 (R4 B12
   // H32 K56, 2 cores, bench/model_overhead.py).
-  const at::ScalarType dtype = weight.scalar_type();
-  if (!at::isReducedFloatingType(dtype) && m * k * weight.size(1) < (int64_t(1) << 22)) {
-    const at::Tensor x = (parts.size() == 1 ? parts[0] : at::cat(parts, -1)).reshape({m, weight.size(1)});
-    const at::Tensor out = has_bias ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
-    return out.view(out_shape);
+  if (small_full_precision(weight, m)) {
+    const at::Tensor x = parts.size() == 1 ? parts[0] : at::cat(parts, -1);
+    return linear2d(x.reshape({m, weight.size(1)}), weight, bias).view(out_shape);
   }
+  const at::ScalarType dtype = weight.scalar_type();
 
   // fp16/bf16 are computed in fp32 and rounded once at the end: accumulating
   // part by part in the low-precision output would round once per part, and
@@ -76,10 +88,35 @@ at::Tensor cat_linear_impl(
   return out2d.to(dtype).view(out_shape);
 }
 
+// cat_linear(x.unbind(dim), weight, bias). Small fp32/fp64 problems: cat(x.unbind(d), -1)
+// is x with dim d moved next to the last one, flattened, so one copy and one GEMM.
+at::Tensor cat_linear_stacked_cpu(
+    const at::Tensor& x,
+    int64_t dim,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias) {
+  const int64_t d = check_cat_linear_stacked(x, dim, weight, bias);
+  const int64_t last = d == x.dim() - 1 ? x.dim() - 2 : x.dim() - 1;  // the slices' width
+  std::vector<int64_t> out_shape;  // x without dims d and last, then K
+  int64_t m = 1;
+  for (int64_t i = 0; i < x.dim(); ++i) {
+    if (i != d && i != last) {
+      out_shape.push_back(x.size(i));
+      m *= x.size(i);
+    }
+  }
+  out_shape.push_back(weight.size(0));
+  if (small_full_precision(weight, m)) {
+    const at::Tensor x2d = x.movedim(d, -2).reshape({m, weight.size(1)});
+    return linear2d(x2d, weight, bias).view(out_shape);
+  }
+  return cat_linear_impl(x.unbind(d), weight, bias);
+}
+
 } // namespace
 } // namespace opreg
 
 TORCH_LIBRARY_IMPL(opreg, CPU, m) {
   m.impl("cat_linear", &opreg::cat_linear_entry<opreg::cat_linear_impl>);
-  m.impl("cat_linear_stacked", &opreg::cat_linear_stacked_entry<opreg::cat_linear_impl>);
+  m.impl("cat_linear_stacked", &opreg::cat_linear_stacked_cpu);
 }
