@@ -167,11 +167,12 @@ def tensor_value(x: Any) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
-def known_equal(a: Any, b: Any) -> bool:
-    """``a == b`` for ints or SymInts, True only if provable now: never adds a guard."""
+def _provable(compare: Callable[[], Any]) -> bool:
+    """The comparison's result if it is a bool, or provable from what the shape
+    environment knows now (SymInts); False otherwise. Never adds a guard."""
     try:
-        r = a == b
-    except Exception:  # noqa: BLE001 - incomparable means "not known equal"
+        r = compare()
+    except Exception:  # noqa: BLE001 - incomparable means "not known"
         return False
     if isinstance(r, bool):
         return r
@@ -179,20 +180,16 @@ def known_equal(a: Any, b: Any) -> bool:
         return statically_known_true(r)
     except Exception:  # noqa: BLE001
         return False
+
+
+def known_equal(a: Any, b: Any) -> bool:
+    """``a == b`` for ints or SymInts, True only if provable now: never adds a guard."""
+    return _provable(lambda: a == b)
 
 
 def known_le(a: Any, b: Any) -> bool:
     """``a <= b`` for ints or SymInts, True only if provable now: never adds a guard."""
-    try:
-        r = a <= b
-    except Exception:  # noqa: BLE001
-        return False
-    if isinstance(r, bool):
-        return r
-    try:
-        return statically_known_true(r)
-    except Exception:  # noqa: BLE001
-        return False
+    return _provable(lambda: a <= b)
 
 
 def shape_is(t: torch.Tensor, shape: Sequence[Any]) -> bool:
