@@ -97,6 +97,7 @@ class Finding:
     line: int
     code: str             # that source line, stripped
     node: str             # the FX node's name
+    op: str = ""          # for a match, the op emitted if not the pattern's own ``op``
 
     @property
     def where(self) -> str:
@@ -127,10 +128,12 @@ class PassContext:
         self.findings: list[Finding] = []
         self.rewrites = 0
 
-    def matched(self, pattern: "GraphPattern", node: fx.Node, spelling: str) -> None:
+    def matched(self, pattern: "GraphPattern", node: fx.Node, spelling: str, op: str = "") -> None:
+        """Record a rewrite; ``op``: the registry op emitted, if not ``pattern.op``."""
         pattern.matches[spelling] += 1
         self.rewrites += 1
-        self.findings.append(Finding(pattern.name, spelling, True, "", *user_frame(node), node.name))
+        self.findings.append(Finding(pattern.name, spelling, True, "", *user_frame(node), node.name,
+                                     op))
         logger.debug("opreg: %s matched %s at %s", pattern.name, spelling, node.name)
 
     def near_miss(self, pattern: "GraphPattern", node: fx.Node, spelling: str, reason: str) -> int:

@@ -62,6 +62,8 @@ class ExplainReport:
 def _op_of(f: Any) -> str:
     from .backend import registered_patterns
 
+    if f.op:
+        return f.op
     for p in registered_patterns():
         if p.name == f.pattern:
             return p.op or p.name
