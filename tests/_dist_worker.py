@@ -1,6 +1,7 @@
 """Worker side of tests/test_distributed.py: a small MoE + cat_linear model, its eager
 single-process reference, and the per-rank training run under DDP / FSDP2 with
-``torch.compile(..., backend="opreg")``.
+``torch.compile(..., backend="opreg")``; on the CPU with gloo, or one GPU per rank with
+NCCL.
 
 A module of its own (not the test file) so that ``torch.multiprocessing`` can pickle the
 worker function by reference and the spawned children import little.
@@ -58,7 +59,7 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         hidden = torch.relu(self.expert(x))
         g = torch.sigmoid(self.router(x)).squeeze(-1)
-        return torch.zeros(T, H).index_add_(0, idx, hidden * g[:, None])
+        return torch.zeros(T, H, device=x.device).index_add_(0, idx, hidden * g[:, None])
 
 
 class CatBlock(nn.Module):
@@ -82,42 +83,46 @@ class Net(nn.Module):
         return self.cat(self.moe(x, idx).view(R, M, H))
 
 
-def make_model(k: int) -> Net:
-    with torch.random.fork_rng():
+def make_model(k: int, device: str = "cpu") -> Net:
+    """The same initial parameters on every device (drawn on the CPU)."""
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(INIT_SEED)
-        return Net(k)
+        return Net(k).to(device)
 
 
-def make_data(k: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s shard of the global batch of step ``step``: (x, idx, target)."""
+def make_data(k: int, rank: int, step: int,
+              device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s shard of the global batch of step ``step``: (x, idx, target),
+    drawn on the CPU so that every device sees the same values."""
     g = torch.Generator().manual_seed(DATA_SEED + 1000 * step + rank)
     x = torch.randn(N, H, generator=g)
     idx = torch.randint(0, T, (N,), generator=g)
     target = torch.randn(M, k, generator=g)
-    return x, idx, target
+    return x.to(device), idx.to(device), target.to(device)
 
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).pow(2).mean()
 
 
-def reference(k: int) -> dict[str, Any]:
-    """Single process, eager: the loss of the global batch is the mean of the shards'
-    losses (what DDP's / FSDP2's gradient averaging computes). Per step: each shard's
-    loss and every parameter's gradient; then the parameters after the last step."""
-    model = make_model(k)
+def reference(k: int, device: str = "cpu") -> dict[str, Any]:
+    """Single process (one GPU for "cuda"), eager: the loss of the global batch is the
+    mean of the shards' losses (what DDP's / FSDP2's gradient averaging computes). Per
+    step: each shard's loss and every parameter's gradient; then the parameters after the
+    last step (tensors on the CPU)."""
+    model = make_model(k, device)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], []
     for step in range(STEPS):
         opt.zero_grad()
         shard_losses = [loss_fn(model(x, idx), t)
-                        for x, idx, t in (make_data(k, r, step) for r in range(WORLD))]
+                        for x, idx, t in (make_data(k, r, step, device) for r in range(WORLD))]
         (sum(shard_losses) / WORLD).backward()
         losses.append([v.item() for v in shard_losses])
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        grads.append({n: p.grad.detach().cpu() for n, p in model.named_parameters()})
         opt.step()
     return {"losses": losses, "grads": grads,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+            "params": {n: p.detach().cpu() for n, p in model.named_parameters()}}
 
 
 def free_port() -> int:
@@ -127,9 +132,9 @@ def free_port() -> int:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor (FSDP2's sharded parameters and gradients) gathered to a plain tensor."""
+    """A DTensor (FSDP2's sharded parameters and gradients) gathered to a plain CPU tensor."""
     full = getattr(t, "full_tensor", None)
-    return (full() if full is not None else t).detach().clone()
+    return (full() if full is not None else t).detach().cpu().clone()
 
 
 def _clean_name(name: str) -> str:
@@ -157,15 +162,17 @@ def _reset_counters() -> None:
         p.reset_counters()
 
 
-def _wrap(model: Net, wrapper: str, bucket_cap_mb: float) -> nn.Module:
+def _wrap(model: Net, wrapper: str, bucket_cap_mb: float, device: str) -> nn.Module:
     if wrapper == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(model, bucket_cap_mb=bucket_cap_mb)
+        dev = torch.device(device)
+        return DDP(model, bucket_cap_mb=bucket_cap_mb,
+                   device_ids=[dev.index] if dev.type == "cuda" else None)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh(torch.device(device).type, (WORLD,))
     fully_shard(model.moe, mesh=mesh)
     fully_shard(model.cat, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -183,21 +190,22 @@ def _explain(model: nn.Module, x: torch.Tensor, idx: torch.Tensor) -> dict[str, 
             "near_misses": sorted((f.pattern, f.reason) for f in rep.near_misses)}
 
 
-def _train(scenario: str, rank: int) -> dict[str, Any]:
+def _train(scenario: str, rank: int, device: str) -> dict[str, Any]:
     """Train STEPS steps of SGD on this rank's shards; per step the local loss and the
     (averaged, gathered) gradients, then the parameters, which opreg ops ran in each step
     (profiler), the backend's counters and, under DDP, opreg.explain's report."""
     k, wrapper, bucket_cap_mb, optimize_ddp = SCENARIOS[scenario]
     with torch._dynamo.config.patch(optimize_ddp=optimize_ddp):
-        model = _wrap(make_model(k), wrapper, bucket_cap_mb)
-        explained = _explain(model, *make_data(k, rank, 0)[:2]) if wrapper == "ddp" else None
+        model = _wrap(make_model(k, device), wrapper, bucket_cap_mb, device)
+        explained = (_explain(model, *make_data(k, rank, 0, device)[:2])
+                     if wrapper == "ddp" else None)
         _reset_counters()
         compiled = torch.compile(model, backend="opreg", options=OPTIONS)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         losses, grads, ran = [], [], []
         for step in range(STEPS):
             opt.zero_grad()
-            x, idx, target = make_data(k, rank, step)
+            x, idx, target = make_data(k, rank, step, device)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 loss = loss_fn(compiled(x, idx), target)
                 loss.backward()
@@ -210,21 +218,25 @@ def _train(scenario: str, rank: int) -> dict[str, Any]:
             "explain": explained, **_counters()}
 
 
-def worker(rank: int, port: int, out_dir: str, scenarios: list[str]) -> None:
+def worker(rank: int, port: int, out_dir: str, scenarios: list[str], device: str = "cpu") -> None:
     """One rank: run every scenario, save results (or each one's traceback) to
-    ``out_dir/rank{rank}.pt``. The process group is always destroyed."""
+    ``out_dir/rank{rank}.pt``. ``device``: "cpu" (gloo) or "cuda" (NCCL, GPU ``rank``).
+    The process group is always destroyed."""
     torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     if "lo" in {name for _, name in socket.if_nameindex()}:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # gloo's own sockets: loopback too
     results: dict[str, Any] = {}
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     try:
         for scenario in scenarios:
             try:
-                results[scenario] = _train(scenario, rank)
+                results[scenario] = _train(scenario, rank, device)
             except Exception:  # noqa: BLE001 - reported by the test of that scenario
                 results[scenario] = {"error": traceback.format_exc()}
             dist.barrier()

@@ -1,7 +1,7 @@
-"""opreg under torch.distributed: 2 processes (torch.multiprocessing spawn, gloo on the CPU,
-loopback only) train a small MoE + cat_linear model (tests/_dist_worker.py) with
+"""opreg under torch.distributed: 2 processes (torch.multiprocessing spawn; gloo on the CPU,
+loopback only, and, where 2 GPUs exist, NCCL with one GPU per process) train a small MoE + cat_linear model (tests/_dist_worker.py) with
 ``torch.compile(..., backend="opreg")`` under DDP and FSDP2, and every loss, gradient and
-parameter equals the single-process eager run on the same global batch.
+parameter equals the single-process eager run (one GPU for NCCL) on the same global batch.
 
 DDP under torch.compile splits the Dynamo graph at bucket boundaries (DDPOptimizer) before
 the backend sees it: scatter_combine (no parameter inside the pattern) survives any
@@ -39,10 +39,13 @@ EXPECTED = {
 }
 OPS_ALL = ["opreg::cat_linear_stacked", "opreg::scatter_combine", "opreg::scatter_combine_backward"]
 RAN = {"ddp": OPS_ALL, "ddp_split": OPS_ALL[1:], "ddp_nosplit": OPS_ALL, "fsdp2": OPS_ALL}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < w.WORLD, reason=f"NCCL run needs {w.WORLD} GPUs"))]
 
-def _launch(out_dir: str) -> None:
+
+def _launch(out_dir: str, device: str) -> None:
     """Spawn the 2 workers and wait, at most DEADLINE_S; kill them past it."""
-    ctx = mp.start_processes(w.worker, args=(w.free_port(), out_dir, list(w.SCENARIOS)),
+    ctx = mp.start_processes(w.worker, args=(w.free_port(), out_dir, list(w.SCENARIOS), device),
                              nprocs=w.WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + DEADLINE_S
     try:
@@ -56,23 +59,28 @@ def _launch(out_dir: str) -> None:
                 p.join(10)
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
+def results(device: str) -> list[dict[str, Any]]:
     """Per rank: scenario -> what the worker recorded (or {"error": traceback})."""
     with tempfile.TemporaryDirectory(prefix="opreg_dist_") as out_dir:
         try:
-            _launch(out_dir)
+            _launch(out_dir, device)
         except mp.ProcessRaisedException as e:
             if "address already in use" not in str(e).lower():
                 raise
-            _launch(out_dir)   # the free port was taken between probing and binding: retry once
+            _launch(out_dir, device)   # the free port was taken between probing and binding: retry once
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
                 for r in range(w.WORLD)]
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[int, dict[str, Any]]:
-    return {k: w.reference(k) for k in (w.K_SMALL, w.K_BIG)}
+def references(device: str) -> dict[int, dict[str, Any]]:
+    return {k: w.reference(k, device) for k in (w.K_SMALL, w.K_BIG)}
 
 
 def _scenario(results: list[dict[str, Any]], scenario: str, rank: int) -> dict[str, Any]:
