@@ -356,7 +356,7 @@ class CatLinearPattern(GraphPattern):
                 ed.rollback()
                 ctx.near_miss(self, user, c.spelling, f"replacement rejected: {e}")
                 continue
-            ctx.matched(self, user, c.spelling, op=op.target._schema.name.split("::", 1)[1])
+            ctx.matched(self, user, c.spelling, op=op.target.name().split("::", 1)[1])
             c.anchor.replace_all_uses_with(op)
             gm.graph.erase_node(c.anchor)
             # Slices the stacked form no longer reads go too (an unbind with them).

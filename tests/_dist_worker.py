@@ -163,16 +163,16 @@ def _reset_counters() -> None:
 
 
 def _wrap(model: Net, wrapper: str, bucket_cap_mb: float, device: str) -> nn.Module:
+    dev = torch.device(device)
     if wrapper == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        dev = torch.device(device)
         return DDP(model, bucket_cap_mb=bucket_cap_mb,
                    device_ids=[dev.index] if dev.type == "cuda" else None)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(torch.device(device).type, (WORLD,))
+    mesh = init_device_mesh(dev.type, (WORLD,))
     fully_shard(model.moe, mesh=mesh)
     fully_shard(model.cat, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -231,7 +231,8 @@ def worker(rank: int, port: int, out_dir: str, scenarios: list[str], device: str
     if "lo" in {name for _, name in socket.if_nameindex()}:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # gloo's own sockets: loopback too
     results: dict[str, Any] = {}
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     try:
         for scenario in scenarios:

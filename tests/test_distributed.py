@@ -1,7 +1,8 @@
 """opreg under torch.distributed: 2 processes (torch.multiprocessing spawn; gloo on the CPU,
-loopback only, and, where 2 GPUs exist, NCCL with one GPU per process) train a small MoE + cat_linear model (tests/_dist_worker.py) with
-``torch.compile(..., backend="opreg")`` under DDP and FSDP2, and every loss, gradient and
-parameter equals the single-process eager run (one GPU for NCCL) on the same global batch.
+loopback only, and, where 2 GPUs exist, NCCL with one GPU per process) train a small
+MoE + cat_linear model (tests/_dist_worker.py) with ``torch.compile(..., backend="opreg")``
+under DDP and FSDP2, and every loss, gradient and parameter equals the single-process eager
+run (one GPU for NCCL) on the same global batch.
 
 DDP under torch.compile splits the Dynamo graph at bucket boundaries (DDPOptimizer) before
 the backend sees it: scatter_combine (no parameter inside the pattern) survives any
