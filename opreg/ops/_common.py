@@ -1,8 +1,16 @@
-"""Argument checks shared by the references and fake kernels.
+"""What every op spec shares: dtype sets, the :class:`Reason` a spec's ``unsupported``
+returns, and the registration of a built-in op.
 
-They mirror ``backends/common/checks.h`` (same exception types, same wording), so an
-op fails the same way whichever implementation runs: shapes and devices raise
-ValueError, dtypes TypeError, out-of-range indices IndexError.
+An op's spec (``opreg/ops/<op>.py``) says once what fits the op: ``unsupported(...)``
+returns a :class:`Reason` (a message that also knows its exception type) or None. The
+op's ``check`` raises it; a pattern or loop idiom reports it as the reason it left the
+user's code alone. The rules mirror the op's C++ checks (``backends/<op>/checks.h``:
+same exception types, same wording), so an op fails the same way whichever
+implementation runs: shapes and devices raise ValueError, dtypes TypeError,
+out-of-range indices IndexError.
+
+Sizes may be SymInts. ``holds(cond)`` turns a size comparison into a bool: plain ``bool``
+at run time (a guard is fine there); a pattern passes a guard-free "provably true".
 """
 from __future__ import annotations
 
@@ -13,25 +21,62 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
+Holds = Callable[[Any], bool]
 
-def _dt(t: torch.Tensor) -> str:
+
+class Reason(str):
+    """Why inputs don't fit an op: the message, and the exception ``check`` raises."""
+
+    exc: type[Exception]
+
+    def __new__(cls, exc: type[Exception], message: str) -> "Reason":
+        self = super().__new__(cls, message)
+        self.exc = exc
+        return self
+
+    def raise_(self) -> None:
+        raise self.exc(str(self))
+
+
+def first(*reasons: Callable[[], Reason | None]) -> Reason | None:
+    """The first rule (a thunk) that fails, or None."""
+    for r in reasons:
+        got = r()
+        if got is not None:
+            return got
+    return None
+
+
+def dt(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def require(cond: bool, exc: type[Exception], msg: str) -> None:
-    if not cond:
-        raise exc(msg)
+_dt = dt  # older spelling
 
 
-def check_float(op: str, arg: str, t: torch.Tensor) -> None:
-    require(t.dtype in FLOAT_DTYPES, TypeError,
-            f"{op}: {arg} must be float32, float16, bfloat16 or float64, got {_dt(t)}")
+def not_float(op: str, arg: str, t: torch.Tensor) -> Reason | None:
+    if t.dtype in FLOAT_DTYPES:
+        return None
+    return Reason(TypeError, f"{op}: {arg} must be float32, float16, bfloat16 or float64, got {dt(t)}")
 
 
-def check_same_device(op: str, ref_name: str, ref: torch.Tensor, **others: torch.Tensor) -> None:
+def other_device(op: str, ref_name: str, ref: torch.Tensor, **others: torch.Tensor) -> Reason | None:
     for name, t in others.items():
-        require(t.device == ref.device, ValueError,
-                f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}")
+        if t.device != ref.device:
+            return Reason(ValueError, f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}")
+    return None
+
+
+def not_strided(op: str, **tensors: torch.Tensor) -> Reason | None:
+    for name, t in tensors.items():
+        if t.layout != torch.strided:
+            return Reason(ValueError, f"{op}: {name} must be a dense (strided) tensor, got {t.layout}")
+    return None
+
+
+def raise_if(reason: Reason | None) -> None:
+    if reason is not None:
+        reason.raise_()
 
 
 def define_builtin(name: str, schema: str, reference: Callable[..., Any],

@@ -5,12 +5,18 @@
 expert_hidden (N, H) float; token_idx (N,) int32/int64; gates (N,), the dtype of
 expert_hidden or float32; num_tokens T >= 0. Returns (T, H) in expert_hidden's dtype;
 tokens that receive no row are 0. Accumulates in float32 (float64 for float64 inputs).
+
+This file is the op's spec: :func:`unsupported` says what fits it (the op's own check,
+its pattern and its loop idiom all ask it), :func:`reference` what it means.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ._common import INDEX_DTYPES, _dt, check_float, check_same_device, define_builtin, require
+from ._common import (FLOAT_DTYPES, INDEX_DTYPES, Holds, Reason, define_builtin, dt, first,
+                      not_float, not_strided, other_device, raise_if)
 
 NAME = "scatter_combine"
 SCHEMA = "(Tensor expert_hidden, Tensor token_idx, Tensor gates, SymInt num_tokens) -> Tensor"
@@ -18,24 +24,47 @@ BACKWARD_SCHEMA = ("(Tensor grad_out, Tensor expert_hidden, Tensor token_idx, Te
                    " -> (Tensor, Tensor)")
 
 
+def unsupported(expert_hidden: torch.Tensor, token_idx: torch.Tensor, gates: torch.Tensor,
+                num_tokens: Any, *, op: str = NAME, holds: Holds = bool) -> Reason | None:
+    """Why these (real or fake) inputs don't fit the op, or None. Shapes, dtypes, devices
+    and layouts only: the index *values* are checked by :func:`check_range`."""
+    h, i, g = expert_hidden, token_idx, gates
+
+    def shapes() -> Reason | None:
+        if h.dim() != 2:
+            return Reason(ValueError, f"{op}: expert_hidden must be 2-D (N, H), got shape {list(h.shape)}")
+        n = h.shape[0]
+        if i.dim() != 1 or not holds(i.shape[0] == n):
+            return Reason(ValueError, f"{op}: token_idx must have shape (N,) = ({n},), got {list(i.shape)}")
+        if g.dim() != 1 or not holds(g.shape[0] == n):
+            return Reason(ValueError, f"{op}: gates must have shape (N,) = ({n},), got {list(g.shape)}")
+        return None
+
+    def dtypes() -> Reason | None:
+        if i.dtype not in INDEX_DTYPES:
+            return Reason(TypeError, f"{op}: token_idx must be int32 or int64, got {dt(i)}")
+        bad = not_float(op, "expert_hidden", h)
+        if bad is None and g.dtype not in (h.dtype, torch.float32):
+            bad = Reason(TypeError, f"{op}: gates must be {dt(h)} (like expert_hidden) or float32, "
+                                    f"got {dt(g)}")
+        return bad
+
+    def count() -> Reason | None:
+        if isinstance(num_tokens, (int, torch.SymInt)) and not isinstance(num_tokens, bool) \
+                and holds(num_tokens >= 0):
+            return None
+        return Reason(ValueError, f"{op}: num_tokens must be >= 0, got {num_tokens}")
+
+    return first(shapes, dtypes,
+                 lambda: other_device(op, "expert_hidden", h, token_idx=i, gates=g),
+                 lambda: not_strided(op, expert_hidden=h, token_idx=i, gates=g),
+                 count)
+
+
 def check(expert_hidden: torch.Tensor, token_idx: torch.Tensor, gates: torch.Tensor,
           num_tokens: int, op: str = NAME) -> None:
-    """Shape/dtype/device checks (no index range check: that needs the values)."""
-    require(expert_hidden.dim() == 2, ValueError,
-            f"{op}: expert_hidden must be 2-D (N, H), got shape {list(expert_hidden.shape)}")
-    n = expert_hidden.shape[0]
-    require(token_idx.dim() == 1 and token_idx.shape[0] == n, ValueError,
-            f"{op}: token_idx must have shape (N,) = ({n},), got {list(token_idx.shape)}")
-    require(gates.dim() == 1 and gates.shape[0] == n, ValueError,
-            f"{op}: gates must have shape (N,) = ({n},), got {list(gates.shape)}")
-    require(token_idx.dtype in INDEX_DTYPES, TypeError,
-            f"{op}: token_idx must be int32 or int64, got {_dt(token_idx)}")
-    check_float(op, "expert_hidden", expert_hidden)
-    require(gates.dtype in (expert_hidden.dtype, torch.float32), TypeError,
-            f"{op}: gates must be {_dt(expert_hidden)} (like expert_hidden) or float32, "
-            f"got {_dt(gates)}")
-    check_same_device(op, "expert_hidden", expert_hidden, token_idx=token_idx, gates=gates)
-    require(num_tokens >= 0, ValueError, f"{op}: num_tokens must be >= 0, got {num_tokens}")
+    """Raise what :func:`unsupported` finds (no index range check: that needs the values)."""
+    raise_if(unsupported(expert_hidden, token_idx, gates, num_tokens, op=op))
 
 
 def check_range(token_idx: torch.Tensor, num_tokens: int) -> None:
@@ -49,7 +78,7 @@ def check_range(token_idx: torch.Tensor, num_tokens: int) -> None:
                          f"[0, num_tokens={num_tokens})")
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -59,7 +88,7 @@ def reference(expert_hidden: torch.Tensor, token_idx: torch.Tensor, gates: torch
     ``index_add_``: it is deterministic on CUDA too (sort-based), index_add_ uses atomics."""
     check(expert_hidden, token_idx, gates, num_tokens)
     check_range(token_idx, num_tokens)
-    acc = _acc(expert_hidden.dtype)
+    acc = accumulate_dtype(expert_hidden.dtype)
     contrib = expert_hidden.to(acc) * gates.to(acc).unsqueeze(-1)
     out = contrib.new_zeros(num_tokens, expert_hidden.shape[1])
     out.index_put_((token_idx.long(),), contrib, accumulate=True)
@@ -77,7 +106,7 @@ def backward_reference(grad_out: torch.Tensor, expert_hidden: torch.Tensor,
     """(grad_expert_hidden, grad_gates): ``gates[r] * grad_out[idx[r]]`` and
     ``<grad_out[idx[r]], expert_hidden[r]>``, accumulated in float32 (float64)."""
     check(expert_hidden, token_idx, gates, grad_out.shape[0], op=NAME + "_backward")
-    acc = _acc(expert_hidden.dtype)
+    acc = accumulate_dtype(expert_hidden.dtype)
     g = grad_out.index_select(0, token_idx.long()).to(acc)
     grad_hidden = (g * gates.to(acc).unsqueeze(-1)).to(expert_hidden.dtype)
     grad_gates = (g * expert_hidden.to(acc)).sum(-1).to(gates.dtype)
@@ -92,3 +121,5 @@ def backward_fake(grad_out: torch.Tensor, expert_hidden: torch.Tensor,
 define_builtin(NAME, SCHEMA, reference, fake)
 define_builtin(NAME + "_backward", BACKWARD_SCHEMA, backward_reference, backward_fake,
                differentiable=False)
+
+__all__ = ["FLOAT_DTYPES", "INDEX_DTYPES", "NAME", "check", "check_range", "reference", "unsupported"]
