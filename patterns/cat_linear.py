@@ -2,13 +2,16 @@
 
     y = F.linear(torch.cat(parts, -1), W, b)      parts (..., H_i), W (K, sum H_i), b (K,)
 
-Runs on the Dynamo graph (see :mod:`opreg.backend` for why). This file holds, in order:
-the spellings it matches, the replacement, the safety checks, then the pass.
+Runs on the Dynamo graph (see :mod:`opreg.compile.backend` for why). This file holds, in
+order: the spellings it matches and how each reads into a match, the replacement, the
+safety checks, then the pattern. The loop, mutation safety and counting are the
+framework's (:mod:`opreg.compile.pattern`).
 ``PATTERN.matches`` counts rewrites by spelling (what tests assert on);
 ``PATTERN.near_misses`` counts refusals by reason.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -16,9 +19,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from opreg.backend import (FLOAT_DTYPES, GraphEditor, GraphPattern, PassContext, RewriteRejected,
-                           bind, erase_dead, is_call, known_equal, known_le, mutation_between,
-                           shape_is, tensor_value)
+from opreg.compile.fx_utils import ADD, bind, is_call, known_equal, known_le, provable, tensor_value
+from opreg.compile.pattern import GraphEditor, GraphPattern, Match, Miss, PassContext
+from opreg.ops.cat_linear import STACKED_MAX_MACS, unsupported
 
 # ============================================================================= spellings
 # The cat: torch.cat / concat / concatenate(parts, dim=-1) of a list of tensors, however
@@ -33,7 +36,6 @@ CAT = (torch.cat, torch.concat, torch.concatenate)
 LINEAR = (F.linear, torch._C._nn.linear)
 MATMUL = (operator.matmul, torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm)
 ADDMM = (torch.addmm, torch.Tensor.addmm)
-BIAS_ADD = (operator.add, operator.iadd, torch.add, torch.Tensor.add)
 TRANSPOSE_FNS = (torch.t, torch.Tensor.t, torch.transpose, torch.Tensor.transpose,
                  torch.permute, torch.Tensor.permute)
 _NUMPY_T = tuple(x for x in (getattr(torch.ops.aten, "numpy_T", None),
@@ -58,33 +60,34 @@ def cat_parts(node: Any) -> tuple[list[Any], Any] | None:
     return list(tensors), dim
 
 
+def _swaps_two_dims(name: str, rest: list[Any]) -> bool:
+    """Do ``.t()``, ``.transpose(*rest)`` or ``.permute(*rest)`` swap the two dims of a 2-D tensor?"""
+    if name == "t":
+        return not rest
+    dims = rest[0] if name == "permute" and len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
+    if len(dims) != 2 or not all(type(d) is int for d in dims):
+        return False
+    if name == "transpose":
+        return {d % 2 for d in dims} == {0, 1}
+    return name == "permute" and [d % 2 for d in dims] == [1, 0]
+
+
 def transposed_weight(node: Any) -> fx.Node | None:
     """W, if ``node`` is the transpose of a 2-D W (W.T, W.t(), W.transpose(0, 1), ...)."""
-    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node) \
+            or node.kwargs:
         return None
     w, v = tensor_value(node.args[0]), tensor_value(node)
     if w is None or v is None or w.dim() != 2 or v.dim() != 2:
         return None
     rest = list(node.args[1:])
-    if node.kwargs:
-        return None
-    if node.op == "call_function" and node.target in _NUMPY_T and not rest:
+    if node.op == "call_function" and ((node.target in _NUMPY_T and not rest)
+                                       or (node.target is getattr and rest in (["T"], ["mT"]))):
         return node.args[0]
-    if node.op == "call_function" and node.target is getattr and rest in (["T"], ["mT"]):
-        return node.args[0]
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     if not (node.op == "call_method" or is_call(node, TRANSPOSE_FNS)):
         return None
-    if name == "t" and not rest:
-        return node.args[0]
-    if name == "transpose" and len(rest) == 2 and all(isinstance(d, int) for d in rest) \
-            and {d % 2 for d in rest} == {0, 1}:
-        return node.args[0]
-    if name == "permute":
-        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
-        if len(dims) == 2 and all(isinstance(d, int) for d in dims) and [d % 2 for d in dims] == [1, 0]:
-            return node.args[0]
-    return None
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return node.args[0] if _swaps_two_dims(name, rest) else None
 
 
 def bias_add(mm: fx.Node) -> tuple[fx.Node, fx.Node] | None:
@@ -92,7 +95,7 @@ def bias_add(mm: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     if len(mm.users) != 1:
         return None
     add = next(iter(mm.users))
-    if not is_call(add, BIAS_ADD, ("add",)):
+    if not is_call(add, ADD, ("add",)):
         return None
     a = bind(add, ("self", "other", "alpha"), {"alpha": 1})
     if a is None or a["alpha"] != 1:
@@ -106,52 +109,69 @@ def bias_add(mm: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return add, other
 
 
+@dataclasses.dataclass
 class Consumer:
     """How a cat's result is consumed by a linear: the node to replace (``anchor``),
-    the weight and bias nodes, and the nodes that die with it."""
+    the weight and bias nodes (or the nn.Linear ``module``), and the nodes that die with it."""
 
-    def __init__(self, spelling: str, anchor: fx.Node, weight: Any, bias: Any,
-                 dead: list[fx.Node], module: str | None = None) -> None:
-        self.spelling, self.anchor, self.weight, self.bias = spelling, anchor, weight, bias
-        self.dead, self.module = dead, module
+    spelling: str
+    anchor: fx.Node
+    weight: Any
+    bias: Any
+    dead: list[fx.Node]
+    module: str | None = None
+
+
+def _linear(cat: fx.Node, user: fx.Node, gm: fx.GraphModule) -> Consumer | str | None:
+    a = bind(user, ("self", "weight", "bias"), {"bias": None})
+    if a is None or a["self"] is not cat:
+        return None
+    return Consumer("linear", user, a["weight"], a["bias"], [])
+
+
+def _module(cat: fx.Node, user: fx.Node, gm: fx.GraphModule) -> Consumer | str | None:
+    if type(gm.get_submodule(user.target)) is not torch.nn.Linear or user.args != (cat,) or user.kwargs:
+        return None  # a subclass may override forward
+    return Consumer("nn.Linear", user, None, None, [], module=user.target)
+
+
+def _matmul(cat: fx.Node, user: fx.Node, gm: fx.GraphModule) -> Consumer | str | None:
+    a = bind(user, ("self", "other")) or bind(user, ("self", "mat2"))
+    if a is None or a["self"] is not cat:
+        return None
+    right = a.get("other", a.get("mat2"))
+    w = transposed_weight(right)
+    if w is None:
+        return "the matmul's right operand is not a transposed weight W.T"
+    folded = bias_add(user)
+    if folded is not None:
+        return Consumer("cat @ W.T + b", folded[0], w, folded[1], [user, right])
+    return Consumer("cat @ W.T", user, w, None, [right])
+
+
+def _addmm(cat: fx.Node, user: fx.Node, gm: fx.GraphModule) -> Consumer | str | None:
+    a = bind(user, ("self", "mat1", "mat2", "beta", "alpha"), {"beta": 1, "alpha": 1})
+    if a is None or a["mat1"] is not cat:
+        return None
+    if a["beta"] != 1 or a["alpha"] != 1:
+        return "addmm with beta/alpha other than 1"
+    w = transposed_weight(a["mat2"])
+    if w is None:
+        return "addmm's mat2 is not a transposed weight W.t()"
+    return Consumer("addmm", user, w, a["self"], [a["mat2"]])
 
 
 def consumer_of(cat: fx.Node, user: fx.Node, gm: fx.GraphModule) -> Consumer | str | None:
     """The linear ``user`` applies to ``cat``; a reason if it looks like one but can't be
     expressed; None if ``user`` is no linear over ``cat`` at all."""
     if is_call(user, LINEAR):
-        a = bind(user, ("self", "weight", "bias"), {"bias": None})
-        if a is None or a["self"] is not cat:
-            return None
-        return Consumer("linear", user, a["weight"], a["bias"], [])
+        return _linear(cat, user, gm)
     if user.op == "call_module":
-        mod = gm.get_submodule(user.target)
-        if type(mod) is not torch.nn.Linear or user.args != (cat,) or user.kwargs:
-            return None  # a subclass may override forward
-        return Consumer("nn.Linear", user, None, None, [], module=user.target)
+        return _module(cat, user, gm)
     if is_call(user, MATMUL, ("matmul", "mm")):
-        a = bind(user, ("self", "other")) or bind(user, ("self", "mat2"))
-        if a is None or a["self"] is not cat:
-            return None
-        right = a.get("other", a.get("mat2"))
-        w = transposed_weight(right)
-        if w is None:
-            return "the matmul's right operand is not a transposed weight W.T"
-        folded = bias_add(user)
-        if folded is not None:
-            add, b = folded
-            return Consumer("cat @ W.T + b", add, w, b, [user, right])
-        return Consumer("cat @ W.T", user, w, None, [right])
+        return _matmul(cat, user, gm)
     if is_call(user, ADDMM, ("addmm",)):
-        a = bind(user, ("self", "mat1", "mat2", "beta", "alpha"), {"beta": 1, "alpha": 1})
-        if a is None or a["mat1"] is not cat:
-            return None
-        if a["beta"] != 1 or a["alpha"] != 1:
-            return "addmm with beta/alpha other than 1"
-        w = transposed_weight(a["mat2"])
-        if w is None:
-            return "addmm's mat2 is not a transposed weight W.t()"
-        return Consumer("addmm", user, w, a["self"], [a["mat2"]])
+        return _addmm(cat, user, gm)
     return None
 
 
@@ -210,68 +230,74 @@ def stacked_source(parts: list[Any]) -> tuple[fx.Node, int] | None:
     return (x, dim) if known_equal(v.shape[dim], len(parts)) else None
 
 
-# The stacked form saves host time (no Python-made slices), which only matters when the
-# kernel is short. Above this many multiply-adds the CUDA op takes its GEMM path, where
-# the list form's at::cat measured faster (see cat_linear_stacked_cuda); so the stacked
-# form is used up to here, where both dtypes' CUDA calls run the single-launch kernel.
-STACKED_MAX_MACS = 1 << 24
+@dataclasses.dataclass
+class CatLinearMatch(Match):
+    cat: fx.Node = None  # type: ignore[assignment]
+    parts: list[Any] = dataclasses.field(default_factory=list)
+    dim: Any = -1
+    consumer: Consumer = None  # type: ignore[assignment]
 
 
-def emit_cat_linear(ed: GraphEditor, parts: list[fx.Node], c: Consumer, macs: Any) -> fx.Node:
-    """``macs``: rows * in-features * out-features of the linear (int or SymInt)."""
+def emit_cat_linear(ed: GraphEditor, m: CatLinearMatch) -> fx.Node:
+    """cat_linear_stacked(x, d, W, b) for every slice of one x in order on a provably
+    small problem (see STACKED_MAX_MACS), else cat_linear(parts, W, b)."""
+    c = m.consumer
     weight, bias = c.weight, c.bias
     if c.module is not None:
-        mod = ed.ctx.gm.get_submodule(c.module)
         weight = ed.get_attr(f"{c.module}.weight")
-        bias = ed.get_attr(f"{c.module}.bias") if mod.bias is not None else None
-    small = known_le(macs, STACKED_MAX_MACS)
-    stacked = stacked_source(parts) if small else None
+        bias = ed.get_attr(f"{c.module}.bias") if ed.ctx.gm.get_submodule(c.module).bias is not None else None
+    macs = tensor_value(m.cat).numel() * tensor_value(weight).shape[0]
+    stacked = stacked_source(m.parts) if known_le(macs, STACKED_MAX_MACS) else None
     if stacked is not None:
         return ed.call_function(torch.ops.opreg.cat_linear_stacked.default,
                                 (stacked[0], stacked[1], weight, bias))
-    return ed.call_function(torch.ops.opreg.cat_linear.default, (list(parts), weight, bias))
+    return ed.call_function(torch.ops.opreg.cat_linear.default, (list(m.parts), weight, bias))
 
 
 # ========================================================================= safety checks
 
-def check_cat_linear(cat: fx.Node, parts: list[Any], dim: Any, weight: torch.Tensor | None,
-                     bias: torch.Tensor | None, has_bias: bool, autocast: bool) -> str | None:
-    """Why ``linear(cat(parts, dim), weight, bias)`` is not exactly cat_linear, or None."""
-    c = tensor_value(cat)
-    if c is None or weight is None or (has_bias and bias is None):
+def linear_params(m: CatLinearMatch, ctx: PassContext) -> tuple[Any, Any, bool]:
+    """Fake values of the linear's weight and bias, and whether it has a bias."""
+    c = m.consumer
+    if c.module is None:
+        return tensor_value(c.weight), tensor_value(c.bias), c.bias is not None
+    mod = ctx.gm.get_submodule(c.module)
+    fake = ctx.fake_mode.from_tensor if ctx.fake_mode is not None else (lambda t: t)
+    return fake(mod.weight), None if mod.bias is None else fake(mod.bias), mod.bias is not None
+
+
+def check_cat(m: CatLinearMatch) -> str | None:
+    """Why the cat itself can't be folded into the linear, or None."""
+    c, dim, parts = tensor_value(m.cat), m.dim, m.parts
+    if c is None:
         return "no shape information"
     if not isinstance(dim, int) or isinstance(dim, bool):
         return "cat with a non-constant dim"
     if dim % c.dim() != c.dim() - 1:
         return f"cat on dim {dim}, not the last"
-    if len(cat.users) != 1:
+    if len(m.cat.users) != 1:
         return "cat result used elsewhere (it would still be materialised)"
-    if not parts or not all(isinstance(p, fx.Node) for p in parts):
-        return "cat of a non-tensor list"
-    vals = [tensor_value(p) for p in parts]
-    if any(v is None for v in vals):
+    if not parts or not all(isinstance(p, fx.Node) and tensor_value(p) is not None for p in parts):
+        return "cat of a non-tensor list, or parts without shape information"
+    return None
+
+
+def check_cat_linear(m: CatLinearMatch, ctx: PassContext, autocast: bool) -> str | None:
+    """Why ``linear(cat(parts, dim), weight, bias)`` is not exactly cat_linear, or None."""
+    bad = check_cat(m)
+    if bad:
+        return bad
+    weight, bias, has_bias = linear_params(m, ctx)
+    c = tensor_value(m.cat)
+    if weight is None or (has_bias and bias is None):
         return "no shape information"
-    p0 = vals[0]
-    if p0.dtype not in FLOAT_DTYPES or any(v.dtype != p0.dtype for v in vals):
-        return "parts of different (or non-float) dtypes"
-    if any(v.dim() != c.dim() or not shape_is(v, (*c.shape[:-1], v.shape[-1])) for v in vals):
-        return "parts' leading shapes differ (cat would broadcast or fail)"
     if weight.dim() != 2 or not known_equal(weight.shape[1], c.shape[-1]):
         return (f"weight width {weight.shape[-1] if weight.dim() else '?'} does not match the "
                 f"cat's width {c.shape[-1]}")
-    if weight.dtype != p0.dtype or (bias is not None and bias.dtype != p0.dtype):
-        return "weight/bias dtype differs from the parts'"
-    if bias is not None and not shape_is(bias, (weight.shape[0],)):
-        return "bias is not (K,)"
-    devices = {v.device for v in vals} | {weight.device} | ({bias.device} if bias is not None else set())
-    if len(devices) > 1:
-        return "mixed devices"
-    if any(t.layout != torch.strided for t in [*vals, weight]):
-        return "a sparse operand"
     if autocast:
         # F.linear would run in the autocast dtype; a custom op is not autocast.
         return "inside an autocast region"
-    return None
+    return unsupported([tensor_value(p) for p in m.parts], weight, bias, holds=provable)
 
 
 DDP_SPLIT_REASON = ("the cat is an output of this graph, one of those DDP's graph split "
@@ -287,9 +313,11 @@ def under_ddp_split() -> bool:
     return getattr(ctx, "ddp_optimizer_ctx", None) is not None
 
 
-def cat_on_last_dim(cat: fx.Node, dim: Any) -> bool:
+def cut_off_by_ddp(cat: fx.Node, dim: Any) -> bool:
+    """A last-dim cat whose result leaves the graph, in a piece of DDP's graph split."""
     v = tensor_value(cat)
-    return v is not None and v.dim() > 0 and isinstance(dim, int) and dim % v.dim() == v.dim() - 1
+    return v is not None and v.dim() > 0 and isinstance(dim, int) and dim % v.dim() == v.dim() - 1 \
+        and any(u.op == "output" for u in cat.users) and under_ddp_split()
 
 
 def autocast_active(gm: fx.GraphModule) -> bool:
@@ -304,67 +332,45 @@ def autocast_active(gm: fx.GraphModule) -> bool:
                if n.op in ("call_function", "call_method", "call_module"))
 
 
-# ============================================================================== the pass
+# ============================================================================== the pattern
 
 class CatLinearPattern(GraphPattern):
     name = "cat_linear"
     op = "cat_linear"
 
-    def apply(self, gm: fx.GraphModule, ctx: PassContext) -> int:
-        count = 0
-        autocast = autocast_active(gm)
-        for node in list(gm.graph.nodes):
-            if getattr(node, "_erased", False):
-                continue
-            cp = cat_parts(node)
-            if cp is None:
-                continue
-            parts, dim = cp
-            found = [(u, consumer_of(node, u, gm)) for u in list(node.users)]
-            found = [(u, c) for u, c in found if c is not None]
-            if not found:
-                # Not feeding a linear: nothing to say, unless DDP's graph split cut this
-                # cat off from the linear that follows it in the next graph.
-                if any(u.op == "output" for u in node.users) and under_ddp_split() \
-                        and cat_on_last_dim(node, dim):
-                    ctx.near_miss(self, node, "cat + linear", DDP_SPLIT_REASON)
-                continue
-            user, c = found[0]
-            if isinstance(c, str):
-                ctx.near_miss(self, user, "cat + linear", c)
-                continue
-            if c.module is not None:
-                mod = gm.get_submodule(c.module)
-                w = ctx.fake_mode.from_tensor(mod.weight) if ctx.fake_mode else mod.weight
-                b = None if mod.bias is None else (
-                    ctx.fake_mode.from_tensor(mod.bias) if ctx.fake_mode else mod.bias)
-                has_bias = mod.bias is not None
-            else:
-                w, b, has_bias = tensor_value(c.weight), tensor_value(c.bias), c.bias is not None
-            reason = check_cat_linear(node, parts, dim, w, b, has_bias, autocast)
-            if not reason and mutation_between([node, *c.dead], c.anchor) is not None:
-                reason = ("an in-place op between the cat and the linear could change the "
-                          "parts (the op would read them later)")
-            if reason:  # reported at the cat: most reasons are about it
-                spelling = c.spelling if c.spelling.startswith("cat") else f"cat + {c.spelling}"
-                ctx.near_miss(self, node, spelling, reason)
-                continue
-            ed = GraphEditor(ctx, c.anchor)
-            try:
-                op = emit_cat_linear(ed, parts, c, tensor_value(node).numel() * w.shape[0])
-            except RewriteRejected as e:
-                ed.rollback()
-                ctx.near_miss(self, user, c.spelling, f"replacement rejected: {e}")
-                continue
-            ctx.matched(self, user, c.spelling, op=op.target.name().split("::", 1)[1])
-            c.anchor.replace_all_uses_with(op)
-            gm.graph.erase_node(c.anchor)
-            # Slices the stacked form no longer reads go too (an unbind with them).
-            sources = [p.args[0] for p in parts if isinstance(p, fx.Node) and p.args
-                       and is_call(p.args[0], (torch.unbind, torch.Tensor.unbind), ("unbind",))]
-            erase_dead(gm.graph, [*c.dead, node, *parts, *sources])
-            count += 1
-        return count
+    def begin(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        self._autocast = autocast_active(gm)
+
+    def match(self, node: fx.Node, ctx: PassContext) -> Match | Miss | None:
+        cp = cat_parts(node)
+        if cp is None:
+            return None
+        parts, dim = cp
+        found = [(u, c) for u in list(node.users) if (c := consumer_of(node, u, ctx.gm)) is not None]
+        if not found:
+            # Not feeding a linear: nothing to say, unless DDP's graph split cut this
+            # cat off from the linear that follows it in the next graph.
+            return Miss("cat + linear", DDP_SPLIT_REASON, node) if cut_off_by_ddp(node, dim) else None
+        user, c = found[0]
+        if isinstance(c, str):
+            return Miss("cat + linear", c, user)
+        # The cat read the parts; the op reads them at the linear.
+        return CatLinearMatch(c.spelling, c.anchor, reads=parts, dead=[node, *c.dead], report_at=user,
+                              cat=node, parts=parts, dim=dim, consumer=c)
+
+    def check(self, m: Match, ctx: PassContext) -> str | Miss | None:
+        reason = check_cat_linear(m, ctx, self._autocast)  # type: ignore[arg-type]
+        if reason is None:
+            return None
+        # Reported at the cat: most reasons are about it.
+        spelling = m.spelling if m.spelling.startswith("cat") else f"cat + {m.spelling}"
+        return Miss(spelling, reason, m.cat)  # type: ignore[attr-defined]
+
+    def emit(self, ed: GraphEditor, m: Match) -> fx.Node:
+        return emit_cat_linear(ed, m)  # type: ignore[arg-type]
+
+    def emitted_op(self, result: fx.Node) -> str:
+        return result.target.name().split("::", 1)[1]
 
 
 PATTERN = CatLinearPattern()

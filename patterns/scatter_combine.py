@@ -3,23 +3,25 @@
     out[t] = sum over rows r with idx[r] == t of g[r] * x[r]
     x (N, H) float, idx (N,) int32/int64, g (N,), out (T, H)
 
-Runs on the Dynamo graph (see :mod:`opreg.backend` for why). This file holds, in order:
-the spellings it matches, the replacement, the safety checks, then the pass.
-``PATTERN.matches`` counts rewrites by spelling (what tests assert on);
-``PATTERN.near_misses`` counts refusals by reason.
+Runs on the Dynamo graph (see :mod:`opreg.compile.backend` for why). This file holds, in
+order: the spellings it matches and how each reads into a match, the safety checks,
+then the replacement. The loop, mutation safety and counting are the framework's
+(:mod:`opreg.compile.pattern`). ``PATTERN.matches`` counts rewrites by spelling (what
+tests assert on); ``PATTERN.near_misses`` counts refusals by reason.
 """
 from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
-from opreg.backend import (FLOAT_DTYPES, GraphEditor, GraphPattern, PassContext, RewriteRejected,
-                           bind, erase_dead, is_call, known_equal, meta_value, mutation_between,
-                           position, shape_is, tensor_value)
+from opreg.compile.fx_utils import (ADD, MUL, SUM, VIEW_FUNCTIONS, VIEW_METHODS, bind, is_call,
+                                    known_equal, meta_value, provable, shape_is, tensor_value)
+from opreg.compile.pattern import GraphEditor, GraphPattern, Match, Miss, PassContext
+from opreg.ops.scatter_combine import FLOAT_DTYPES, INDEX_DTYPES, unsupported
 
 # ============================================================================= spellings
 #   out.index_add_(0, idx, x * g[:, None])          index_add / torch.index_add, alpha=
@@ -39,58 +41,83 @@ class Spelling:
     inplace: bool
 
 
-# Parameters of each kind (self first) and their defaults, as in the Tensor methods.
-PARAMS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
-    "index_add": (("self", "dim", "index", "source", "alpha"), {"alpha": 1}),
-    "scatter_add": (("self", "dim", "index", "src"), {}),
+@dataclasses.dataclass
+class Scatter:
+    """A scatter spelling read into one shape: rows of ``src`` added at ``index`` along
+    ``dim``, times ``alpha``; ``wrap``: negative indices count from the end."""
+
+    dim: Any
+    index: Any
+    src: Any
+    alpha: Any = 1
+    wrap: bool = False
+
+
+def _read_index_add(a: dict[str, Any]) -> Scatter | str:
+    return Scatter(a["dim"], a["index"], a["source"], a["alpha"])
+
+
+def _read_scatter_add(a: dict[str, Any]) -> Scatter | str:
+    idx = scatter_row_index(a["index"], a["src"])
+    return idx if isinstance(idx, str) else Scatter(a["dim"], idx, a["src"])
+
+
+def _read_scatter_reduce(a: dict[str, Any]) -> Scatter | str:
+    if a["reduce"] != "sum":
+        return f"scatter_reduce with reduce={a['reduce']!r}, not 'sum'"
+    return _read_scatter_add(a)
+
+
+def _read_index_put(a: dict[str, Any]) -> Scatter | str:
+    if a["accumulate"] is not True:
+        return "index_put_ without accumulate=True: repeated indices keep the last write instead of summing"
+    indices = a["indices"]
+    if not (isinstance(indices, (list, tuple)) and len(indices) == 1 and isinstance(indices[0], fx.Node)):
+        return "indexes more than one dimension"
+    return Scatter(0, indices[0], a["values"], wrap=True)
+
+
+# Parameters of each kind (self first), their defaults, and how to read them.
+KINDS: dict[str, tuple[tuple[str, ...], dict[str, Any], Callable[[dict[str, Any]], Scatter | str]]] = {
+    "index_add": (("self", "dim", "index", "source", "alpha"), {"alpha": 1}, _read_index_add),
+    "scatter_add": (("self", "dim", "index", "src"), {}, _read_scatter_add),
     "scatter_reduce": (("self", "dim", "index", "src", "reduce", "include_self"),
-                       {"include_self": True}),
-    "index_put": (("self", "indices", "values", "accumulate"), {"accumulate": False}),
+                       {"include_self": True}, _read_scatter_reduce),
+    "index_put": (("self", "indices", "values", "accumulate"), {"accumulate": False}, _read_index_put),
 }
 
 
 def _spellings() -> dict[Any, Spelling]:
     table: dict[Any, Spelling] = {}
-    for kind in PARAMS:
+    for kind in KINDS:
         for inplace in (False, True):
             method = kind + ("_" if inplace else "")
             table[method] = Spelling(method, kind, inplace)
-            fn = getattr(torch.Tensor, method, None)
-            if fn is not None:
-                table[fn] = Spelling(f"Tensor.{method}", kind, inplace)
-            fn = getattr(torch, method, None)
-            if fn is not None:
-                table[fn] = Spelling(f"torch.{method}", kind, inplace)
+            for owner, prefix in ((torch.Tensor, "Tensor."), (torch, "torch.")):
+                fn = getattr(owner, method, None)
+                if fn is not None:
+                    table[fn] = Spelling(prefix + method, kind, inplace)
     return table
 
 
 SPELLINGS = _spellings()
-MUL = (operator.mul, torch.mul, torch.Tensor.mul)
-ADD = (operator.add, operator.iadd, torch.add, torch.Tensor.add)
-SUM = (torch.sum, torch.Tensor.sum)
 EXPAND = (torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to)
-# Reshapes that keep row-major element order (so a row of the result is a run of input rows).
-VIEWS = (torch.reshape, torch.Tensor.view, torch.Tensor.reshape, torch.unsqueeze,
-         torch.Tensor.unsqueeze, torch.flatten, torch.Tensor.flatten, torch.Tensor.unflatten)
-VIEW_METHODS = ("view", "reshape", "unsqueeze", "flatten", "unflatten")
 ZEROS = (torch.zeros, torch.zeros_like)
 
 
 def spelling_of(node: fx.Node) -> Spelling | None:
-    if node.op == "call_method" and isinstance(node.target, str):
+    if node.op not in ("call_method", "call_function"):
+        return None
+    try:
         return SPELLINGS.get(node.target)
-    if node.op == "call_function":
-        try:
-            return SPELLINGS.get(node.target)
-        except TypeError:  # unhashable target
-            return None
-    return None
+    except TypeError:  # unhashable target
+        return None
 
 
 def _is_view_like(node: Any) -> bool:
     """A reshape/unsqueeze, or an indexing with only full slices, None and ``...``."""
-    if is_call(node, VIEWS, VIEW_METHODS):
-        # view(dtype) reinterprets bits: shapes then differ in numel or dtype, caught below
+    if is_call(node, VIEW_FUNCTIONS, VIEW_METHODS):
+        # view(dtype) reinterprets bits: shapes then differ in numel or dtype, caught by unview
         return True
     if is_call(node, (operator.getitem,)):
         idx = node.args[1]
@@ -99,7 +126,7 @@ def _is_view_like(node: Any) -> bool:
     return False
 
 
-def unview(node: fx.Node, shape_ok: Any) -> fx.Node | None:
+def unview(node: fx.Node, shape_ok: Callable[[torch.Tensor], bool]) -> fx.Node | None:
     """Walk back through order-keeping reshapes from ``node`` to the first tensor whose
     fake value satisfies ``shape_ok``. Every step keeps numel by construction (it ran),
     which is what callers rely on; a dtype change (view(dtype)) stops the walk."""
@@ -116,20 +143,25 @@ def unview(node: fx.Node, shape_ok: Any) -> fx.Node | None:
         cur = cur.args[0]
 
 
+def chain(node: fx.Node, base: fx.Node) -> list[fx.Node]:
+    """The nodes from ``node`` back to ``base`` along :func:`unview`'s walk."""
+    out = [node]
+    while out[-1] is not base and out[-1].args and isinstance(out[-1].args[0], fx.Node):
+        out.append(out[-1].args[0])
+    return out
+
+
 def gated_product(src: Any) -> tuple[fx.Node, fx.Node] | str:
     """``src`` = hidden (N, H) times a per-row gate column (N, 1), in either order.
     Returns (hidden, gate column) or why not."""
-    if not is_call(src, MUL, ("mul",)):
-        return "source is not a gated product x * g[:, None]"
-    a = bind(src, ("self", "other"))
+    a = bind(src, ("self", "other")) if is_call(src, MUL, ("mul",)) else None
     if a is None or not all(isinstance(a[k], fx.Node) for k in ("self", "other")):
         return "source is not a gated product x * g[:, None]"
     s = tensor_value(src)
     for hidden, col in ((a["self"], a["other"]), (a["other"], a["self"])):
         h, c = tensor_value(hidden), tensor_value(col)
-        if h is None or c is None or s is None:
-            continue
-        if h.dim() == 2 and shape_is(s, h.shape) and shape_is(c, (h.shape[0], 1)):
+        if h is not None and c is not None and s is not None and h.dim() == 2 \
+                and shape_is(s, h.shape) and shape_is(c, (h.shape[0], 1)):
             return hidden, col
     return "the multiplier is not a per-row gate: expected x (N, H) * g (N, 1)"
 
@@ -142,7 +174,7 @@ def row_vector(col: fx.Node) -> tuple[fx.Node, bool]:
     return (base, False) if base is not None else (col, True)
 
 
-def scatter_row_index(index: Any, src: fx.Node) -> fx.Node | str:
+def scatter_row_index(index: Any, src: Any) -> fx.Node | str:
     """The (N, 1) column of ``idx[:, None].expand(-1, H)``: a row index broadcast along
     the row, of exactly src's shape (scatter would silently use a narrower index)."""
     if not is_call(index, EXPAND, ("expand", "expand_as")) or not isinstance(index.args[0], fx.Node):
@@ -156,13 +188,164 @@ def scatter_row_index(index: Any, src: fx.Node) -> fx.Node | str:
 
 def is_fresh_zeros(node: Any) -> bool:
     """torch.zeros / zeros_like / new_zeros, strided, not requires_grad, no out=."""
-    if not is_call(node, ZEROS, ("new_zeros",)):
-        return False
-    if "out" in node.kwargs or node.kwargs.get("requires_grad"):
+    if not is_call(node, ZEROS, ("new_zeros",)) or "out" in node.kwargs \
+            or node.kwargs.get("requires_grad"):
         return False
     v = tensor_value(node)
     return v is not None and v.layout == torch.strided
 
+
+def _is_setitem_accumulate(node: fx.Node) -> bool:
+    """``out[idx] += src`` as Dynamo records it: setitem(out, idx, getitem(out, idx) + src)."""
+    if not is_call(node, (operator.setitem,)) or len(node.args) != 3:
+        return False
+    out, index, value = node.args
+    iv = tensor_value(index)
+    if iv is None or iv.dtype not in INDEX_DTYPES or not is_call(value, ADD, ("add", "add_")):
+        return False
+    return any(is_call(a, (operator.getitem,)) and a.args[0] is out and a.args[1] is index
+               for a in value.args if isinstance(a, fx.Node))
+
+
+SETITEM_REASON = ("index_put_ without accumulate: with repeated indices, out[idx] += src keeps "
+                  "the last write instead of summing (write out.index_add_(0, idx, src))")
+
+
+# ================================================================================ matches
+
+@dataclasses.dataclass
+class ScatterMatch(Match):
+    out: fx.Node = None  # type: ignore[assignment]
+    scatter: Scatter = None  # type: ignore[assignment]
+    hidden: fx.Node = None  # type: ignore[assignment]
+    col: fx.Node = None  # type: ignore[assignment]
+    inplace: bool = False
+    fresh: bool = False    # out is a fresh zeros nothing wrote or read before: dropped
+
+
+@dataclasses.dataclass
+class ViewSumMatch(Match):
+    hidden: fx.Node = None  # type: ignore[assignment]   (N, H)
+    gates: fx.Node = None  # type: ignore[assignment]    (N,) or (N, 1)
+    grouped: fx.Node = None  # type: ignore[assignment]  (T, k, H)
+
+
+def read_scatter(node: fx.Node, sp: Spelling, ctx: PassContext) -> ScatterMatch | Miss | None:
+    params, defaults, reader = KINDS[sp.kind]
+    a = bind(node, params, defaults)
+    if a is None:
+        return Miss(sp.name, "unsupported arguments (out= or unknown ones)", node)
+    out = a["self"]
+    if not isinstance(out, fx.Node):
+        return None
+    s = reader(a)
+    if isinstance(s, str):
+        return Miss(sp.name, s, node)
+    gated = gated_product(s.src)
+    if isinstance(gated, str):
+        return Miss(sp.name, gated, node)
+    hidden, col = gated
+    fresh = zeros_intact(ctx, out, node, sp.inplace)
+    if sp.kind == "scatter_reduce" and a["include_self"] is not True and not fresh:
+        return Miss(sp.name, "scatter_reduce(include_self=False) into an out not proven to be zeros", node)
+    dead = [s.src, *chain(col, row_vector(col)[0])]
+    # The product read x and g where it ran; the op reads them at the scatter.
+    return ScatterMatch(sp.name, node, reads=[hidden, *dead], dead=dead, out=out, scatter=s,
+                        hidden=hidden, col=col, inplace=sp.inplace, fresh=fresh,
+                        redirect=out if fresh and sp.inplace else None)
+
+
+def zeros_intact(ctx: PassContext, out: fx.Node, node: fx.Node, inplace: bool) -> bool:
+    """Is ``out`` a fresh zeros still all zeros at ``node``, and (for an in-place scatter,
+    which the zeros is then replaced by) read by nothing before it?"""
+    if not is_fresh_zeros(out):
+        return False
+    pos = {n: i for i, n in enumerate(node.graph.nodes)}
+    if inplace and any(u is not node and pos[u] < pos[node] for u in out.users):
+        return False
+    return ctx.writes_between([out], out, node) is None
+
+
+def read_view_sum(node: fx.Node) -> ViewSumMatch | Miss | None:
+    """``(x.view(T, k, H) * g.view(T, k, 1)).sum(1)``: rows grouped token-major."""
+    a = bind(node, ("self", "dim", "keepdim", "dtype"), {"keepdim": False, "dtype": None})
+    if a is None or a["keepdim"] is not False or a["dtype"] is not None:
+        return None
+    dim = a["dim"]
+    dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+    prod = a["self"]
+    m = bind(prod, ("self", "other")) if dim in (1, -2) and is_call(prod, MUL, ("mul",)) else None
+    if m is None or not all(isinstance(m[k], fx.Node) for k in ("self", "other")):
+        return None
+    for grouped, gcol in ((m["self"], m["other"]), (m["other"], m["self"])):
+        if _grouped_by_token(prod, grouped, gcol):
+            return _read_grouped(node, prod, grouped, gcol)
+    return None
+
+
+def _grouped_by_token(prod: fx.Node, grouped: fx.Node, gcol: fx.Node) -> bool:
+    p, xv, gv = tensor_value(prod), tensor_value(grouped), tensor_value(gcol)
+    return p is not None and xv is not None and gv is not None and xv.dim() == 3 \
+        and shape_is(p, xv.shape) and shape_is(gv, (xv.shape[0], xv.shape[1], 1))
+
+
+def _read_grouped(node: fx.Node, prod: fx.Node, grouped: fx.Node, gcol: fx.Node) -> ViewSumMatch | Miss:
+    # unview keeps numel equal, so with H >= 1 an (N, H) base has N = T * k rows
+    # (compared that way because Dynamo may know T*k*H == N*H but not T*k == N).
+    h = tensor_value(grouped).shape[2]
+    hidden = unview(grouped, lambda v: v.dim() == 2 and known_equal(v.shape[1], h))
+    if hidden is None or not provable(h >= 1):
+        return Miss("view-sum", "rows are not a token-major view of an (N, H) tensor", node)
+    gates = unview(gcol, lambda v: v.dim() == 1 or (v.dim() == 2 and known_equal(v.shape[1], 1)))
+    if gates is None:
+        return Miss("view-sum", "gates are not a token-major view of an (N,) tensor", node)
+    dead = [prod, *chain(grouped, hidden), *chain(gcol, gates)]
+    return ViewSumMatch("view-sum", node, reads=[hidden, gates, *dead], dead=dead, hidden=hidden,
+                        gates=gates, grouped=grouped)
+
+
+# ========================================================================= safety checks
+
+def check_combine(m: ScatterMatch) -> str | None:
+    """Why scattering the rows of ``x * g`` into ``out`` along ``dim`` at ``idx`` is not
+    exactly scatter_combine, or None."""
+    o, x, i, g = (tensor_value(n) for n in (m.out, m.hidden, m.scatter.index, m.col))
+    dim, alpha = m.scatter.dim, m.scatter.alpha
+    if o is None or x is None or i is None or g is None:
+        return "no shape information"
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        return "alpha is not a constant number"
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        return f"{m.spelling} with a non-constant dim"
+    if o.dim() != 2 or dim % 2 != 0:
+        return f"{m.spelling} into a {o.dim()}-D out on dim {dim}: the op combines rows (dim 0) of (T, H)"
+    if not known_equal(o.shape[1], x.shape[1]):
+        return "out's width differs from the source's"
+    if not (o.dtype == x.dtype == g.dtype) or o.dtype not in FLOAT_DTYPES:
+        return (f"dtypes differ or are not float (out {o.dtype}, source {x.dtype}, gates {g.dtype}): "
+                f"the op returns the source's dtype, so the result would change")
+    if o.device != x.device or o.layout != torch.strided:
+        return "out is on another device or sparse"
+    rows = i.select(-1, 0) if i.dim() == 2 and known_equal(i.shape[1], 1) else i
+    return unsupported(x, rows, g.select(-1, 0), o.shape[0], holds=provable)
+
+
+def check_view_sum(m: ViewSumMatch) -> str | None:
+    x, g = tensor_value(m.hidden), tensor_value(m.gates)
+    if x.dtype != g.dtype:
+        return f"dtypes differ (source {x.dtype}, gates {g.dtype})"
+    # The replacement makes the index itself (arange(N) // k): int64, one per row.
+    rows = x.new_empty((x.shape[0],), dtype=torch.int64)
+    return unsupported(x, rows, g.reshape(-1), tensor_value(m.grouped).shape[0], holds=provable)
+
+
+# ============================================================================ replacement
+# op = scatter_combine(x, idx, g, T) with T = out.size(0), then, by the target:
+#   fresh zeros            -> op (times alpha)        the zeros is dropped
+#   in place on out        -> out.add_(op, alpha=a)   same mutation, same aliases
+#   out-of-place on out    -> torch.add(out, op, alpha=a)
+# index_put wraps negative indices like Python (index_add/scatter raise on them), so
+# there idx becomes where(idx < 0, idx + T, idx): elementwise, no host sync.
 
 def zeros_rows(ed: GraphEditor, zeros: fx.Node) -> Any:
     """T of a fresh (T, H) zeros without keeping the zeros alive for it: the int, or the
@@ -178,272 +361,60 @@ def zeros_rows(ed: GraphEditor, zeros: fx.Node) -> Any:
     return ed.size(zeros, 0)
 
 
-def _is_setitem_accumulate(node: fx.Node) -> bool:
-    """``out[idx] += src`` as Dynamo records it: setitem(out, idx, getitem(out, idx) + src)."""
-    if not is_call(node, (operator.setitem,)) or len(node.args) != 3:
-        return False
-    out, index, value = node.args
-    iv = tensor_value(index)
-    if iv is None or iv.dtype not in (torch.int32, torch.int64):
-        return False
-    if not is_call(value, ADD, ("add", "add_")):
-        return False
-    return any(is_call(a, (operator.getitem,)) and a.args[0] is out and a.args[1] is index
-               for a in value.args if isinstance(a, fx.Node))
+def _as_rows(ed: GraphEditor, col: fx.Node) -> fx.Node:
+    """An (N,) vector from an (N,) or (N, 1) node, reusing the vector it was made from."""
+    if tensor_value(col).dim() == 1:
+        return col
+    vec, squeeze = row_vector(col)
+    return ed.call_method("squeeze", (vec, -1)) if squeeze else vec
 
 
-# ============================================================================ replacement
-# op = scatter_combine(x, idx, g, T) with T = out.size(0), then, by the target:
-#   fresh zeros            -> op (times alpha)        the zeros is dropped
-#   in place on out        -> out.add_(op, alpha=a)   same mutation, same aliases
-#   out-of-place on out    -> torch.add(out, op, alpha=a)
-# index_put wraps negative indices like Python (index_add/scatter raise on them), so
-# there idx becomes where(idx < 0, idx + T, idx): elementwise, no host sync.
-
-def emit_combine(ed: GraphEditor, hidden: fx.Node, idx: fx.Node, gate_col: fx.Node,
-                 num_tokens: Any, wrap_negative: bool) -> fx.Node:
-    gate, squeeze = row_vector(gate_col)
-    if squeeze:
-        gate = ed.call_method("squeeze", (gate, -1))
-    if wrap_negative:
+def emit_combine(ed: GraphEditor, m: ScatterMatch) -> fx.Node:
+    t = zeros_rows(ed, m.out) if m.fresh else ed.size(m.out, 0)
+    idx, gate = _as_rows(ed, m.scatter.index), _as_rows(ed, m.col)
+    if m.scatter.wrap:
         idx = ed.call_function(torch.where, (ed.call_function(operator.lt, (idx, 0)),
-                                             ed.call_function(operator.add, (idx, num_tokens)),
-                                             idx))
-    return ed.call_function(torch.ops.opreg.scatter_combine.default, (hidden, idx, gate, num_tokens))
+                                             ed.call_function(operator.add, (idx, t)), idx))
+    op = ed.call_function(torch.ops.opreg.scatter_combine.default, (m.hidden, idx, gate, t))
+    alpha = m.scatter.alpha
+    if m.fresh:
+        return op if alpha == 1 else ed.call_function(operator.mul, (op, alpha))
+    kw = {"alpha": alpha} if alpha != 1 else {}
+    if m.inplace:
+        return ed.call_method("add_", (m.out, op), kw)
+    return ed.call_function(torch.add, (m.out, op), kw)
 
 
-def emit_view_sum_combine(ed: GraphEditor, hidden: fx.Node, gates: fx.Node, squeeze: bool,
-                          grouped: fx.Node) -> fx.Node:
+def emit_view_sum(ed: GraphEditor, m: ViewSumMatch) -> fx.Node:
     """op(x, arange(N) // k, g, T) for rows grouped token-major into ``grouped`` (T, k, H)."""
-    n, k, t = ed.size(hidden, 0), ed.size(grouped, 1), ed.size(grouped, 0)
-    if squeeze:
+    n, k, t = ed.size(m.hidden, 0), ed.size(m.grouped, 1), ed.size(m.grouped, 0)
+    gates = m.gates
+    if tensor_value(gates).dim() == 2:
         gates = ed.call_method("reshape", (gates, -1))
-    rows = ed.call_function(torch.arange, (n,), {"device": tensor_value(hidden).device})
+    rows = ed.call_function(torch.arange, (n,), {"device": tensor_value(m.hidden).device})
     idx = ed.call_function(torch.div, (rows, k), {"rounding_mode": "floor"})
-    return ed.call_function(torch.ops.opreg.scatter_combine.default, (hidden, idx, gates, t))
+    return ed.call_function(torch.ops.opreg.scatter_combine.default, (m.hidden, idx, gates, t))
 
 
-# ========================================================================= safety checks
-
-def check_combine(spelling: str, o: torch.Tensor | None, dim: Any, x: torch.Tensor | None,
-                  i: torch.Tensor | None, g: torch.Tensor | None) -> str | None:
-    """Why scattering the rows of ``x * g`` into ``o`` along ``dim`` at ``i`` is not
-    exactly scatter_combine (fake values; ``i`` (N,) or an (N, 1) column, ``g`` the
-    gate column (N, 1)), or None if it is."""
-    if o is None or x is None or i is None or g is None:
-        return "no shape information"
-    if not isinstance(dim, int) or isinstance(dim, bool):
-        return f"{spelling} with a non-constant dim"
-    if o.dim() != 2:
-        return f"out is {o.dim()}-D; the op produces (T, H)"
-    if dim % 2 != 0:
-        return f"{spelling} on dim {dim}: the op combines rows (dim 0)"
-    n, h = x.shape
-    if not known_equal(o.shape[1], h):
-        return "out's width differs from the source's"
-    if not (shape_is(i, (n,)) or shape_is(i, (n, 1))):
-        return "index is not one token per source row (N,)"
-    if i.dtype not in (torch.int32, torch.int64):
-        return f"index dtype {i.dtype} (the op takes int32/int64; bool would be a mask)"
-    if not (o.dtype == x.dtype == g.dtype):
-        return (f"dtypes differ (out {o.dtype}, source {x.dtype}, gates {g.dtype}): the op "
-                f"returns the source's dtype, so the result would change")
-    if o.dtype not in FLOAT_DTYPES:
-        return f"dtype {o.dtype} is not a float dtype"
-    if len({o.device, x.device, i.device, g.device}) > 1:
-        return "mixed devices"
-    if any(t.layout != torch.strided for t in (o, x, i, g)):
-        return "a sparse operand"
-    return None
-
-
-def check_view_sum(hidden: fx.Node, gates: fx.Node) -> str | None:
-    x, g = tensor_value(hidden), tensor_value(gates)
-    if x.dtype != g.dtype or x.dtype not in FLOAT_DTYPES:
-        return f"dtypes differ (source {x.dtype}, gates {g.dtype})"
-    if x.device != g.device:
-        return "mixed devices"
-    return None  # k may be 0: then N = 0, arange(0) // 0 is empty and the result zeros
-
-
-MUTATED = ("an in-place op between the product and the scatter could change its operands "
-           "(the op would read them later)")
-
-
-def _chain(node: fx.Node, base: fx.Node) -> list[fx.Node]:
-    """The nodes from ``node`` back to ``base`` along :func:`unview`'s walk."""
-    out = [node]
-    while out[-1] is not base and out[-1].args and isinstance(out[-1].args[0], fx.Node):
-        out.append(out[-1].args[0])
-    return out
-
-
-def statically_positive(v: Any) -> bool:
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    try:
-        r = v >= 1
-        return r if isinstance(r, bool) else statically_known_true(r)
-    except Exception:  # noqa: BLE001
-        return False
-
-
-# ============================================================================== the pass
+# ============================================================================== the pattern
 
 class ScatterCombinePattern(GraphPattern):
     name = "scatter_combine"
     op = "scatter_combine"
 
-    def apply(self, gm: fx.GraphModule, ctx: PassContext) -> int:
-        count = 0
-        for node in list(gm.graph.nodes):
-            if getattr(node, "_erased", False):
-                continue
-            sp = spelling_of(node)
-            if sp is not None:
-                count += self._scatter(ctx, node, sp)
-            elif _is_setitem_accumulate(node):
-                ctx.near_miss(self, node, "out[idx] += src",
-                              "index_put_ without accumulate: with repeated indices, "
-                              "out[idx] += src keeps the last write instead of summing "
-                              "(write out.index_add_(0, idx, src))")
-            elif is_call(node, SUM, ("sum",)):
-                count += self._view_sum(ctx, node)
-        return count
+    def match(self, node: fx.Node, ctx: PassContext) -> Match | Miss | None:
+        sp = spelling_of(node)
+        if sp is not None:
+            return read_scatter(node, sp, ctx)
+        if _is_setitem_accumulate(node):
+            return Miss("out[idx] += src", SETITEM_REASON, node)
+        return read_view_sum(node) if is_call(node, SUM, ("sum",)) else None
 
-    # -- index_add / scatter_add / scatter_reduce / index_put
-    def _scatter(self, ctx: PassContext, node: fx.Node, sp: Spelling) -> int:
-        params, defaults = PARAMS[sp.kind]
-        a = bind(node, params, defaults)
-        if a is None:
-            return ctx.near_miss(self, node, sp.name, "unsupported arguments (out= or unknown ones)")
-        out, alpha, dim, wrap_negative = a["self"], a.get("alpha", 1), 0, False
-        if not isinstance(out, fx.Node):
-            return 0
-        if sp.kind == "index_put":
-            if a["accumulate"] is not True:
-                return ctx.near_miss(self, node, sp.name,
-                                     "index_put_ without accumulate=True: repeated indices "
-                                     "keep the last write instead of summing")
-            indices = a["indices"]
-            if not (isinstance(indices, (list, tuple)) and len(indices) == 1
-                    and isinstance(indices[0], fx.Node)):
-                return ctx.near_miss(self, node, sp.name, "indexes more than one dimension")
-            idx, src, wrap_negative = indices[0], a["values"], True
-        else:
-            dim, src = a["dim"], a["source" if sp.kind == "index_add" else "src"]
-            if sp.kind == "index_add":
-                idx = a["index"]
-            else:
-                idx = scatter_row_index(a["index"], src)
-                if isinstance(idx, str):
-                    return ctx.near_miss(self, node, sp.name, idx)
-            if sp.kind == "scatter_reduce":
-                if a["reduce"] != "sum":
-                    return ctx.near_miss(self, node, sp.name,
-                                         f"scatter_reduce with reduce={a['reduce']!r}, not 'sum'")
-                if a["include_self"] is not True and not is_fresh_zeros(out):
-                    return ctx.near_miss(self, node, sp.name,
-                                         "scatter_reduce(include_self=False) into a non-zero out")
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-            return ctx.near_miss(self, node, sp.name, "alpha is not a constant number")
-        gated = gated_product(src)
-        if isinstance(gated, str):
-            return ctx.near_miss(self, node, sp.name, gated)
-        hidden, col = gated
-        reason = check_combine(sp.name, tensor_value(out), dim, tensor_value(hidden),
-                               tensor_value(idx), tensor_value(col))
-        # The product read x and g where it ran; the op reads them (and idx, as the
-        # original did) at the scatter.
-        chain = [src, *_chain(col, row_vector(col)[0])]
-        if not reason and mutation_between(chain, node) is not None:
-            reason = MUTATED
-        if reason:
-            return ctx.near_miss(self, node, sp.name, reason)
+    def check(self, m: Match, ctx: PassContext) -> str | None:
+        return check_combine(m) if isinstance(m, ScatterMatch) else check_view_sum(m)  # type: ignore[arg-type]
 
-        # A fresh zeros mutated in place can be dropped only if nothing used it before.
-        fresh = is_fresh_zeros(out) and (not sp.inplace or all(
-            u is node or position(u) > position(node) for u in out.users))
-        ed = GraphEditor(ctx, node)
-        try:
-            if tensor_value(idx).dim() == 2:  # scatter's (N, 1) index column
-                idx, squeeze = row_vector(idx)
-                if squeeze:
-                    idx = ed.call_method("squeeze", (idx, -1))
-            t = zeros_rows(ed, out) if fresh else ed.size(out, 0)
-            op = emit_combine(ed, hidden, idx, col, t, wrap_negative)
-            kw = {"alpha": alpha} if alpha != 1 else {}
-            if fresh:
-                result = op if alpha == 1 else ed.call_function(operator.mul, (op, alpha))
-            elif sp.inplace:
-                result = ed.call_method("add_", (out, op), kw)
-            else:
-                result = ed.call_function(torch.add, (out, op), kw)
-        except RewriteRejected as e:
-            ed.rollback()
-            return ctx.near_miss(self, node, sp.name, f"replacement rejected: {e}")
-        if fresh and sp.inplace:
-            # Later reads of the zeros saw the mutation: they read the result now.
-            for u in list(out.users):
-                if u is not node and u not in ed.created:
-                    u.replace_input_with(out, result)
-        ctx.matched(self, node, sp.name)
-        matched = [src, col, *col.all_input_nodes, *node.all_input_nodes]
-        node.replace_all_uses_with(result)
-        ctx.gm.graph.erase_node(node)
-        for n in list(matched):
-            matched.extend(n.all_input_nodes if not getattr(n, "_erased", False) else ())
-        erase_dead(ctx.gm.graph, matched)
-        return 1
-
-    # -- (x.view(T, k, H) * g.view(T, k, 1)).sum(1)
-    def _view_sum(self, ctx: PassContext, node: fx.Node) -> int:
-        a = bind(node, ("self", "dim", "keepdim", "dtype"), {"keepdim": False, "dtype": None})
-        if a is None or a["keepdim"] is not False or a["dtype"] is not None:
-            return 0
-        dim = a["dim"]
-        dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
-        prod = a["self"]
-        if dim not in (1, -2) or not is_call(prod, MUL, ("mul",)):
-            return 0
-        m = bind(prod, ("self", "other"))
-        if m is None or not all(isinstance(m[k], fx.Node) for k in ("self", "other")):
-            return 0
-        p = tensor_value(prod)
-        for grouped, gcol in ((m["self"], m["other"]), (m["other"], m["self"])):
-            xv, gv = tensor_value(grouped), tensor_value(gcol)
-            if p is None or xv is None or gv is None or xv.dim() != 3 or not shape_is(p, xv.shape) \
-                    or not shape_is(gv, (xv.shape[0], xv.shape[1], 1)):
-                continue
-            # unview keeps numel equal, so with H >= 1 an (N, H) base has N = T * k rows
-            # (compared that way because Dynamo may know T*k*H == N*H but not T*k == N).
-            h = xv.shape[2]
-            hidden = unview(grouped, lambda v, h=h: v.dim() == 2 and known_equal(v.shape[1], h))
-            if hidden is None or not statically_positive(h):
-                return ctx.near_miss(self, node, "view-sum",
-                                     "rows are not a token-major view of an (N, H) tensor")
-            gates = unview(gcol, lambda v: v.dim() == 1 or (v.dim() == 2 and known_equal(v.shape[1], 1)))
-            if gates is None:
-                return ctx.near_miss(self, node, "view-sum",
-                                     "gates are not a token-major view of an (N,) tensor")
-            reason = check_view_sum(hidden, gates)
-            chain = [prod, *_chain(grouped, hidden), *_chain(gcol, gates)]
-            if not reason and mutation_between(chain, node) is not None:
-                reason = MUTATED
-            if reason:
-                return ctx.near_miss(self, node, "view-sum", reason)
-            ed = GraphEditor(ctx, node)
-            try:
-                op = emit_view_sum_combine(ed, hidden, gates, tensor_value(gates).dim() == 2, grouped)
-            except RewriteRejected as e:
-                ed.rollback()
-                return ctx.near_miss(self, node, "view-sum", f"replacement rejected: {e}")
-            ctx.matched(self, node, "view-sum")
-            node.replace_all_uses_with(op)
-            ctx.gm.graph.erase_node(node)
-            erase_dead(ctx.gm.graph, [prod, grouped, gcol])
-            return 1
-        return 0
+    def emit(self, ed: GraphEditor, m: Match) -> fx.Node:
+        return emit_combine(ed, m) if isinstance(m, ScatterMatch) else emit_view_sum(ed, m)  # type: ignore[arg-type]
 
 
 PATTERN = ScatterCombinePattern()
