@@ -4,6 +4,7 @@ in-place into graph inputs), the cache key, user patterns, and explain."""
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import re
 import subprocess
 import sys
@@ -323,3 +324,26 @@ def test_explain_cli(capsys: pytest.CaptureFixture[str]) -> None:
     # The op actually emitted: the parts are x[i] slices, so the stacked form.
     assert re.search(r"cat_linear\.py:\d+: linear -> opreg::cat_linear_stacked", out), out
     assert explain_main(["opreg.models.no_such_module"]) == 2
+
+
+def test_cache_key_hashes_the_framework_and_the_op_specs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An edit of any file a pattern depends on (the framework's, the pattern's own, its
+    op spec) changes the key Inductor's caches use, so none can serve a stale entry."""
+    from opreg.compile import cache_key
+    from opreg.patterns import cat_linear, scatter_combine
+
+    here = Path(cache_key.__file__).resolve().parent
+    files = [here / f"{m}.py" for m in cache_key.FRAMEWORK]
+    for p in (scatter_combine.PATTERN, cat_linear.PATTERN):
+        used = cache_key.pattern_files(p.sources())
+        assert any(f.endswith(f"opreg/ops/{p.op}.py") for f in used), used
+        files += [Path(f) for f in used]
+        files.append(Path(inspect.getsourcefile(type(p))))
+    real = Path.read_bytes
+    before = backend.patterns_uuid()
+    for f in files:
+        monkeypatch.setattr(Path, "read_bytes",
+                            lambda self, f=f: real(self) + (b"#edit" if self.resolve() == f.resolve() else b""))
+        assert backend.patterns_uuid() != before, f"an edit of {f} leaves the cache key unchanged"
+        monkeypatch.setattr(Path, "read_bytes", real)
+    assert backend.patterns_uuid() == before
