@@ -18,10 +18,12 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from opreg.compile.fx_utils import (ADD, MUL, SUM, VIEW_FUNCTIONS, VIEW_METHODS, bind, is_call,
-                                    known_equal, meta_value, provable, shape_is, tensor_value)
+from opreg.compile.fx_utils import ADD, SUM, bind, is_call, known_equal, meta_value, provable, shape_is, tensor_value
 from opreg.compile.pattern import GraphEditor, GraphPattern, Match, Miss, PassContext
 from opreg.ops.scatter_combine import FLOAT_DTYPES, INDEX_DTYPES, unsupported
+
+from . import scatter_combine_view_sum as view_sum
+from .scatter_combine_view_sum import as_rows, chain, gated_product, row_vector
 
 # ============================================================================= spellings
 #   out.index_add_(0, idx, x * g[:, None])          index_add / torch.index_add, alpha=
@@ -29,6 +31,9 @@ from opreg.ops.scatter_combine import FLOAT_DTYPES, INDEX_DTYPES, unsupported
 #                                                   scatter_add, scatter_reduce(.., "sum")
 #   out.index_put_((idx,), x * g[:, None], accumulate=True)              index_put
 #   (x.view(T, k, H) * g.view(T, k, 1)).sum(1)      rows token-major: idx = r // k
+#   (x * g[:, None]).view(T, k, H).sum(1)           the same   (these: scatter_combine_view_sum.py)
+#   (x * g[:, None])[inv].view(T, k, H).sum(1)      rows sorted by perm, inv its inverse:
+#                                                   idx = perm // k (HF's grouped_mm experts)
 # The gate multiply in either order; the gate column g[:, None], g.unsqueeze(-1),
 # g.view(-1, 1), or gates already shaped (N, 1); out a fresh zeros (then dropped) or any
 # tensor (then out + op(...), in place where the original was in place).
@@ -114,66 +119,6 @@ def spelling_of(node: fx.Node) -> Spelling | None:
         return None
 
 
-def _is_view_like(node: Any) -> bool:
-    """A reshape/unsqueeze, or an indexing with only full slices, None and ``...``."""
-    if is_call(node, VIEW_FUNCTIONS, VIEW_METHODS):
-        # view(dtype) reinterprets bits: shapes then differ in numel or dtype, caught by unview
-        return True
-    if is_call(node, (operator.getitem,)):
-        idx = node.args[1]
-        items = idx if isinstance(idx, tuple) else (idx,)
-        return all(i is None or i is Ellipsis or i == slice(None) for i in items)
-    return False
-
-
-def unview(node: fx.Node, shape_ok: Callable[[torch.Tensor], bool]) -> fx.Node | None:
-    """Walk back through order-keeping reshapes from ``node`` to the first tensor whose
-    fake value satisfies ``shape_ok``. Every step keeps numel by construction (it ran),
-    which is what callers rely on; a dtype change (view(dtype)) stops the walk."""
-    v0 = tensor_value(node)
-    cur: Any = node
-    while True:
-        v = tensor_value(cur)
-        if v is None or v0 is None or v.dtype != v0.dtype:
-            return None
-        if shape_ok(v):
-            return cur
-        if not _is_view_like(cur) or not isinstance(cur.args[0], fx.Node):
-            return None
-        cur = cur.args[0]
-
-
-def chain(node: fx.Node, base: fx.Node) -> list[fx.Node]:
-    """The nodes from ``node`` back to ``base`` along :func:`unview`'s walk."""
-    out = [node]
-    while out[-1] is not base and out[-1].args and isinstance(out[-1].args[0], fx.Node):
-        out.append(out[-1].args[0])
-    return out
-
-
-def gated_product(src: Any) -> tuple[fx.Node, fx.Node] | str:
-    """``src`` = hidden (N, H) times a per-row gate column (N, 1), in either order.
-    Returns (hidden, gate column) or why not."""
-    a = bind(src, ("self", "other")) if is_call(src, MUL, ("mul",)) else None
-    if a is None or not all(isinstance(a[k], fx.Node) for k in ("self", "other")):
-        return "source is not a gated product x * g[:, None]"
-    s = tensor_value(src)
-    for hidden, col in ((a["self"], a["other"]), (a["other"], a["self"])):
-        h, c = tensor_value(hidden), tensor_value(col)
-        if h is not None and c is not None and s is not None and h.dim() == 2 \
-                and shape_is(s, h.shape) and shape_is(c, (h.shape[0], 1)):
-            return hidden, col
-    return "the multiplier is not a per-row gate: expected x (N, H) * g (N, 1)"
-
-
-def row_vector(col: fx.Node) -> tuple[fx.Node, bool]:
-    """An (N, 1) column as an (N,) vector: the 1-D tensor it was made from (g[:, None],
-    g.unsqueeze(-1), g.view(-1, 1)), else the column itself, flagged to be squeezed."""
-    n = tensor_value(col).shape[0]
-    base = unview(col, lambda v: v.dim() == 1 and known_equal(v.shape[0], n))
-    return (base, False) if base is not None else (col, True)
-
-
 def scatter_row_index(index: Any, src: Any) -> fx.Node | str:
     """The (N, 1) column of ``idx[:, None].expand(-1, H)``: a row index broadcast along
     the row, of exactly src's shape (scatter would silently use a narrower index)."""
@@ -223,13 +168,6 @@ class ScatterMatch(Match):
     fresh: bool = False    # out is a fresh zeros nothing wrote or read before: dropped
 
 
-@dataclasses.dataclass
-class ViewSumMatch(Match):
-    hidden: fx.Node = None  # type: ignore[assignment]   (N, H)
-    gates: fx.Node = None  # type: ignore[assignment]    (N,) or (N, 1)
-    grouped: fx.Node = None  # type: ignore[assignment]  (T, k, H)
-
-
 def read_scatter(node: fx.Node, sp: Spelling, ctx: PassContext) -> ScatterMatch | Miss | None:
     params, defaults, reader = KINDS[sp.kind]
     a = bind(node, params, defaults)
@@ -266,44 +204,6 @@ def zeros_intact(ctx: PassContext, out: fx.Node, node: fx.Node, inplace: bool) -
     return ctx.writes_between([out], out, node) is None
 
 
-def read_view_sum(node: fx.Node) -> ViewSumMatch | Miss | None:
-    """``(x.view(T, k, H) * g.view(T, k, 1)).sum(1)``: rows grouped token-major."""
-    a = bind(node, ("self", "dim", "keepdim", "dtype"), {"keepdim": False, "dtype": None})
-    if a is None or a["keepdim"] is not False or a["dtype"] is not None:
-        return None
-    dim = a["dim"]
-    dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
-    prod = a["self"]
-    m = bind(prod, ("self", "other")) if dim in (1, -2) and is_call(prod, MUL, ("mul",)) else None
-    if m is None or not all(isinstance(m[k], fx.Node) for k in ("self", "other")):
-        return None
-    for grouped, gcol in ((m["self"], m["other"]), (m["other"], m["self"])):
-        if _grouped_by_token(prod, grouped, gcol):
-            return _read_grouped(node, prod, grouped, gcol)
-    return None
-
-
-def _grouped_by_token(prod: fx.Node, grouped: fx.Node, gcol: fx.Node) -> bool:
-    p, xv, gv = tensor_value(prod), tensor_value(grouped), tensor_value(gcol)
-    return p is not None and xv is not None and gv is not None and xv.dim() == 3 \
-        and shape_is(p, xv.shape) and shape_is(gv, (xv.shape[0], xv.shape[1], 1))
-
-
-def _read_grouped(node: fx.Node, prod: fx.Node, grouped: fx.Node, gcol: fx.Node) -> ViewSumMatch | Miss:
-    # unview keeps numel equal, so with H >= 1 an (N, H) base has N = T * k rows
-    # (compared that way because Dynamo may know T*k*H == N*H but not T*k == N).
-    h = tensor_value(grouped).shape[2]
-    hidden = unview(grouped, lambda v: v.dim() == 2 and known_equal(v.shape[1], h))
-    if hidden is None or not provable(h >= 1):
-        return Miss("view-sum", "rows are not a token-major view of an (N, H) tensor", node)
-    gates = unview(gcol, lambda v: v.dim() == 1 or (v.dim() == 2 and known_equal(v.shape[1], 1)))
-    if gates is None:
-        return Miss("view-sum", "gates are not a token-major view of an (N,) tensor", node)
-    dead = [prod, *chain(grouped, hidden), *chain(gcol, gates)]
-    return ViewSumMatch("view-sum", node, reads=[hidden, gates, *dead], dead=dead, hidden=hidden,
-                        gates=gates, grouped=grouped)
-
-
 # ========================================================================= safety checks
 
 def check_combine(m: ScatterMatch) -> str | None:
@@ -330,15 +230,6 @@ def check_combine(m: ScatterMatch) -> str | None:
     return unsupported(x, rows, g.select(-1, 0), o.shape[0], holds=provable)
 
 
-def check_view_sum(m: ViewSumMatch) -> str | None:
-    x, g = tensor_value(m.hidden), tensor_value(m.gates)
-    if x.dtype != g.dtype:
-        return f"dtypes differ (source {x.dtype}, gates {g.dtype})"
-    # The replacement makes the index itself (arange(N) // k): int64, one per row.
-    rows = x.new_empty((x.shape[0],), dtype=torch.int64)
-    return unsupported(x, rows, g.reshape(-1), tensor_value(m.grouped).shape[0], holds=provable)
-
-
 # ============================================================================ replacement
 # op = scatter_combine(x, idx, g, T) with T = out.size(0), then, by the target:
 #   fresh zeros            -> op (times alpha)        the zeros is dropped
@@ -361,17 +252,9 @@ def zeros_rows(ed: GraphEditor, zeros: fx.Node) -> Any:
     return ed.size(zeros, 0)
 
 
-def _as_rows(ed: GraphEditor, col: fx.Node) -> fx.Node:
-    """An (N,) vector from an (N,) or (N, 1) node, reusing the vector it was made from."""
-    if tensor_value(col).dim() == 1:
-        return col
-    vec, squeeze = row_vector(col)
-    return ed.call_method("squeeze", (vec, -1)) if squeeze else vec
-
-
 def emit_combine(ed: GraphEditor, m: ScatterMatch) -> fx.Node:
     t = zeros_rows(ed, m.out) if m.fresh else ed.size(m.out, 0)
-    idx, gate = _as_rows(ed, m.scatter.index), _as_rows(ed, m.col)
+    idx, gate = as_rows(ed, m.scatter.index), as_rows(ed, m.col)
     if m.scatter.wrap:
         idx = ed.call_function(torch.where, (ed.call_function(operator.lt, (idx, 0)),
                                              ed.call_function(operator.add, (idx, t)), idx))
@@ -383,17 +266,6 @@ def emit_combine(ed: GraphEditor, m: ScatterMatch) -> fx.Node:
     if m.inplace:
         return ed.call_method("add_", (m.out, op), kw)
     return ed.call_function(torch.add, (m.out, op), kw)
-
-
-def emit_view_sum(ed: GraphEditor, m: ViewSumMatch) -> fx.Node:
-    """op(x, arange(N) // k, g, T) for rows grouped token-major into ``grouped`` (T, k, H)."""
-    n, k, t = ed.size(m.hidden, 0), ed.size(m.grouped, 1), ed.size(m.grouped, 0)
-    gates = m.gates
-    if tensor_value(gates).dim() == 2:
-        gates = ed.call_method("reshape", (gates, -1))
-    rows = ed.call_function(torch.arange, (n,), {"device": tensor_value(m.hidden).device})
-    idx = ed.call_function(torch.div, (rows, k), {"rounding_mode": "floor"})
-    return ed.call_function(torch.ops.opreg.scatter_combine.default, (m.hidden, idx, gates, t))
 
 
 # ============================================================================== the pattern
@@ -408,13 +280,13 @@ class ScatterCombinePattern(GraphPattern):
             return read_scatter(node, sp, ctx)
         if _is_setitem_accumulate(node):
             return Miss("out[idx] += src", SETITEM_REASON, node)
-        return read_view_sum(node) if is_call(node, SUM, ("sum",)) else None
+        return view_sum.read(node) if is_call(node, SUM, ("sum",)) else None
 
     def check(self, m: Match, ctx: PassContext) -> str | None:
-        return check_combine(m) if isinstance(m, ScatterMatch) else check_view_sum(m)  # type: ignore[arg-type]
+        return check_combine(m) if isinstance(m, ScatterMatch) else view_sum.check(m)  # type: ignore[arg-type]
 
     def emit(self, ed: GraphEditor, m: Match) -> fx.Node:
-        return emit_combine(ed, m) if isinstance(m, ScatterMatch) else emit_view_sum(ed, m)  # type: ignore[arg-type]
+        return emit_combine(ed, m) if isinstance(m, ScatterMatch) else view_sum.emit(ed, m)  # type: ignore[arg-type]
 
 
 PATTERN = ScatterCombinePattern()

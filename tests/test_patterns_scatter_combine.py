@@ -142,6 +142,36 @@ def view_sum_gates_column(out, idx, x, g):
     return (x.view(T, K, H) * g[:, None].view(T, K, 1)).sum(1)
 
 
+def flat_view_sum(out, idx, x, g):
+    """HF batched_mm experts: rows token-major, weighted, then summed per token."""
+    return (x * g.unsqueeze(-1)).view(T, K, H).sum(dim=1)
+
+
+def _sorted(x, g):
+    """x and g sorted by a random expert id, as HF's grouped_mm experts does."""
+    _, perm = torch.sort(torch.randint(0, 3, (N,)))
+    return x[perm // 1], g[perm], perm
+
+
+def sorted_setitem_inverse(out, idx, x, g):
+    xs, gs, perm = _sorted(x, g)
+    weighted = xs * gs.unsqueeze(-1)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.size(0))
+    return weighted[inv].view(T, K, H).sum(dim=1)
+
+
+def sorted_argsort_index_select(out, idx, x, g):
+    xs, gs, perm = _sorted(x, g)
+    return (gs[:, None] * xs).index_select(0, perm.argsort()).view(T, K, H).sum(1)
+
+
+def sorted_scatter_inverse(out, idx, x, g):
+    xs, gs, perm = _sorted(x, g)
+    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(N))
+    return (xs * gs[:, None])[inv].view(T, K, H).sum(1)
+
+
 SPELLINGS = [
     (index_add_inplace, "index_add_", "index_add_", ()),
     (index_add_fresh_zeros, "index_add", "index_add", ("zeros",)),
@@ -160,6 +190,10 @@ SPELLINGS = [
     (view_sum, "sum", "view-sum", ("mul",)),
     (view_sum_gate_first_into_out, "sum", "view-sum", ("mul",)),
     (view_sum_gates_column, "sum", "view-sum", ("mul",)),
+    (flat_view_sum, "sum", "(x * g).view-sum", ("mul",)),
+    (sorted_setitem_inverse, "sum", "(x * g)[inv].view-sum", ("setitem", "empty_like", "arange", "mul")),
+    (sorted_argsort_index_select, "sum", "(x * g)[inv].view-sum", ("argsort", "index_select", "mul")),
+    (sorted_scatter_inverse, "sum", "(x * g)[inv].view-sum", ("scatter_", "empty_like", "mul")),
 ]
 
 
@@ -366,6 +400,40 @@ def test_automatic_dynamic_no_recompile_per_size() -> None:
         torch.testing.assert_close(f(*a.values()), index_add_fresh_zeros(*a.values()))
     assert len(rec.before) == 2  # static first, then one dynamic graph for all later sizes
     assert all(c[OP] == 1 for c in rec.after)
+
+
+def test_gather_by_a_non_permutation() -> None:
+    """topk of all N is a permutation, but nothing proves it from the graph: left alone."""
+    def fn(out, idx, x, g):
+        perm = torch.topk(x[:, 0], N).indices
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(N)
+        return (x[perm] * g[perm][:, None])[inv].view(T, K, H).sum(1)
+    a = make(torch.float32)
+    _no_rewrite(fn, [a["out"], a["idx"], a["x"], a["g"]], "not provably the inverse")
+
+
+def test_inverse_written_again_before_the_gather() -> None:
+    def fn(out, idx, x, g):
+        xs, gs, perm = _sorted(x, g)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        inv[0] = inv[1]
+        return (xs * gs[:, None])[inv].view(T, K, H).sum(1)
+    a = make(torch.float32)
+    rec = run(fn, [a["out"], a["idx"], a["x"], a["g"]])
+    assert rec.after[0][OP] == 0, rec.after[0]
+
+
+def test_permutation_written_after_the_inverse_is_made() -> None:
+    def fn(out, idx, x, g):
+        xs, gs, perm = _sorted(x, g)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        perm.add_(1)  # the op would read perm after this
+        return (xs * gs[:, None])[inv].view(T, K, H).sum(1)
+    a = make(torch.float32)
+    _no_rewrite(fn, [a["out"], a["idx"], a["x"], a["g"]], "writes memory the match reads")
 
 
 def test_operand_mutated_between_product_and_scatter() -> None:

@@ -13,7 +13,8 @@ from typing import Any, Iterable
 __all__ = ["framework_digest", "pattern_digest", "pattern_files"]
 
 # The framework: every pattern's behaviour depends on these files of opreg/compile.
-FRAMEWORK = ("cache_key", "fx_utils", "mutation", "pattern", "pass_manager", "replacement")
+FRAMEWORK = ("cache_key", "fx_utils", "mutation", "pattern", "pass_manager", "permutation",
+             "replacement")
 
 
 def _module_file(obj: Any) -> str | None:

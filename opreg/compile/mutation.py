@@ -156,9 +156,11 @@ def may_write(node: fx.Node, fake_mode: Any, cache: dict[fx.Node, Any] | None = 
 
 
 def hazard(reads: Iterable[Any], start: fx.Node, anchor: fx.Node, fake_mode: Any,
-           cache: dict[fx.Node, Any] | None = None) -> fx.Node | None:
+           cache: dict[fx.Node, Any] | None = None, own: Iterable[fx.Node] = ()) -> fx.Node | None:
     """The first node strictly between ``start`` and ``anchor`` that may write a storage
-    of ``reads`` (nodes or values), or whose writes are unknown; None if there is none."""
+    of ``reads`` (nodes or values), or whose writes are unknown; None if there is none.
+    ``own``: nodes whose writes are the match's own (proven by the pattern)."""
+    own = set(own)
     guarded = {s for s in (storage(meta_value(r)) for r in reads) if s is not None}
     pos = order(anchor.graph)
     lo, hi = pos[start], pos[anchor]
@@ -167,6 +169,8 @@ def hazard(reads: Iterable[Any], start: fx.Node, anchor: fx.Node, fake_mode: Any
             continue
         if pos[n] >= hi:
             return None
+        if n in own:
+            continue
         w = written(n, fake_mode, cache)
         if w == ANYTHING or (guarded & w):  # type: ignore[operator]
             return n

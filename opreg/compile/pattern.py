@@ -60,6 +60,8 @@ class Match:
     ``dead``: the original's nodes before the anchor (they may die with it: erased if
     unused). The first read is the earliest of ``dead`` and ``start``.
     ``redirect``: a node whose later uses (after the anchor) read the result instead.
+    ``own_writes``: nodes that write what the match reads as part of the spelling itself
+    (e.g. ``inv[perm] = arange(n)`` making an inverse permutation): not hazards.
     """
 
     spelling: str
@@ -69,6 +71,7 @@ class Match:
     start: fx.Node | None = None
     report_at: fx.Node | None = None   # the node whose source line a finding names
     redirect: fx.Node | None = None
+    own_writes: Sequence[fx.Node] = ()  # writes the pattern proved part of the spelling
 
 
 @dataclasses.dataclass
@@ -118,17 +121,18 @@ class PassContext:
         logger.debug("opreg: %s left %s (%s) alone: %s", pattern.name, node.name, spelling, reason)
         return 0
 
-    def writes_between(self, reads: Sequence[Any], start: fx.Node, anchor: fx.Node) -> fx.Node | None:
+    def writes_between(self, reads: Sequence[Any], start: fx.Node, anchor: fx.Node,
+                       own: Sequence[fx.Node] = ()) -> fx.Node | None:
         """The first node after ``start`` and before ``anchor`` that may write memory of
-        ``reads`` (or whose writes are unknown); None if there is none."""
-        return mutation.hazard(reads, start, anchor, self.fake_mode, self.writes)
+        ``reads`` (or whose writes are unknown), ``own`` excepted; None if there is none."""
+        return mutation.hazard(reads, start, anchor, self.fake_mode, self.writes, own)
 
     def mutation_hazard(self, m: Match) -> str | None:
         """Why a node between the match's first read and its anchor makes it unsafe."""
         pos = order(m.anchor.graph)
         firsts = [n for n in (*m.dead, m.start) if isinstance(n, fx.Node) and n in pos]
         start = min(firsts, key=pos.__getitem__, default=m.anchor)
-        bad = self.writes_between(m.reads, start, m.anchor)
+        bad = self.writes_between(m.reads, start, m.anchor, m.own_writes)
         if bad is None:
             return None
         unknown = mutation.written(bad, self.fake_mode, self.writes) == mutation.ANYTHING
@@ -341,6 +345,20 @@ class GraphPattern:
         m.anchor.replace_all_uses_with(result)
         ctx.gm.graph.erase_node(m.anchor)
         erase_dead(ctx, dead)
+        GraphPattern._erase_own_writes(ctx, m.own_writes)
+
+    @staticmethod
+    def _erase_own_writes(ctx: PassContext, own: Sequence[fx.Node]) -> None:
+        """A write that was part of the spelling (``inv[perm] = arange``) goes once
+        nothing but such writes reads what it wrote."""
+        for w in own:
+            target = w.args[0] if w.args else None
+            if getattr(w, "_erased", False) or w.users or not isinstance(target, fx.Node) \
+                    or any(u not in own for u in target.users if u is not w):
+                continue
+            inputs = w.all_input_nodes
+            ctx.gm.graph.erase_node(w)
+            erase_dead(ctx, inputs)
 
     # -- bookkeeping
     @property
