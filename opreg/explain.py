@@ -18,6 +18,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+import opreg
+
+from . import loops
+from .backend import apply_patterns, registered_patterns
+
 __all__ = ["ExplainReport", "explain", "main"]
 
 
@@ -25,7 +30,7 @@ __all__ = ["ExplainReport", "explain", "main"]
 class ExplainReport:
     """Findings of one :func:`explain` run. ``matches``/``near_misses``: from the graph
     passes (:class:`opreg.backend.Finding`); ``loops``: from the loop rewriter
-    (:class:`opreg.optimize.LoopFinding`); ``graphs``: graphs Dynamo captured;
+    (:class:`opreg.loops.LoopFinding`); ``graphs``: graphs Dynamo captured;
     ``graph_breaks``: Dynamo's reasons for breaking or skipping frames."""
 
     matches: list[Any]
@@ -48,10 +53,11 @@ class ExplainReport:
         bad = [f for f in self.loops if not f.matched]
         if self.loops:
             out.append(f"\nPython loops ({len(self.loops)}):")
-            out += [f"  {f.where}: {f.code}\n      Dynamo can't trace this loop (each row's index "
-                    f"is data); opreg.optimize(model) rewrites it to opreg::scatter_combine"
-                    for f in good]
-            out += [f"  {f.where}: {f.code}\n      not rewritable by opreg.optimize: {f.reason}"
+            notes = {i.name: i.note for i in loops.registered_loop_idioms()}
+            out += [f"  {f.where}: {f.code}\n      "
+                    + (f"{notes[f.idiom]}; " if notes.get(f.idiom) else "")
+                    + f"opreg.optimize(model) rewrites it to {f.op}" for f in good]
+            out += [f"  {f.where}: {f.code}\n      not rewritable by opreg.optimize ({f.op}): {f.reason}"
                     for f in bad]
         if self.graph_breaks:
             out.append("\nDynamo graph breaks:")
@@ -60,8 +66,6 @@ class ExplainReport:
 
 
 def _op_of(f: Any) -> str:
-    from .backend import registered_patterns
-
     if f.op:
         return f.op
     for p in registered_patterns():
@@ -78,11 +82,6 @@ def explain(model: Callable[..., Any], example_inputs: Sequence[Any], *, print_r
     :func:`opreg.optimize` would rewrite. Resets Dynamo first (as ``torch._dynamo.explain``
     does), so earlier compiles don't hide graphs.
     """
-    import opreg
-
-    from .backend import apply_patterns
-    from .optimize import _user_functions, find_loops
-
     findings: list[Any] = []
     graphs = 0
 
@@ -103,21 +102,25 @@ def explain(model: Callable[..., Any], example_inputs: Sequence[Any], *, print_r
         for r, n in counters[k].items() if n > before[k].get(r, 0) and r.strip()))
     torch._dynamo.reset()  # don't leave our throwaway backend's code cached
 
-    loops: list[Any] = []
-    fns = (_user_functions(type(m)).values() for m in model.modules()) \
-        if isinstance(model, torch.nn.Module) else [[model]]
-    seen: set[Any] = set()
-    for group in fns:
-        for fn in group:
-            fn = getattr(fn, "__opreg_original__", fn)
-            if fn not in seen:
-                seen.add(fn)
-                loops.extend(find_loops(fn))
     report = ExplainReport([f for f in findings if f.matched], [f for f in findings if not f.matched],
-                           loops, graphs, breaks)
+                           _loops(model), graphs, breaks)
     if print_report:
         print(report)
     return report
+
+
+def _loops(model: Callable[..., Any]) -> list[loops.LoopFinding]:
+    """What the loop idioms find in ``model``'s methods (each function once)."""
+    fns = [f for m in model.modules() for f in loops.user_functions(type(m)).values()] \
+        if isinstance(model, torch.nn.Module) else [model]
+    seen: set[Any] = set()
+    found: list[loops.LoopFinding] = []
+    for fn in fns:
+        fn = getattr(fn, "__opreg_original__", fn)
+        if fn not in seen:
+            seen.add(fn)
+            found.extend(loops.find_loops(fn))
+    return found
 
 
 # ======================================================================== command line

@@ -15,7 +15,7 @@ import opreg
 from opreg.backend import RecordingBackend, stats
 from opreg.models import moe_combine_loop as moe
 from opreg.ops.scatter_combine import reference as sc_reference
-from opreg.optimize import find_loops, optimize, rewrite_loops
+from opreg.optimize import LoopFinding, find_loops, loop_combine, optimize, rewrite_loops
 
 OP = "opreg::scatter_combine"
 T, F, H = 6, 2, 8          # tokens, fan-out, hidden
@@ -289,6 +289,8 @@ def test_find_loops_reports_without_rewriting() -> None:
     found = find_loops(moe.Model.forward)
     assert len(found) == 1 and found[0].matched and found[0].line > 0
     assert "out[token_idx[row]]" in found[0].code
+    assert isinstance(found[0], LoopFinding) and found[0].op == OP
+    assert loop_combine is opreg.loops.scatter_combine.IDIOM.runtime   # the old names still work
 
 
 # ------------------------------------------------------------------ training and shapes

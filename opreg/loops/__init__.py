@@ -1,0 +1,28 @@
+"""Loop idioms: Python loops Dynamo can't trace, rewritten into opreg ops by
+:func:`opreg.optimize` after a proof from the source that nothing observable changes.
+
+Generic machinery in :mod:`opreg.loops.rewriter` (source, scan, template, recompile),
+:mod:`opreg.loops.idiom` (the plug-in API and the proof helpers) and
+:mod:`opreg.loops.registry`; one file per idiom (:mod:`opreg.loops.scatter_combine`). Adding one::
+
+    opreg.loops.register_loop_idiom(LoopIdiom(name=..., op=..., candidate=..., prove=..., runtime=...))
+"""
+from __future__ import annotations
+
+from . import scatter_combine
+from .idiom import (Fresh, LoopIdiom, LoopSite, Plan, Reject, fresh_origin, names_in, plain_tensors,
+                    positive_count, prove_fresh, range_loop, subscript_of)
+from .registry import register_loop_idiom, registered_loop_idioms, unregister_loop_idiom
+from .rewriter import LoopFinding, find_loops, rewrite_function, rewrite_loops, user_functions
+
+#: The idioms opreg ships, tried in this order.
+BUILTIN = [scatter_combine.IDIOM]
+
+for _idiom in BUILTIN:
+    register_loop_idiom(_idiom)
+
+__all__ = ["BUILTIN", "Fresh", "LoopFinding", "LoopIdiom", "LoopSite", "Plan", "Reject",
+           "find_loops", "fresh_origin", "names_in", "plain_tensors", "positive_count",
+           "prove_fresh", "range_loop", "register_loop_idiom", "registered_loop_idioms",
+           "rewrite_function", "rewrite_loops", "subscript_of", "unregister_loop_idiom",
+           "user_functions"]

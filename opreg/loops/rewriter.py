@@ -1,0 +1,417 @@
+"""The generic loop rewriter: read a function's source, find the loops the registered
+idioms prove, and build a new function whose loops run as ops (falling back to the
+user's loop, verbatim, whenever the run-time guard says the values don't fit).
+
+The replacement for each loop is :data:`TEMPLATE` (see :mod:`opreg.loops.idiom` for what
+an idiom proves). The new function is compiled from the user's own source, inside a
+factory that takes the original's free variables, so it sees the same closure (``super()``
+included) and the same, live, module globals. Functions without source (``exec``'d) are
+left alone with one warning; so are decorated ones, ones using name-mangled ``__names``
+and ones already using ``_opreg_`` names. Methods are replaced on the *instance*
+(``module.forward = ...``), so parameters and the module itself stay the same objects,
+and ``module._opreg_loops`` lists what was found.
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import copy
+import dataclasses
+import dis
+import inspect
+import textwrap
+import types
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from .._log import logger
+from .idiom import NESTED_SCOPES, LoopIdiom, LoopSite, Plan, Reject
+from .registry import registered_loop_idioms
+
+__all__ = ["LoopFinding", "find_loops", "rewrite_function", "rewrite_loops", "user_functions"]
+
+_warned: set[str] = set()
+_NO_SOURCE = "its source is not available (exec'd or compiled code)"
+
+
+@dataclasses.dataclass
+class LoopFinding:
+    """A loop in a function's source: rewritten (``matched``) to ``op`` by ``idiom``, or
+    left as written and why (``reason``; ``op``/``idiom`` then name the idiom that came
+    closest)."""
+
+    function: str      # qualified name
+    file: str
+    line: int
+    code: str          # the loop's first body line
+    matched: bool
+    reason: str = ""
+    op: str = ""       # "opreg::scatter_combine"
+    idiom: str = ""
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+# ===================================================================== the source
+
+def _source_of(fn: Callable[..., Any]) -> tuple[ast.FunctionDef, str, list[str]] | str:
+    """(def, file, lines of the file) of ``fn``'s source, or why it can't be had."""
+    if hasattr(fn, "__wrapped__"):
+        return "it is decorated"
+    try:
+        lines, first = inspect.getsourcelines(fn)
+        file = inspect.getsourcefile(fn) or inspect.getfile(fn)
+    except (OSError, TypeError):
+        return _NO_SOURCE
+    try:
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except SyntaxError:
+        return "its source could not be parsed"
+    ast.increment_lineno(tree, first - 1)
+    if not tree.body or not isinstance(tree.body[0], ast.FunctionDef) \
+            or tree.body[0].name != fn.__name__:
+        return "its source is not a plain def"
+    try:
+        with open(file, encoding="utf-8") as f:
+            all_lines = f.read().splitlines()
+    except OSError:
+        all_lines = []
+    return tree.body[0], file, all_lines
+
+
+def _resolver(fn: Callable[..., Any]) -> Callable[[str], Any]:
+    """Resolve a name as ``fn``'s code would (if it isn't a local): closure, globals,
+    builtins; None if unbound."""
+    g = fn.__globals__
+    closure = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+
+    def resolve(name: str) -> Any:
+        if name in closure:
+            return closure[name]
+        if name in g:
+            return g[name]
+        return getattr(builtins, name, None)
+
+    return resolve
+
+
+def _locals_of(fn_def: ast.FunctionDef) -> frozenset[str]:
+    a = fn_def.args
+    names = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
+    names |= {x.arg for x in (a.vararg, a.kwarg) if x is not None}
+    todo = list(ast.iter_child_nodes(fn_def))
+    while todo:  # the function's own scope: not inside nested functions, lambdas, classes
+        n = todo.pop()
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            names.add(n.id)
+        if isinstance(n, (ast.Import, ast.ImportFrom)):
+            names |= {(x.asname or x.name).split(".")[0] for x in n.names}
+        if isinstance(n, NESTED_SCOPES):
+            names.add(getattr(n, "name", ""))
+        else:
+            todo.extend(ast.iter_child_nodes(n))
+    return frozenset(names)
+
+
+# ======================================================================= the scan
+
+@dataclasses.dataclass
+class _Match:
+    site: LoopSite
+    idiom: LoopIdiom
+    plan: Plan
+    finding: LoopFinding
+
+
+class _Scan:
+    """Every loop of one function, tried against each idiom."""
+
+    def __init__(self, fn: Callable[..., Any], fn_def: ast.FunctionDef, file: str,
+                 lines: list[str], idioms: list[LoopIdiom]) -> None:
+        self.fn_def, self.file, self.lines, self.idioms = fn_def, file, lines, idioms
+        self.qualname, self.resolve, self.local = fn.__qualname__, _resolver(fn), _locals_of(fn_def)
+        self.findings: list[LoopFinding] = []
+        self.matches: list[_Match] = []
+        self._block(fn_def.body, ())
+
+    def _block(self, block: list[ast.stmt], outer: tuple[tuple[list[ast.stmt], int], ...]) -> None:
+        for pos, s in enumerate(block):
+            if isinstance(s, NESTED_SCOPES):
+                continue
+            if isinstance(s, ast.For) and self._loop(s, block, pos, outer):
+                continue
+            inner = outer + ((block, pos),)
+            for field in ("body", "orelse", "finalbody"):
+                sub = getattr(s, field, None)
+                if isinstance(sub, list) and sub and isinstance(sub[0], ast.stmt):
+                    self._block(sub, inner)
+            for part in (*getattr(s, "handlers", ()), *getattr(s, "cases", ())):
+                self._block(part.body, inner)
+
+    def _loop(self, loop: ast.For, block: list[ast.stmt], pos: int,
+              outer: tuple[tuple[list[ast.stmt], int], ...]) -> bool:
+        """Try the idioms on ``loop``; True if one proved it."""
+        tried = [i for i in self.idioms if i.candidate(loop)]
+        if not tried:
+            return False
+        site = LoopSite(self.fn_def, loop, block, pos, outer, self.resolve, self.local,
+                        key=len(self.findings))
+        line = loop.body[0].lineno - 1 if loop.body else -1
+        code = self.lines[line].strip() if 0 <= line < len(self.lines) else ""
+        reasons = []
+        for idiom in tried:
+            try:
+                plan = idiom.prove(site)
+            except Reject as e:
+                reasons.append(f"{idiom.name}: {e}" if len(tried) > 1 else str(e))
+                continue
+            f = LoopFinding(self.qualname, self.file, loop.lineno, code, True, "", idiom.op, idiom.name)
+            self.findings.append(f)
+            self.matches.append(_Match(site, idiom, plan, f))
+            return True
+        self.findings.append(LoopFinding(self.qualname, self.file, loop.lineno, code, False,
+                                         "; ".join(reasons), tried[0].op, tried[0].name))
+        return False
+
+
+# =================================================================== the rewrite
+
+TEMPLATE = """
+{s} = None
+{r} = {run}({s}) if {runs}({s}) else None
+if {r} is None:
+    pass
+else:
+    {result} = {r}
+    _ = {last}
+"""
+
+
+def _helper_names(idiom: LoopIdiom) -> tuple[str, str]:
+    return f"_opreg_run_{idiom.name}", f"_opreg_runs_{idiom.name}"
+
+
+def _expr(src: str) -> ast.expr:
+    return ast.parse(src, mode="eval").body
+
+
+def _at(stmts: list[ast.stmt], where: ast.AST, *, everywhere: bool) -> list[ast.stmt]:
+    """Give new code the location of ``where`` (tracebacks point at the user's line);
+    ``everywhere=False`` keeps the locations nodes already have (the user's own)."""
+    for s in stmts:
+        for node in ast.walk(s):
+            if everywhere or getattr(node, "lineno", None) is None:
+                ast.copy_location(node, where)
+    return stmts
+
+
+def _replacement(m: _Match) -> list[ast.stmt]:
+    """:data:`TEMPLATE` filled in for one match."""
+    site, plan = m.site, m.plan
+    s, r = site.temp("s"), site.temp("r")
+    run, runs = _helper_names(m.idiom)
+    stmts = _at(ast.parse(TEMPLATE.format(s=s, r=r, run=run, runs=runs, result=plan.result,
+                                          last=plan.last.format(s=s))).body, site.loop, everywhere=True)
+    stmts[0].value = plan.source
+    call = stmts[1].value.body
+    call.args += [ast.Name(id=a, ctx=ast.Load()) if isinstance(a, str) else a for a in plan.args]
+    call.keywords = [ast.keyword(arg=k, value=ast.Constant(v)) for k, v in plan.flags.items()]
+    fallback = copy.copy(site.loop)  # the user's loop (its own body and locations)
+    fallback.iter = _at([ast.Expr(_expr(plan.iterate.format(s=s)))], site.loop, everywhere=True)[0].value
+    stmts[2].body = [fallback]
+    stmts[2].orelse[1].targets = [copy.deepcopy(site.loop.target)]
+    return _at(stmts, site.loop, everywhere=False)
+
+
+def _blocks(fn_def: ast.FunctionDef) -> dict[int, tuple[list[ast.stmt], int]]:
+    """id(statement) -> (its block, its position), for every statement of ``fn_def``."""
+    where = {}
+    for node in ast.walk(fn_def):
+        for _, value in ast.iter_fields(node):
+            if isinstance(value, list) and value and isinstance(value[0], ast.stmt):
+                where.update({id(s): (value, j) for j, s in enumerate(value)})
+    return where
+
+
+def _apply(fn_def: ast.FunctionDef, matches: list[_Match]) -> list[_Match]:
+    """Replace each matched loop (and the earlier statements its plan rewrites); a plan
+    that would rewrite a statement another already does is dropped (its finding becomes
+    a near miss). Returns the matches applied."""
+    where = _blocks(fn_def)
+    todo: dict[tuple[int, int], tuple[list[ast.stmt], list[ast.stmt]]] = {}
+    applied = []
+    for m in matches:
+        wanted = {(id(m.site.block), m.site.pos): (m.site.block, _replacement(m))}
+        for stmt, new in m.plan.before.items():
+            block, j = where[id(stmt)]
+            wanted[id(block), j] = (block, _at(new, stmt, everywhere=False))
+        if wanted.keys() & todo.keys():
+            m.finding.matched, m.finding.reason = False, "overlaps another loop rewritten here"
+            continue
+        todo.update(wanted)
+        applied.append(m)
+    for (_, j), (block, new) in sorted(todo.items(), key=lambda e: -e[0][1]):
+        block[j:j + 1] = new  # from the end of each block: positions stay valid
+    return applied
+
+
+def _plain(fn_def: ast.FunctionDef) -> str:
+    """Why the function can't be recompiled from its source as is ("" if it can)."""
+    if fn_def.decorator_list:
+        return "it is decorated"
+    for n in ast.walk(fn_def):
+        name = n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else ""
+        if name.startswith("__") and not name.endswith("__"):
+            return "it uses private (name-mangled) names"
+        if name.startswith("_opreg_"):
+            return "it already uses _opreg_ names"
+    return ""
+
+
+def _compile(fn: Callable[..., Any], fn_def: ast.FunctionDef, file: str,
+             helpers: dict[str, Any]) -> Callable[..., Any]:
+    """The function ``fn_def`` (rewritten) as ``fn`` would be: same closure, globals,
+    defaults, names; ``helpers`` are visible to it."""
+    # Annotations stay the original's (set below): evaluating them here could fail (names
+    # imported under TYPE_CHECKING, postponed evaluation in the user's module).
+    a = fn_def.args
+    for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg):
+        if arg is not None:
+            arg.annotation = None
+    fn_def.returns = None
+    # def factory(*helpers, *free vars): def fn(...): ...; return fn  -- so the compiler
+    # makes the original's free variables (incl. __class__ for super()) and the helpers
+    # free variables of the new function, while its globals stay the original module's
+    # (live) namespace.
+    free = list(fn.__code__.co_freevars)
+    factory = ast.FunctionDef(
+        name="_opreg_factory",
+        args=ast.arguments(posonlyargs=[], args=[ast.arg(arg=x) for x in [*helpers, *free]],
+                           vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]),
+        body=[fn_def, ast.Return(value=ast.Name(id=fn_def.name, ctx=ast.Load()))],
+        decorator_list=[], returns=None, type_comment=None)
+    if hasattr(ast, "TypeAlias"):  # 3.12+: FunctionDef has type_params
+        factory.type_params = []
+    mod = ast.Module(body=[factory], type_ignores=[])
+    ast.copy_location(factory, fn_def)
+    ast.fix_missing_locations(mod)
+    ns: dict[str, Any] = {}
+    exec(compile(mod, file, "exec"), fn.__globals__, ns)  # noqa: S102 - the user's own source
+    made = ns["_opreg_factory"](*helpers.values(), *[None] * len(free))
+    # The original's own cells, not copies of their values: a nonlocal the function writes,
+    # or one its enclosing function changes later, stays shared as it was.
+    cells = dict(zip(free, fn.__closure__ or ()))
+    closure = tuple(cells.get(name, cell) for name, cell in zip(made.__code__.co_freevars,
+                                                                 made.__closure__ or ()))
+    new = types.FunctionType(made.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__, new.__module__, new.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    new.__annotations__ = dict(getattr(fn, "__annotations__", {}))
+    new.__opreg_original__ = fn
+    return new
+
+
+def find_loops(fn: Callable[..., Any]) -> list[LoopFinding]:
+    """The loops :func:`opreg.optimize` would rewrite in ``fn`` (matched) or leave (why)."""
+    fn = getattr(fn, "__opreg_original__", fn)
+    got = _source_of(fn)
+    if isinstance(got, str):
+        return []
+    return _Scan(fn, *got, registered_loop_idioms()).findings
+
+
+def _rewrite(fn: Callable[..., Any]) -> tuple[Callable[..., Any] | None, list[LoopFinding], str]:
+    """(rewritten fn or None, findings, why not rewritten)."""
+    got = _source_of(fn)
+    if isinstance(got, str):
+        return None, [], got
+    fn_def, file, lines = got
+    why = _plain(fn_def)
+    if why:
+        return None, [], why
+    scan = _Scan(fn, fn_def, file, lines, registered_loop_idioms())
+    applied = _apply(fn_def, scan.matches)
+    if not applied:
+        return None, scan.findings, "no loop to rewrite"
+    helpers: dict[str, Any] = {}
+    for m in applied:
+        run, runs = _helper_names(m.idiom)
+        helpers[run], helpers[runs] = m.idiom.runtime, m.idiom.runs
+    return _compile(fn, fn_def, file, helpers), scan.findings, ""
+
+
+def _has_loop(fn: Callable[..., Any]) -> bool:
+    """Does ``fn``'s bytecode loop? (Only such functions are worth a warning.)"""
+    try:
+        return any(i.opname == "FOR_ITER" for i in dis.get_instructions(fn))
+    except TypeError:
+        return True
+
+
+def _warn_unavailable(fns: list[Callable[..., Any]]) -> None:
+    """One warning per call for functions with loops but no source, never twice for the
+    same function."""
+    new = [f.__qualname__ for f in fns if f.__qualname__ not in _warned and _has_loop(f)]
+    if not new:
+        return
+    _warned.update(new)
+    msg = (f"opreg.optimize: {', '.join(new)} left as is: the source is not available (exec'd or "
+           f"compiled code); their loops can't be rewritten (torch.compile still runs them)")
+    logger.info(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def rewrite_function(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[LoopFinding]]:
+    """(a rewritten copy of ``fn``, or ``fn`` itself if nothing was rewritten; findings)."""
+    new, found, why = _rewrite(fn)
+    if new is None and why == _NO_SOURCE:
+        _warn_unavailable([fn])
+    return new or fn, found
+
+
+def user_functions(cls: type) -> dict[str, Callable[..., Any]]:
+    """Methods of ``cls`` (through its MRO) that user code defines: torch's own are skipped."""
+    out: dict[str, Callable[..., Any]] = {}
+    for klass in reversed(cls.__mro__):
+        if klass.__module__.startswith("torch.") or klass is object:
+            continue
+        for name, f in vars(klass).items():
+            if isinstance(f, types.FunctionType):
+                out[name] = f
+            elif name in out:
+                del out[name]  # overridden by a non-function
+    return {k: v for k, v in out.items() if getattr(cls, k, None) is v}
+
+
+def rewrite_loops(model: torch.nn.Module) -> list[LoopFinding]:
+    """Rewrite the loops of every submodule's methods in place (instance attributes);
+    return the findings (matched and not). Idempotent."""
+    findings: list[LoopFinding] = []
+    rewritten: dict[Callable[..., Any], Callable[..., Any] | None] = {}
+    unavailable: list[Callable[..., Any]] = []
+    for mod in model.modules():
+        done = getattr(mod, "_opreg_loops", None)
+        if done is not None:
+            findings.extend(done)
+            continue
+        mine: list[LoopFinding] = []
+        for name, fn in user_functions(type(mod)).items():
+            if name in vars(mod):
+                continue  # already replaced on this instance by someone
+            if fn not in rewritten:
+                new, found, why = _rewrite(fn)
+                rewritten[fn] = new
+                if new is None and why == _NO_SOURCE:
+                    unavailable.append(fn)
+                mine.extend(found)
+            new = rewritten[fn]
+            if new is not None:
+                setattr(mod, name, types.MethodType(new, mod))
+        mod._opreg_loops = mine  # type: ignore[assignment]
+        findings.extend(mine)
+    _warn_unavailable(unavailable)
+    return findings
