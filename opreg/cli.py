@@ -21,40 +21,39 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    """Ops x implementations, available or why not; builds and loads nothing."""
     rows = [[r["op"], r["impl"], r["devices"], r["priority"], "yes" if r["available"] else "no",
              r["why_not"]] for r in registry.implementations()]
     print(_table(rows, ["op", "implementation", "devices", "priority", "available", "why not"]))
-    print(f"\nkernel cache: {_build.cache_root()} (set OPREG_CACHE_DIR to move it)")
+    bad = [p for p in map(_build.why_not, _build.extensions())
+           if isinstance(p, _build.CacheProblem)]
+    print(f"\n{bad[0]}" if bad else
+          f"\nkernel cache: {_build.cache_root()} (set OPREG_CACHE_DIR to move it)")
     return 0
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    """Build every kernel library this machine can build; non-zero exit on any failure."""
-    targets: list[tuple[_build.Extension, str | None]] = []
-    if args.only in (None, "cpu"):
-        targets.append((_build.CPU, None))
-    if args.only in (None, "cuda"):
-        arch = args.cuda_arch
-        if torch.version.cuda is None:
-            print("cuda: skipped (torch was built without CUDA)")
-        elif _build.cuda_home() is None:
-            print("cuda: skipped (nvcc not found; set CUDA_HOME)")
-        elif arch is None and not torch.cuda.is_available():
-            print("cuda: skipped (no CUDA device; pass --cuda-arch 9.0 to compile anyway)")
-        else:
-            targets.append((_build.CUDA, arch))
+    """Build every kernel library this machine can build, each with its time and whether it
+    was compiled or already current ("cached": no ninja run); non-zero exit on any failure."""
+    exts = [e for e in _build.extensions() if args.only in (None, "cuda" if e.cuda else "cpu")]
     failed = 0
-    for i, (ext, arch) in enumerate(targets, 1):
+    for i, ext in enumerate(exts, 1):
+        arch = args.cuda_arch if ext.cuda else None
+        why = _build.why_not(ext, cuda_arch=arch) if ext.cuda else None
+        if why is not None and not isinstance(why, _build.CacheProblem):  # CUDA can't build here
+            print(f"[{i}/{len(exts)}] {ext.name}: skipped ({why})")
+            continue
         srcs = ", ".join(s.name for s in ext.sources())
-        print(f"[{i}/{len(targets)}] {ext.name}: {srcs}", flush=True)
+        print(f"[{i}/{len(exts)}] {ext.name}: {srcs}", flush=True)
         t0 = time.monotonic()
         try:
             registry.load(ext, cuda_arch=arch, verbose=args.verbose)
         except _build.BuildError as e:
             failed += 1
-            print(f"  FAILED: {e}", file=sys.stderr)
+            print(f"  FAILED ({time.monotonic() - t0:.1f} s): {e}", file=sys.stderr)
             continue
-        print(f"  ok ({time.monotonic() - t0:.1f} s): {_build.build_dir(ext)}")
+        how = _build.last_outcome(ext) or "already loaded"
+        print(f"  ok, {how} ({time.monotonic() - t0:.1f} s): {_build.build_dir(ext)}")
     return 1 if failed else 0
 
 

@@ -1,13 +1,17 @@
 """The CLI a newcomer runs first: list, build, demo (in a fresh process each)."""
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 
+from opreg import _build
 
-def opreg_cli(*args: str) -> subprocess.CompletedProcess[str]:
+
+def opreg_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "opreg", *args], capture_output=True,
-                          text=True, timeout=900)
+                          text=True, timeout=900, env={**os.environ, **env})
 
 
 def test_list():
@@ -17,11 +21,40 @@ def test_list():
         assert word in out.stdout
 
 
+def test_list_names_a_bad_cache_and_builds_nothing(tmp_path):
+    (tmp_path / "file").write_text("")
+    out = opreg_cli("list", OPREG_CACHE_DIR=str(tmp_path / "file"))
+    assert out.returncode == 0, out.stderr
+    row = next(ln for ln in out.stdout.splitlines() if re.match(r"scatter_combine +cpu ", ln))
+    assert "no" in row.split() and "is not a directory" in row and "OPREG_CACHE_DIR" in row
+    out = opreg_cli("list", OPREG_CACHE_DIR=str(tmp_path / "new"))
+    assert out.returncode == 0, out.stderr
+    assert not (tmp_path / "new").exists()  # a probe: nothing created, nothing built
+
+
+def outcomes(stdout: str) -> dict[str, str]:
+    """library -> its "ok, <how> (<s> s)" word, from ``opreg build``'s output."""
+    found, lib = {}, None
+    for line in stdout.splitlines():
+        if m := re.match(r"\[\d+/\d+\] (\w+): ", line):
+            lib = m.group(1)
+        elif m := re.match(r"  ok, ([a-z ]+) \(\d+\.\d s\): ", line):
+            found[lib] = m.group(1)
+    return found
+
+
 def test_build():
+    """Every host library is listed with its time and how it came: compiled (or up to
+    date) the first time if needed, then "cached" (loaded with no ninja run)."""
     out = opreg_cli("build")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "opreg_cpu" in out.stdout and "ok" in out.stdout
+    host = {e.name for e in _build.extensions() if not e.cuda}
+    assert set(outcomes(out.stdout)) >= host, out.stdout
+    assert set(outcomes(out.stdout).values()) <= {"compiled", "up to date", "cached", "rebuilt"}
     assert "Overriding a previously registered kernel" not in out.stderr
+    again = opreg_cli("build", "--only", "cpu")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert outcomes(again.stdout) == dict.fromkeys(host, "cached"), again.stdout
 
 
 def test_demo():

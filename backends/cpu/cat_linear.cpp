@@ -10,7 +10,7 @@
 
 #include <vector>
 
-#include "checks.h"
+#include "cat_linear_checks.h"
 
 namespace opreg {
 namespace {

@@ -16,7 +16,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "checks.h"
+#include "scatter_combine_checks.h"
 
 namespace opreg {
 namespace {
@@ -32,7 +32,7 @@ void with_index_ptr(const at::Tensor& token_idx, F&& f) {
 }
 
 // Calls f with gates' data pointer typed as float or scalar_t (the two
-// dtypes checks.h admits); for scalar_t == float both branches coincide.
+// dtypes scatter_combine_checks.h admits); for scalar_t == float both branches coincide.
 template <typename scalar_t, typename F>
 void with_gate_ptr(const at::Tensor& gates, F&& f) {
   if (gates.scalar_type() == at::kFloat) {
@@ -48,21 +48,26 @@ struct TokenRows {
   std::vector<int64_t> order;
 };
 
-// Serial O(N + T) counting sort. The range check lives in the counting pass,
-// before anything is indexed by token, so a bad index can never cause an
-// out-of-bounds write.
+// Serial range check, before anything is indexed by token: a bad index can
+// never cause an out-of-bounds access, and the message names the first bad row.
+template <typename idx_t>
+void check_rows_in_range(const char* op, const idx_t* idx, int64_t n, int64_t num_tokens) {
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK_INDEX(
+        idx[r] >= 0 && idx[r] < num_tokens,
+        op, ": token_idx[", num(r), "] = ", num(idx[r]),
+        " is out of range [0, num_tokens=", num(num_tokens), ")");
+  }
+}
+
+// Serial O(N + T) counting sort of rows already range-checked.
 template <typename idx_t>
 TokenRows build_token_rows(const idx_t* idx, int64_t n, int64_t num_tokens) {
   TokenRows csr;
   csr.offsets.assign(num_tokens + 1, 0);
   csr.order.resize(n);
   for (int64_t r = 0; r < n; ++r) {
-    const int64_t t = idx[r];
-    TORCH_CHECK_INDEX(
-        t >= 0 && t < num_tokens,
-        "scatter_combine: token_idx[", num(r), "] = ", num(t),
-        " is out of range [0, num_tokens=", num(num_tokens), ")");
-    ++csr.offsets[t + 1];
+    ++csr.offsets[idx[r] + 1];
   }
   std::partial_sum(csr.offsets.begin(), csr.offsets.end(), csr.offsets.begin());
   std::vector<int64_t> cursor(csr.offsets.begin(), csr.offsets.end() - 1);
@@ -199,7 +204,14 @@ at::Tensor scatter_combine_cpu(
   at::Tensor out = at::empty({num_tokens, h}, x.options());
 
   TokenRows csr;
-  with_index_ptr(idx, [&](const auto* ip) { csr = build_token_rows(ip, n, num_tokens); });
+  const bool empty_rows = h == 0;
+  with_index_ptr(idx, [&](const auto* ip) {
+    check_rows_in_range("scatter_combine", ip, n, num_tokens);
+    // H == 0: nothing to sum, and the CSR's T + 1 offsets could not even be
+    // allocated for a huge num_tokens (2^40) whose (T, 0) output is empty.
+    if (!empty_rows) csr = build_token_rows(ip, n, num_tokens);
+  });
+  if (empty_rows) return out;
 
   AT_DISPATCH_FLOATING_TYPES_AND(
       at::kBFloat16, x.scalar_type(), "scatter_combine_cpu", [&] {
@@ -277,14 +289,8 @@ std::tuple<at::Tensor, at::Tensor> scatter_combine_backward_cpu(
   at::Tensor grad_gates = at::empty({n}, g.options());
 
   with_index_ptr(idx, [&](const auto* ip) {
-    // Serial range check first: the message then always names the first bad
-    // row, and the parallel loop below can index grad_out unchecked.
-    for (int64_t r = 0; r < n; ++r) {
-      TORCH_CHECK_INDEX(
-          ip[r] >= 0 && ip[r] < num_tokens,
-          "scatter_combine_backward: token_idx[", num(r), "] = ", num(ip[r]),
-          " is out of range [0, num_tokens=", num(num_tokens), ")");
-    }
+    // Checked first, so the parallel loop below can index grad_out unchecked.
+    check_rows_in_range("scatter_combine_backward", ip, n, num_tokens);
     AT_DISPATCH_FLOATING_TYPES_AND(
         at::kBFloat16, x.scalar_type(), "scatter_combine_backward_cpu", [&] {
           with_gate_ptr<scalar_t>(g, [&](const auto* gp) {

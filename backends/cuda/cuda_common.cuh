@@ -27,6 +27,25 @@ constexpr int vec16() {
   return static_cast<int>(16 / sizeof(T));
 }
 
+// Rounds one lane's accumulators to scalar_t and stores them into output row
+// `row` (hvec vectors wide): acc[k] is the row's vector j0 + 32 k, as every
+// warp-per-row kernel lays them out; vectors past the row's end are skipped.
+template <typename scalar_t, int V, int NV, typename acc_t>
+__device__ __forceinline__ void store_row(
+    scalar_t* __restrict__ out, int64_t row, int hvec, int j0, const acc_t (&acc)[NV][V]) {
+  Vec<scalar_t, V>* orow = reinterpret_cast<Vec<scalar_t, V>*>(out) + row * hvec;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int j = j0 + 32 * k;
+    if (j < hvec) {
+      Vec<scalar_t, V> o;
+#pragma unroll
+      for (int e = 0; e < V; ++e) o.v[e] = static_cast<scalar_t>(acc[k][e]);
+      orow[j] = o;
+    }
+  }
+}
+
 // Round-to-nearest fused multiply-add in the accumulation type. Every kernel
 // uses exactly this for its sums so that different code paths that visit the
 // same rows in the same order produce bit-identical results.
@@ -45,7 +64,7 @@ __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, bool is6
               : static_cast<int64_t>(__ldg(static_cast<const int*>(p) + i));
 }
 
-// gates are either scalar_t or float32 (checks.h); same run-time-flag idea.
+// gates are either scalar_t or float32 (scatter_combine_checks.h); same run-time-flag idea.
 template <typename acc_t, typename scalar_t>
 __device__ __forceinline__ acc_t load_gate(const void* p, int64_t i, bool f32) {
   return f32 ? static_cast<acc_t>(static_cast<const float*>(p)[i])

@@ -42,7 +42,7 @@
 #include <tuple>
 #include <type_traits>
 
-#include "checks.h"
+#include "scatter_combine_checks.h"
 #include "cuda_common.cuh"
 
 namespace opreg {
@@ -190,17 +190,7 @@ __global__ void __launch_bounds__(kSmallThreads) scatter_small_kernel(
           hvec, j0, acc);
     }
   }
-  vec_t* orow = reinterpret_cast<vec_t*>(out) + t * hvec;
-#pragma unroll
-  for (int k = 0; k < kSmallVecPerLane_; ++k) {
-    const int j = j0 + 32 * k;
-    if (j < hvec) {
-      vec_t o;
-#pragma unroll
-      for (int e = 0; e < V; ++e) o.v[e] = static_cast<scalar_t>(acc[k][e]);
-      orow[j] = o;
-    }
-  }
+  cuda::store_row<scalar_t, V, kSmallVecPerLane_>(out, t, hvec, j0, acc);
 }
 
 // ---------------------------------------------------------------------------
@@ -450,17 +440,7 @@ __global__ void __launch_bounds__(kRedWarps * 32) scatter_reduce_kernel(
       }
     }
 
-    vec_t* orow = reinterpret_cast<vec_t*>(out) + t * hvec;
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      const int j = j0 + 32 * k;
-      if (j < hvec) {
-        vec_t o;
-#pragma unroll
-        for (int e = 0; e < V; ++e) o.v[e] = static_cast<scalar_t>(acc[k][e]);
-        orow[j] = o;
-      }
-    }
+    cuda::store_row<scalar_t, V, NV>(out, t, hvec, j0, acc);
     if (next >= nitems) break;
     item = next;
     t = tn;

@@ -82,10 +82,11 @@ def raise_if(reason: Reason | None) -> None:
 def define_builtin(name: str, schema: str, reference: Callable[..., Any],
                    fake: Callable[..., Any], differentiable: bool = True) -> None:
     """Define a built-in op with its C++ implementations: ``cpu`` (backends/cpu) and
-    ``cuda`` (backends/cuda), both above the reference; C++ autograd from the host library."""
+    ``cuda`` (backends/cuda), both above the reference; C++ autograd (every device) from
+    ``backends/autograd/<op>.cpp``, the ``opreg_autograd`` library."""
     from .. import _build, registry
 
     registry.define_op(name, schema, reference, fake=fake, differentiable=differentiable,
-                       autograd_extension=_build.CPU if differentiable else None)
+                       autograd_extension=_build.AUTOGRAD if differentiable else None)
     for impl, ext in (("cpu", _build.CPU), ("cuda", _build.CUDA)):
         registry.add_impl(name, registry.Impl(impl, name, (impl,), priority=100, extension=ext))

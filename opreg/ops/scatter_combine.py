@@ -119,7 +119,8 @@ def backward_fake(grad_out: torch.Tensor, expert_hidden: torch.Tensor,
 
 
 define_builtin(NAME, SCHEMA, reference, fake)
-define_builtin(NAME + "_backward", BACKWARD_SCHEMA, backward_reference, backward_fake,
-               differentiable=False)
+# Differentiable too (backends/autograd/scatter_combine.cpp), so that double backward of
+# scatter_combine is right.
+define_builtin(NAME + "_backward", BACKWARD_SCHEMA, backward_reference, backward_fake)
 
 __all__ = ["FLOAT_DTYPES", "INDEX_DTYPES", "NAME", "check", "check_range", "reference", "unsupported"]

@@ -1,85 +1,51 @@
-// Autograd for opreg::scatter_combine and opreg::cat_linear, for every device.
+// Autograd of opreg::cat_linear and opreg::cat_linear_stacked, for every device.
 //
-// The forwards re-enter the dispatcher below the autograd keys (the
-// torchvision roi_align idiom), so the CPU or CUDA kernel is picked by the
-// inputs' device. Sizes are handled as SymInts so that AOTAutograd can trace
-// these functions with dynamic shapes.
+// y = cat(parts, -1) W^T + b is linear in the parts and in (W, b):
+//   reverse:  d parts = split(g W), dW = g^T cat(parts), db = sum(g), in ATen ops,
+//             so double backward differentiates them as usual;
+//   forward:  dy = lin(d parts, W) + lin(parts, dW, db), with lin the op itself.
+// The forwards re-enter the dispatcher below the autograd keys (the torchvision
+// roi_align idiom), so the CPU or CUDA kernel is picked by the inputs' device.
+// Sizes are handled as SymInts so that AOTAutograd can trace these functions
+// with dynamic shapes.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <vector>
+
+#include "autograd_util.h"
 
 namespace opreg {
 namespace {
 
+using namespace opreg::autograd;  // any_requires_grad, tangent, primal, plus, or_zeros
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+using OptTensor = std::optional<at::Tensor>;
 
 // Typed handles are looked up once: the schemas are defined from Python
 // before this library is loaded, so they exist by the first call.
-at::Tensor call_scatter_combine(
-    const at::Tensor& expert_hidden,
-    const at::Tensor& token_idx,
-    const at::Tensor& gates,
-    c10::SymInt num_tokens) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("opreg::scatter_combine", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymInt)>();
-  return op.call(expert_hidden, token_idx, gates, std::move(num_tokens));
-}
-
-std::tuple<at::Tensor, at::Tensor> call_scatter_combine_backward(
-    const at::Tensor& grad_out,
-    const at::Tensor& expert_hidden,
-    const at::Tensor& token_idx,
-    const at::Tensor& gates) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("opreg::scatter_combine_backward", "")
-          .typed<std::tuple<at::Tensor, at::Tensor>(
-              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
-  return op.call(grad_out, expert_hidden, token_idx, gates);
-}
-
-at::Tensor call_cat_linear(
-    at::TensorList parts,
-    const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias) {
+at::Tensor call_cat_linear(at::TensorList parts, const at::Tensor& weight, const OptTensor& bias) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("opreg::cat_linear", "")
-          .typed<at::Tensor(at::TensorList, const at::Tensor&, const std::optional<at::Tensor>&)>();
+          .typed<at::Tensor(at::TensorList, const at::Tensor&, const OptTensor&)>();
   return op.call(parts, weight, bias);
 }
 
 at::Tensor call_cat_linear_stacked(
-    const at::Tensor& x,
-    int64_t dim,
-    const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias) {
+    const at::Tensor& x, int64_t dim, const at::Tensor& weight, const OptTensor& bias) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("opreg::cat_linear_stacked", "")
-          .typed<at::Tensor(const at::Tensor&, int64_t, const at::Tensor&,
-                            const std::optional<at::Tensor>&)>();
+          .typed<at::Tensor(const at::Tensor&, int64_t, const at::Tensor&, const OptTensor&)>();
   return op.call(x, dim, weight, bias);
 }
 
-// Does this call need an autograd node? Without one the kernel is called directly:
-// building the node (and saving inputs) cost 2-6 us per call on the H200's host
-// (cat_linear R4 B12 under no_grad: 18.0 vs 16.2 and 16.4 vs 10.5 us per call,
-// bench/model_overhead.py) and buys nothing when no gradient can flow.
-bool any_requires_grad(std::initializer_list<const at::Tensor*> ts, at::TensorList more = {}) {
-  if (!at::GradMode::is_enabled()) return false;
-  for (const at::Tensor* t : ts) {
-    if (t->defined() && t->requires_grad()) return true;
-  }
-  for (const at::Tensor& t : more) {
-    if (t.requires_grad()) return true;
-  }
-  return false;
+bool has(const OptTensor& t) {
+  return t.has_value() && t->defined();
 }
 
 // Gradients of y = cat(parts, -1) W^T + b, flattened over leading dims: one slot per
@@ -127,41 +93,15 @@ variable_list cat_linear_grads(
   return grads;
 }
 
-class ScatterCombine : public torch::autograd::Function<ScatterCombine> {
- public:
-  static at::Tensor forward(
-      AutogradContext* ctx,
-      const at::Tensor& expert_hidden,
-      const at::Tensor& token_idx,
-      const at::Tensor& gates,
-      c10::SymInt num_tokens) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    ctx->save_for_backward({expert_hidden, token_idx, gates});
-    return call_scatter_combine(expert_hidden, token_idx, gates, std::move(num_tokens));
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const variable_list saved = ctx->get_saved_variables();
-    // One fused kernel yields both grads, so needs_input_grad saves nothing.
-    auto [grad_hidden, grad_gates] =
-        call_scatter_combine_backward(grad_outputs[0], saved[0], saved[1], saved[2]);
-    // One slot per forward argument; token_idx and num_tokens get none.
-    return {grad_hidden, at::Tensor(), grad_gates, at::Tensor()};
-  }
-};
-
 class CatLinear : public torch::autograd::Function<CatLinear> {
  public:
   static at::Tensor forward(
-      AutogradContext* ctx,
-      at::TensorList parts,
-      const at::Tensor& weight,
-      const std::optional<at::Tensor>& bias) {
+      AutogradContext* ctx, at::TensorList parts, const at::Tensor& weight, const OptTensor& bias) {
     at::AutoDispatchBelowADInplaceOrView guard;
     std::vector<at::Tensor> to_save(parts.begin(), parts.end());
     to_save.push_back(weight);
     ctx->save_for_backward(to_save);
-    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+    ctx->saved_data["has_bias"] = has(bias);
     return call_cat_linear(parts, weight, bias);
   }
 
@@ -184,11 +124,11 @@ class CatLinearStacked : public torch::autograd::Function<CatLinearStacked> {
       const at::Tensor& x,
       int64_t dim,
       const at::Tensor& weight,
-      const std::optional<at::Tensor>& bias) {
+      const OptTensor& bias) {
     at::AutoDispatchBelowADInplaceOrView guard;
     ctx->save_for_backward({x, weight});
     ctx->saved_data["dim"] = dim < 0 ? dim + x.dim() : dim;
-    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+    ctx->saved_data["has_bias"] = has(bias);
     return call_cat_linear_stacked(x, dim, weight, bias);
   }
 
@@ -211,48 +151,84 @@ class CatLinearStacked : public torch::autograd::Function<CatLinearStacked> {
   }
 };
 
-at::Tensor scatter_combine_autograd(
-    const at::Tensor& expert_hidden,
-    const at::Tensor& token_idx,
-    const at::Tensor& gates,
-    c10::SymInt num_tokens) {
-  if (!any_requires_grad({&expert_hidden, &gates})) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return call_scatter_combine(expert_hidden, token_idx, gates, std::move(num_tokens));
+// Forward-mode tangent of y = lin(X, W, b): dy = lin(dX, W, -) + lin(X, dW, db).
+// lin(true, w, b) applies the op to the tangent input dX (only called when
+// has_dx), lin(false, w, b) to the primal input X.
+template <typename Lin>
+at::Tensor linear_tangent(
+    const Lin& lin, bool has_dx, const at::Tensor& w, const at::Tensor& dw,
+    const at::Tensor& db, const at::Tensor& out) {
+  at::Tensor t;
+  if (has_dx) t = lin(true, w, std::nullopt);
+  if (dw.defined()) {
+    t = plus(t, lin(false, dw, db.defined() ? OptTensor(db) : std::nullopt));
+  } else if (db.defined()) {
+    t = plus(t, db.expand_symint(out.sym_sizes()));  // set_fw_grad copies an expanded one
   }
-  return ScatterCombine::apply(expert_hidden, token_idx, gates, std::move(num_tokens));
+  return t;
 }
 
-at::Tensor cat_linear_autograd(
-    at::TensorList parts,
-    const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias) {
+at::Tensor cat_linear_reverse(at::TensorList parts, const at::Tensor& weight, const OptTensor& bias) {
   const at::Tensor none;
-  if (!any_requires_grad({&weight, bias.has_value() ? &*bias : &none}, parts)) {
+  if (!any_requires_grad({&weight, has(bias) ? &*bias : &none}, parts)) {
     at::AutoDispatchBelowADInplaceOrView guard;
     return call_cat_linear(parts, weight, bias);
   }
   return CatLinear::apply(parts, weight, bias);
 }
 
-at::Tensor cat_linear_stacked_autograd(
-    const at::Tensor& x,
-    int64_t dim,
-    const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias) {
+at::Tensor cat_linear_autograd(at::TensorList parts, const at::Tensor& weight, const OptTensor& bias) {
+  std::vector<at::Tensor> p(parts.size()), dp(parts.size());
+  bool has_dx = false;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    dp[i] = tangent(parts[i]);
+    has_dx = has_dx || dp[i].defined();
+  }
+  const at::Tensor dw = tangent(weight), db = tangent(bias);
+  if (!has_dx && !dw.defined() && !db.defined()) return cat_linear_reverse(parts, weight, bias);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    p[i] = primal(parts[i]);
+    dp[i] = or_zeros(dp[i], p[i]);
+  }
+  const at::Tensor w = primal(weight);
+  at::Tensor out = cat_linear_reverse(p, w, primal(bias));
+  const auto lin = [&](bool on_tangent, const at::Tensor& wt, const OptTensor& b) {
+    return call_cat_linear(on_tangent ? dp : p, wt, b);
+  };
+  out._set_fw_grad(linear_tangent(lin, has_dx, w, dw, db, out), /*level=*/0, /*is_inplace_op=*/false);
+  return out;
+}
+
+at::Tensor cat_linear_stacked_reverse(
+    const at::Tensor& x, int64_t dim, const at::Tensor& weight, const OptTensor& bias) {
   const at::Tensor none;
-  if (!any_requires_grad({&x, &weight, bias.has_value() ? &*bias : &none})) {
+  if (!any_requires_grad({&x, &weight, has(bias) ? &*bias : &none})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     return call_cat_linear_stacked(x, dim, weight, bias);
   }
   return CatLinearStacked::apply(x, dim, weight, bias);
 }
 
+at::Tensor cat_linear_stacked_autograd(
+    const at::Tensor& x, int64_t dim, const at::Tensor& weight, const OptTensor& bias) {
+  const at::Tensor dx = tangent(x), dw = tangent(weight), db = tangent(bias);
+  if (!dx.defined() && !dw.defined() && !db.defined()) {
+    return cat_linear_stacked_reverse(x, dim, weight, bias);
+  }
+  const at::Tensor xp = primal(x), w = primal(weight);
+  at::Tensor out = cat_linear_stacked_reverse(xp, dim, w, primal(bias));
+  const auto lin = [&](bool on_tangent, const at::Tensor& wt, const OptTensor& b) {
+    return call_cat_linear_stacked(on_tangent ? dx : xp, dim, wt, b);
+  };
+  out._set_fw_grad(linear_tangent(lin, dx.defined(), w, dw, db, out), /*level=*/0,
+                   /*is_inplace_op=*/false);
+  return out;
+}
+
 } // namespace
 } // namespace opreg
 
 TORCH_LIBRARY_IMPL(opreg, Autograd, m) {
-  m.impl("scatter_combine", &opreg::scatter_combine_autograd);
   m.impl("cat_linear", &opreg::cat_linear_autograd);
   m.impl("cat_linear_stacked", &opreg::cat_linear_stacked_autograd);
 }
