@@ -8,32 +8,44 @@ that register themselves with the dispatcher. Every op is a ``torch.library`` op
 into a C++ kernel, with no Python in between. Other devices run the reference.
 
 Binding is lazy: until an op is first called on a device, a small Python stub sits at
-that key; it picks the best available implementation (building it on first use),
-installs it and re-dispatches. Autograd works the same way: built-in ops get C++
-autograd from the host library; if that cannot be built, or for ops registered from
-Python, the gradient is the reference's own (``torch.autograd`` through it).
+that key; it picks the best available implementation (building it on first use) and
+re-dispatches. Loading a kernel library registers its C++ kernels *above* the stub (the
+dispatcher runs the newest registration at a key). Autograd works the same way: built-in
+ops get C++ autograd from a kernel library; if that cannot be built, or for ops registered
+from Python, the gradient is the reference's own (``torch.autograd`` through it).
 
-Selection order: an explicit ``get(op, impl=...)`` > the innermost :func:`use` scope >
-the highest-priority available implementation. An implementation whose build fails is
-skipped with one warning.
+Threads: no Python kernel we register is ever unregistered while the process runs. Another
+thread may be inside it (the dispatcher calls a kernel through the table entry it read,
+holding no reference), and freeing it under that thread crashed first use 1 time in 6
+(issue 12). Changes go on top instead; all binding happens under ``_lock``, so each
+library is built once per process (and once across processes: ``_build`` holds a file lock).
+
+Scopes (:func:`use`) are per thread / asyncio task: a ``ContextVar``, read by a Python
+*router* at the ``BackendSelect`` key (below autograd, above the backend keys). The router
+is registered for an op the first time a scope names it and is covered by a fallthrough
+whenever no scope anywhere names it, so the default call path stays Python-free.
+
+Selection order: an explicit ``get(op, impl=...)`` > the innermost :func:`use` scope of the
+calling thread/task > the highest-priority available implementation. An implementation
+whose build fails is skipped with one warning.
 """
 from __future__ import annotations
 
 import contextlib
-import shutil
+import contextvars
 import os
 import threading
-import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import torch
 
 from . import _build
 from ._build import BuildError, Extension
+from ._dispatch import (BELOW_BACKEND_SELECT, NAMESPACE, first_tensor, push_kernel,
+                        reference_autograd, retire, run_python, warn_once)
 from ._log import logger
 
-NAMESPACE = "opreg"
 DEVICE_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 ANY_DEVICE = "*"
 
@@ -62,7 +74,9 @@ class Impl:
         return ANY_DEVICE in self.devices or device in self.devices
 
     def unavailable(self, device: str | None = None) -> str | None:
-        """Why this implementation can't run (on ``device``), or None if it can."""
+        """Why this implementation can't run (on ``device``), or None if it can. Builds
+        and loads nothing: a library not loaded yet is probed (a few stat calls) for a
+        cache location it can't use or a missing toolchain."""
         if device is not None and not self.supports(device):
             return f"does not run on {device}"
         ext = self.extension
@@ -70,17 +84,12 @@ class Impl:
             return None
         state = _extensions.get(ext)
         if isinstance(state, BuildError):
-            return f"failed to build ({str(state).splitlines()[0][:200]})"
-        if ext.cuda:
-            if torch.version.cuda is None:
-                return "torch was built without CUDA"
-            if state is None and _build.cuda_home() is None:
-                return "nvcc not found (install the CUDA toolkit or set CUDA_HOME)"
-            if not torch.cuda.is_available():
-                return "no CUDA device"
-        elif state is None and shutil.which(os.environ.get("CXX", "c++")) is None:
-            return "no C++ compiler found (set CXX)"
-        return None
+            return str(state).splitlines()[0][:300]  # says what failed: build, load, cache
+        if ext.cuda and torch.version.cuda is None:
+            return "torch was built without CUDA"
+        if ext.cuda and not torch.cuda.is_available():
+            return "no CUDA device"
+        return None if state is not None else _build.why_not(ext)
 
 
 @dataclass
@@ -100,12 +109,14 @@ class Op:
 
 _ops: dict[str, Op] = {}
 _extensions: dict[Extension, "os.PathLike[str] | BuildError"] = {}
-_bound: dict[tuple[str, str], Impl] = {}            # (op, device) -> bound impl
-# (op, dispatch key) -> the Library holding our Python kernel there, and the kernel
-_py_libs: dict[tuple[str, str], tuple[torch.library.Library, Callable[..., Any] | None]] = {}
+_bound: dict[tuple[str, str], Impl] = {}            # (op, device) -> default impl there
 _autograd: dict[str, str] = {}                      # op -> "cpp" | "python"
-_scopes: list[dict[str, str]] = []                  # innermost last
-_warned: set[str] = set()
+# The calling thread's/task's open use() scopes, innermost last.
+_scope: contextvars.ContextVar[tuple[dict[str, str], ...]] = contextvars.ContextVar(
+    "opreg_scope", default=())
+_open: dict[str, int] = {}                          # op -> open scopes naming it, all threads
+# op -> None: its router is live; a Library: the fallthrough covering it; absent: no router
+_routers: dict[str, torch.library.Library | None] = {}
 
 
 # ---------------------------------------------------------------------------- defining
@@ -137,7 +148,7 @@ def define_op(
         for device in DEVICE_KEYS:
             _install_stub(op, device)
         if differentiable:
-            _set_py_kernel(name, "Autograd", _autograd_stub(op))
+            push_kernel(name, "Autograd", _autograd_stub(op))
         return op
 
 
@@ -175,39 +186,24 @@ def ops() -> dict[str, Op]:
 
 # ---------------------------------------------------------------------------- binding
 
-def _set_py_kernel(op_name: str, key: str, fn: Callable[..., Any] | None) -> None:
-    """Put ``fn`` (or nothing) as the Python kernel of ``op`` at dispatch key ``key``,
-    above any C++ kernel there."""
-    old = _py_libs.pop((op_name, key), None)
-    if old is not None:
-        old[0]._destroy()
-    if fn is not None:
-        lib = torch.library.Library(NAMESPACE, "IMPL")
-        with warnings.catch_warnings():
-            # Deliberate: a Python kernel over our C++ one is how a scope or plug-in wins
-            # (torch 2.11 warns about it; 2.14 doesn't).
-            warnings.filterwarnings("ignore", "(?s).*Overriding a previously registered kernel")
-            lib.impl(op_name, fn, key)
-        _py_libs[(op_name, key)] = (lib, fn)
-
-
 def _install_stub(op: Op, device: str) -> None:
-    def stub(*args: Any) -> Any:
-        with _lock:
-            if (op.name, device) not in _bound:
-                _bind(op, device, _resolve(op, device))
-        return op.torch_op(*args)  # dispatches again, to what was just bound
+    def stub(keyset: Any, *args: Any) -> Any:
+        impl = _bound.get((op.name, device)) or _bind_default(op, device)
+        if impl.fn is not None:
+            return run_python(op, impl, args)
+        # A kernel library: loading it put its C++ kernel above this stub, at this key.
+        return op.torch_op.redispatch(keyset & BELOW_BACKEND_SELECT, *args)
 
-    _bound.pop((op.name, device), None)
-    _set_py_kernel(op.name, DEVICE_KEYS[device], stub)
+    push_kernel(op.name, DEVICE_KEYS[device], stub, with_keyset=True)
 
 
 def _autograd_stub(op: Op) -> Callable[..., Any]:
     def stub(*args: Any) -> Any:
-        with _lock:
-            if op.name not in _autograd:
-                _ensure_autograd(op)
-        return op.torch_op(*args)
+        if op.name not in _autograd:
+            with _lock:
+                if op.name not in _autograd:
+                    _ensure_autograd(op)
+        return op.torch_op(*args)  # again, from the top: the autograd kernel now above us
 
     return stub
 
@@ -216,124 +212,141 @@ def _ensure_autograd(op: Op) -> None:
     ext = op.autograd_extension
     if ext is not None:
         try:
-            load(ext)
-            _set_py_kernel(op.name, "Autograd", None)
+            load(ext)  # registers its C++ autograd kernel above the stub
             _autograd[op.name] = "cpp"
             return
         except BuildError as e:
-            _warn_once(ext.name, f"opreg: {ext.name} failed to build; {op.name} falls back to "
-                       f"Python autograd. {str(e).splitlines()[0][:300]}")
-    _set_py_kernel(op.name, "Autograd", None)  # drop the stub first: one Python kernel per key
-    lib = torch.library.Library(NAMESPACE, "IMPL")
-    setup_context, backward = _reference_vjp(op)
-    torch.library.register_autograd(f"{NAMESPACE}::{op.name}", backward,
-                                    setup_context=setup_context, lib=lib)
-    _py_libs[(op.name, "Autograd")] = (lib, None)
+            warn_once(e.key or ext.name, f"opreg: {ext.name} failed to build; {op.name} falls back "
+                       f"to Python autograd (the reference's gradients). {str(e).splitlines()[0][:300]}")
+    push_kernel(op.name, "Autograd", reference_autograd(op))
     _autograd[op.name] = "python"
 
 
-def _reference_vjp(op: Op) -> tuple[Callable[..., None], Callable[..., Any]]:
-    """Gradients of an op = gradients of its reference (plain torch autograd)."""
-
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.op_inputs = inputs
-
-    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
-        leaves: list[torch.Tensor] = []
-
-        def leaf(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and x.is_floating_point():
-                x = x.detach().requires_grad_(True)
-                leaves.append(x)
-            return x
-
-        args = [[leaf(t) for t in a] if isinstance(a, (list, tuple)) else leaf(a)
-                for a in ctx.op_inputs]
-        with torch.enable_grad():
-            out = op.reference(*args)
-            outs = out if isinstance(out, tuple) else (out,)
-            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-            got = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs],
-                                      allow_unused=True) if pairs else [None] * len(leaves)
-        it = iter(got)
-        pick = lambda x: next(it) if isinstance(x, torch.Tensor) and x.is_floating_point() else None  # noqa: E731
-        return tuple([pick(t) for t in a] if isinstance(a, (list, tuple)) else pick(a)
-                     for a in ctx.op_inputs)
-
-    return setup_context, backward
-
-
 def load(ext: Extension, cuda_arch: str | None = None, verbose: bool = False) -> None:
-    """Build and load ``ext`` once per process (remembering a failure), keeping every
-    Python kernel we placed (stubs, scoped bindings) above its C++ kernels."""
+    """Build and load ``ext`` once per process (remembering a failure). Its C++ kernels
+    register above our Python stubs, which stay (another thread may be running one)."""
     with _lock:
         state = _extensions.get(ext)
         if isinstance(state, BuildError):
             raise state
         if state is not None:
             return
-        # Lift our Python kernels off the keys it registers while it loads (a C++
-        # registration over a Python one warns "Overriding a previously registered
-        # kernel"), then put them back on top. Autograd stubs go for good: C++ replaces them.
-        keys = {(op.name, DEVICE_KEYS[d]) for op in _ops.values() for i in op.impls.values()
-                if i.extension is ext for d in i.devices}
         cpp_autograd = [op.name for op in _ops.values()
                         if op.autograd_extension is ext and op.name not in _autograd]
-        keys |= {(name, "Autograd") for name in cpp_autograd}
-        lifted = {k: _py_libs[k][1] for k in keys if k in _py_libs}
-        for k in lifted:
-            _set_py_kernel(*k, None)
         try:
             _extensions[ext] = _build.build(ext, cuda_arch=cuda_arch, verbose=verbose)
         except BuildError as e:
             _extensions[ext] = e
             raise
-        finally:
-            for (name, key), fn in lifted.items():
-                if not (key == "Autograd" and name in cpp_autograd and ext in _extensions
-                        and not isinstance(_extensions[ext], BuildError)):
-                    _set_py_kernel(name, key, fn)
         for name in cpp_autograd:
             _autograd[name] = "cpp"
+        _after_load(ext)
+
+
+def _after_load(ext: Extension) -> None:
+    """``ext``'s C++ kernels now sit above the stubs of every op it registers, called or
+    not: record the default there now, and route to it if it is Python (a plug-in)."""
+    for op in list(_ops.values()):
+        for d in {d for i in op.impls.values() if i.extension is ext for d in i.devices}:
+            if d in DEVICE_KEYS and (op.name, d) not in _bound:
+                _bind(op, d, _resolve(op, d))
+        _update_router(op)
 
 
 def _bind(op: Op, device: str, impl: Impl) -> None:
+    """Make ``impl`` the default on ``device``: no dispatcher change but loading its
+    library (its C++ kernel lands above the stub) and, for a Python impl that a loaded
+    C++ kernel now covers, the router."""
     if impl.extension is not None:
         load(impl.extension)
-        _set_py_kernel(op.name, DEVICE_KEYS[device], None)  # the C++ kernel is below
-    else:
-        _set_py_kernel(op.name, DEVICE_KEYS[device], _python_kernel(op, impl))
     _bound[(op.name, device)] = impl
+    _update_router(op)
     logger.debug("bound %s on %s to %s", op.name, device, impl.name)
 
 
-def _python_kernel(op: Op, impl: Impl) -> Callable[..., Any]:
-    assert impl.fn is not None
-    fn, dtypes, ref = impl.fn, impl.dtypes, op.reference
-    if dtypes is None:
-        return fn
-
-    def kernel(*args: Any) -> Any:
-        return (fn if _first_dtype(args) in dtypes else ref)(*args)
-
-    return kernel
+def _bind_default(op: Op, device: str) -> Impl:
+    """The default on ``device``, bound now if it isn't yet (the first call there)."""
+    with _lock:
+        impl = _bound.get((op.name, device))
+        if impl is None:
+            impl = _resolve(op, device)
+            _bind(op, device, impl)
+        return impl
 
 
-def _first_dtype(args: Sequence[Any]) -> torch.dtype | None:
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a.dtype
-        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
-            return a[0].dtype
+# ---------------------------------------------------------------------------- routing
+
+def _loaded(impl: Impl) -> bool:
+    state = _extensions.get(impl.extension) if impl.extension is not None else None
+    return state is not None and not isinstance(state, BuildError)
+
+
+def _scoped_choice(op: Op, device: str, build: bool = True) -> Impl | None:
+    """The calling thread's/task's scope choice on ``device`` (innermost first), if any.
+    Without ``build``, a kernel library that would have to be built first still counts."""
+    for prefs in reversed(_scope.get()):
+        impl = op.impls.get(prefs.get(op.name, ""))
+        if impl is None or not impl.supports(device):
+            continue
+        if impl.fn is not None or _loaded(impl):
+            return impl
+        if not build:
+            if impl.unavailable(device) is None:
+                return impl
+            continue
+        with _lock:
+            if _usable(impl, device):
+                return impl
     return None
 
 
+def _router(op: Op) -> Callable[..., Any]:
+    """The Python kernel at BackendSelect: runs the scope's (or a Python default's) impl,
+    or goes on down to the C++ kernel at the backend key."""
+
+    def route(keyset: Any, *args: Any) -> Any:
+        t = first_tensor(args)
+        device = t.device.type if t is not None else "cpu"
+        impl = _scoped_choice(op, device)
+        if impl is None and device in DEVICE_KEYS:
+            impl = _bound.get((op.name, device)) or _bind_default(op, device)
+        if impl is None or impl.fn is None:
+            return op.torch_op.redispatch(keyset & BELOW_BACKEND_SELECT, *args)
+        return run_python(op, impl, args)
+
+    return route
+
+
+def _covered_python_default(op: Op) -> bool:
+    """Is a Python impl the default on a device where a loaded C++ kernel sits above the
+    stub (so only the router can reach it)?"""
+    return any(impl is not None and impl.fn is not None
+               and any(i.supports(d) and _loaded(i) for i in op.impls.values())
+               for d in DEVICE_KEYS for impl in [_bound.get((op.name, d))])
+
+
+def _update_router(op: Op) -> None:
+    """Route ``op`` through Python at BackendSelect exactly while a scope anywhere names
+    it or a covered Python default needs it. The router is never unregistered (a thread
+    may be in it); a fallthrough above it, which holds no Python object, turns it off."""
+    with _lock:
+        want = _open.get(op.name, 0) > 0 or _covered_python_default(op)
+        if op.name not in _routers:
+            if want:
+                push_kernel(op.name, "BackendSelect", _router(op), with_keyset=True)
+                _routers[op.name] = None
+            return
+        cover = _routers[op.name]
+        if want and cover is not None:
+            retire(cover)
+            _routers[op.name] = None
+        elif not want and cover is None:
+            _routers[op.name] = push_kernel(op.name, "BackendSelect",
+                                             torch.library.fallthrough_kernel)
+
+
 def _resolve(op: Op, device: str) -> Impl:
-    for scope in reversed(_scopes):
-        name = scope.get(op.name)
-        impl = op.impls.get(name) if name else None
-        if impl is not None and impl.supports(device) and _usable(impl, device):
-            return impl
+    """The default on ``device``: the highest-priority impl usable there (building it)."""
     ranked = sorted((i for i in op.impls.values() if i.supports(device)),
                     key=lambda i: -i.priority)
     for impl in ranked:
@@ -344,19 +357,26 @@ def _resolve(op: Op, device: str) -> Impl:
 
 def _usable(impl: Impl, device: str) -> bool:
     reason = impl.unavailable(device)
-    if reason is not None:
-        if impl.extension is not None and impl.priority > 0 and "failed to build" not in reason:
+    if impl.extension is None:
+        return reason is None
+    if reason is not None and not isinstance(reason, _build.CacheProblem):
+        if impl.priority > 0 and not isinstance(_extensions.get(impl.extension), BuildError):
             logger.info("%s/%s unavailable on %s: %s", impl.op, impl.name, device, reason)
         return False
-    if impl.extension is None:
-        return True
     try:
+        # A cache problem the probe saw fails here too, as a BuildError (warned below):
+        # the probe's os.access can be wrong (ACLs), so the build decides.
         load(impl.extension)
         return True
     except BuildError as e:
-        _warn_once(impl.extension.name,
-                   f"opreg: the {impl.name!r} implementation of {impl.op} failed to build and "
-                   f"is skipped (falling back to the next one). {str(e).splitlines()[0][:300]}")
+        # One warning per cause: a bad cache location stops every library, and the one
+        # carrying the autograd may have reported it already.
+        told = e.key is not None and any(isinstance(s, BuildError) and s is not e and s.key == e.key
+                                         for s in _extensions.values())
+        if not told:
+            warn_once(e.key or impl.extension.name,
+                       f"opreg: {impl.op}/{impl.name} is skipped, falling back to the next "
+                       f"implementation: {str(e).splitlines()[0][:300]}")
         return False
 
 
@@ -367,12 +387,6 @@ def _refresh(op: Op) -> None:
             impl = _resolve(op, device)
             if _bound[(op.name, device)] is not impl:
                 _bind(op, device, impl)
-
-
-def _warn_once(key: str, msg: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 # ---------------------------------------------------------------------------- public
@@ -400,10 +414,10 @@ def get(op: str, impl: str | None = None) -> Callable[..., Any]:
     if all(_bound.get((op, d)) is i for d in i.devices):
         return o.torch_op
 
-    # Another implementation is bound there (a use() scope, a plug-in): rebind per call.
-    # Slow (~70 µs), and only for this unusual combination.
+    # Another implementation is the default there (a plug-in): pin this one per call,
+    # through the router, like a one-op scope of this thread only.
     def pinned(*args: Any) -> Any:
-        with use(**{op: impl}):
+        with _scoped({op: impl}):
             return o.torch_op(*args)
 
     return pinned
@@ -412,8 +426,9 @@ def get(op: str, impl: str | None = None) -> Callable[..., Any]:
 @contextlib.contextmanager
 def use(default: str | None = None, /, **per_op: str) -> Iterator[None]:
     """Prefer implementations inside a ``with`` block, for every op (``use("reference")``)
-    or per op (``use(scatter_combine="cpu")``). Process-wide (the dispatcher is global);
-    an implementation that can't run on some device is ignored there."""
+    or per op (``use(scatter_combine="cpu")``), in the calling thread / asyncio task only
+    (a task started inside inherits it while the block is open). An implementation that
+    can't run on some device is ignored there."""
     with _lock:
         prefs = {name: default for name in _ops if default is not None}
         for name, impl in per_op.items():
@@ -423,26 +438,27 @@ def use(default: str | None = None, /, **per_op: str) -> Iterator[None]:
             prefs[name] = impl
         if default is not None and not any(default in o.impls for o in _ops.values()):
             raise KeyError(f"opreg: no op has an implementation named {default!r}")
-        saved = {k: v for k, v in _bound.items() if k[0] in prefs}
-        _scopes.append(prefs)
-        try:
-            for name, device in saved:
-                _bind(_ops[name], device, _resolve(_ops[name], device))
-        except BaseException:
-            _scopes.pop()
-            raise
+    with _scoped(prefs):
+        yield
+
+
+@contextlib.contextmanager
+def _scoped(prefs: dict[str, str]) -> Iterator[None]:
+    """Open a scope in this context; the router runs while any scope names an op."""
+    token = _scope.set(_scope.get() + (prefs,))
+    _count_open(prefs, +1)
     try:
         yield
     finally:
-        with _lock:
-            _scopes.remove(prefs)
-            for name in prefs:
-                for device in DEVICE_KEYS:
-                    prev = saved.get((name, device))
-                    if prev is not None:
-                        _bind(_ops[name], device, prev)
-                    elif (name, device) in _bound:
-                        _install_stub(_ops[name], device)
+        _scope.reset(token)
+        _count_open(prefs, -1)
+
+
+def _count_open(prefs: dict[str, str], step: int) -> None:
+    with _lock:
+        for name in prefs:
+            _open[name] = _open.get(name, 0) + step
+            _update_router(_ops[name])
 
 
 def implementations(op: str | None = None) -> list[dict[str, Any]]:
@@ -465,6 +481,8 @@ def autograd_kind(op: str) -> str | None:
 
 
 def bound(op: str, device: str) -> str | None:
-    """Name of the implementation bound on ``device`` (None before first use there)."""
-    i = _bound.get((op, device))
+    """Name of the implementation a call on ``device`` runs now, in this thread/task: its
+    :func:`use` scope's choice, else the default (None before first use there)."""
+    o = lookup(op)
+    i = _scoped_choice(o, device, build=False) or _bound.get((op, device))
     return i.name if i else None

@@ -1,0 +1,167 @@
+"""pytest-benchmark: transformers' sparse-MoE blocks, HF's experts implementations vs opreg.
+
+    pytest bench/bench_moe_block.py --benchmark-group-by=param:config,param:mode
+    python bench/bench_moe_block.py [--tokens 4096] [--reps 50]   # the table (H200: bf16)
+
+Variants, each on the same block weights and input: ``hf_eager`` (the per-expert loop),
+``hf_grouped_mm`` (transformers' default), ``hf_grouped_mm_inductor`` (that under
+``torch.compile``), ``opreg`` (``experts_implementation="opreg"``) and
+``grouped_mm_backend_opreg`` (the grouped_mm block under ``torch.compile(backend="opreg")``);
+modes ``fwd`` and ``fwd+bwd``. Every variant's output is first checked against HF eager in
+float64. On CUDA: the issue's three block configs at T = 4096, bf16; on the CPU a tiny
+one in float32 (so CI runs this file).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from typing import Callable
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers") if "pytest" in sys.modules else __import__("transformers")
+
+import opreg.integrations.transformers  # noqa: E402,F401  (registers "opreg")
+from opreg.testing import TOL, assert_matches  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# name: (config class, block class path, hidden, expert ffn, experts, top-k)
+CONFIGS = {
+    "mixtral": ("MixtralConfig", "mixtral.modeling_mixtral.MixtralSparseMoeBlock", 2048, 4096, 8, 2),
+    "qwen3_moe": ("Qwen3MoeConfig", "qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock", 2048, 768, 128, 8),
+    "olmoe": ("OlmoeConfig", "olmoe.modeling_olmoe.OlmoeSparseMoeBlock", 2048, 1024, 64, 8),
+}
+CPU_SIZES = (64, 32, 8, 2)  # hidden, ffn, experts (at most the config's), top-k; T = 64
+VARIANTS = ["hf_eager", "hf_grouped_mm", "hf_grouped_mm_inductor", "opreg", "grouped_mm_backend_opreg"]
+MODES = ["fwd", "fwd+bwd"]
+
+
+def make_block(name: str, dtype: torch.dtype, device: str, cpu: bool) -> torch.nn.Module:
+    """The family's MoE block with random weights (std 1/sqrt(fan-in))."""
+    cfg_cls, path, h, ffn, e, k = CONFIGS[name]
+    if cpu:
+        h, ffn, e, k = CPU_SIZES
+    sizes = dict(hidden_size=h, intermediate_size=ffn, moe_intermediate_size=ffn, num_local_experts=e,
+                 num_experts=e, num_experts_per_tok=k, router_jitter_noise=0.0, norm_topk_prob=True)
+    config = getattr(transformers, cfg_cls)(**sizes)
+    module, cls = path.rsplit(".", 1)
+    block_cls = getattr(__import__(f"transformers.models.{module}", fromlist=[cls]), cls)
+    block = block_cls(config).to(device=device, dtype=dtype).eval()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, p.shape[-1] ** -0.5)
+    return block
+
+
+def variant(block: torch.nn.Module, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A copy of ``block`` running as ``name`` says."""
+    impl = {"hf_eager": "eager", "opreg": "opreg"}.get(name, "grouped_mm")
+    b = copy.deepcopy(block)
+    b.experts.config._experts_implementation = impl
+    if name == "hf_grouped_mm_inductor":
+        return torch.compile(b)
+    if name == "grouped_mm_backend_opreg":
+        return torch.compile(b, backend="opreg")
+    return b
+
+
+def step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, mode: str) -> Callable[[], None]:
+    if mode == "fwd":
+        def fwd() -> None:
+            with torch.no_grad():
+                fn(x)
+        return fwd
+    xg = x.detach().requires_grad_()
+
+    def fwd_bwd() -> None:
+        fn(xg).sum().backward()
+    return fwd_bwd
+
+
+def check(block: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+    ref = copy.deepcopy(block).double()
+    ref.experts.config._experts_implementation = "eager"
+    with torch.no_grad():
+        assert_matches(fn(x), ref(x.double()), x.dtype)
+
+
+def inputs(name: str, tokens: int, cpu: bool) -> tuple[torch.nn.Module, torch.Tensor]:
+    dtype = torch.float32 if cpu else torch.bfloat16
+    block = make_block(name, dtype, DEVICE, cpu)
+    x = torch.randn(1, tokens, block.experts.hidden_dim, device=DEVICE, dtype=dtype)
+    return block, x
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("var", VARIANTS)
+@pytest.mark.parametrize("config", list(CONFIGS) if DEVICE == "cuda" else ["qwen3_moe"])
+def test_moe_block(benchmark, config, var, mode):
+    cpu = DEVICE == "cpu"
+    block, x = inputs(config, 64 if cpu else 4096, cpu)
+    torch._dynamo.reset()
+    fn = variant(block, var)
+    check(block, fn, x)
+    call = step(fn, x, mode)
+    call()  # compile / plan outside the timing
+    benchmark.extra_info.update(config=config, device=DEVICE, torch=torch.__version__,
+                                transformers=transformers.__version__, tol=TOL[x.dtype])
+
+    def timed() -> None:
+        call()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+
+    benchmark(timed)
+
+
+def median_us(call: Callable[[], None], reps: int) -> float:
+    """Median of ``reps`` back-to-back calls (CUDA events on the GPU)."""
+    for _ in range(3):
+        call()
+    if DEVICE != "cuda":
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    torch.cuda.synchronize()
+    for start, end in events:
+        start.record()
+        call()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--configs", nargs="*", default=list(CONFIGS))
+    a = p.parse_args(argv)
+    cpu = DEVICE == "cpu"
+    print(f"device {torch.cuda.get_device_name() if not cpu else 'cpu'}, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}, T={a.tokens}, {'float32 tiny' if cpu else 'bf16'}, "
+          f"median of {a.reps} back-to-back calls, us (ratio = hf_grouped_mm_inductor / variant)")
+    print("| config | mode | " + " | ".join(VARIANTS) + " |")
+    print("|---|---|" + "---|" * len(VARIANTS))
+    for config in a.configs:
+        block, x = inputs(config, a.tokens, cpu)
+        fns = {v: variant(block, v) for v in VARIANTS}
+        for v, fn in fns.items():
+            check(block, fn, x)
+        for mode in MODES:
+            us = {v: median_us(step(fn, x, mode), a.reps) for v, fn in fns.items()}
+            base = us["hf_grouped_mm_inductor"]
+            cells = [f"{us[v]:.0f} ({base / us[v]:.2f}x)" for v in VARIANTS]
+            print(f"| {config} | {mode} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

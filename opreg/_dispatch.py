@@ -1,0 +1,89 @@
+"""The dispatcher mechanics the registry is built on, with no registry state: putting a
+Python kernel at a dispatch key (for good: see :mod:`opreg.registry` on threads), the
+Python fallback autograd kernel, calling a Python implementation, one-time warnings."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+
+NAMESPACE = "opreg"
+_DK = torch._C.DispatchKey
+# Where the router and the stubs re-dispatch to: the backend keys, below BackendSelect.
+BELOW_BACKEND_SELECT = torch._C._dispatch_keyset_full_after(_DK.BackendSelect).remove(
+    _DK.PythonDispatcher)
+# Every Library holding a Python kernel of ours, alive until exit: another thread may be
+# running a kernel of it (the dispatcher holds no reference), so none is ever destroyed.
+_py_libs: list[torch.library.Library] = []
+_warned: set[str] = set()
+
+
+def push_kernel(op_name: str, key: str, fn: Callable[..., Any], *,
+                 with_keyset: bool = False) -> torch.library.Library:
+    """Register ``fn`` as ``op``'s kernel at dispatch key ``key``, above what is there (the
+    dispatcher runs the newest registration). Kept registered for good: see the docstring."""
+    lib = torch.library.Library(NAMESPACE, "IMPL")
+    # Older torch refuses a second Python kernel at one key; the set is bookkeeping only.
+    getattr(torch.library, "_impls", set()).discard(f"{NAMESPACE}/{op_name}/{key}")
+    with warnings.catch_warnings():
+        # Deliberate: a newer kernel over an older one is how binding works here.
+        warnings.filterwarnings("ignore", "(?s).*Overriding a previously registered kernel")
+        lib.impl(op_name, fn, key, with_keyset=with_keyset)
+    _py_libs.append(lib)
+    return lib
+
+
+def retire(lib: torch.library.Library) -> None:
+    """Destroy a Library that holds no Python object (a fallthrough registration)."""
+    _py_libs.remove(lib)
+    lib._destroy()
+
+
+def differentiating(args: Sequence[Any]) -> bool:
+    """Can a gradient (reverse mode) or a tangent (forward mode) flow through this call?"""
+    flat = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,))
+            if isinstance(t, torch.Tensor)]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
+        return True
+    return any(torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in flat)
+
+
+def reference_autograd(op: Any) -> Callable[..., Any]:
+    """The Python fallback's Autograd kernel: where a gradient or tangent can flow, run the
+    reference, which torch differentiates in every mode and to any order (reverse, double
+    backward, forward mode, functorch); otherwise the bound kernel below autograd."""
+
+    def kernel(*args: Any) -> Any:
+        if differentiating(args):
+            return op.reference(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.torch_op(*args)
+
+    return kernel
+
+
+def run_python(op: Any, impl: Any, args: Sequence[Any]) -> Any:
+    """Call a Python impl; a dtype it doesn't take goes to the reference."""
+    fn = impl.fn if impl.dtypes is None or first_dtype(args) in impl.dtypes else op.reference
+    return fn(*args)  # type: ignore[misc]
+
+
+def first_tensor(args: Sequence[Any]) -> torch.Tensor | None:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            return a[0]
+    return None
+
+
+def first_dtype(args: Sequence[Any]) -> torch.dtype | None:
+    t = first_tensor(args)
+    return None if t is None else t.dtype
+
+
+def warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)

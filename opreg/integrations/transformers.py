@@ -1,0 +1,230 @@
+"""Hugging Face transformers: ``"opreg"`` as an experts implementation of sparse-MoE blocks.
+
+    import opreg.integrations.transformers          # registers "opreg" (or call register())
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="opreg")
+    model.set_experts_implementation("opreg")       # or switch a loaded model
+
+Every experts class transformers decorates with ``@use_experts_implementation`` (Mixtral,
+Qwen2/3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, ...) then runs ``torch.ops.opreg.moe_experts``:
+its layout flags (``has_gate``, ``has_bias``, ``is_transposed``) map onto the op's
+arguments, and its gate (``_apply_gate`` / ``act_fn``) onto one of the op's activations.
+The gate is identified once per module by running the module's own gate on float64 probe
+values and comparing with the op's (so a family with an unusual gate is recognised, not
+assumed). What the op can't express (a post-expert norm, an unknown gate, quantized or
+sharded weights) runs transformers' own experts for that module (``grouped_mm``; the eager
+loop for float64, which grouped_mm does not take), with one log line
+(``logging.getLogger("opreg")``).
+
+Training: when gradients are needed the module runs :func:`opreg.ops.moe_experts.grouped`,
+the same grouped computation differentiated by torch autograd (scatter_combine's own
+backward for the combine), not the op's reference gradients. Under ``torch.compile`` with
+no eager call before, only the default gate with a known activation class is trusted
+(probing would trace into the graph); others fall back until an eager call has probed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+from transformers import activations as hf_act
+from transformers.integrations import moe as hf_moe
+
+from .._log import logger
+from ..ops import moe_experts as spec
+
+__all__ = ["NAME", "Plan", "experts_forward", "plan_for", "register"]
+
+NAME = "opreg"
+
+# Activation modules whose forward is known to be the op's activation of that name: the
+# classes trusted without a probe (under torch.compile). GELUTanh/NewGELU differ from
+# F.gelu(approximate="tanh") by rounding only.
+_KNOWN_ACT: dict[type, str] = {
+    hf_act.SiLUActivation: "silu", nn.SiLU: "silu", hf_act.GELUTanh: "gelu_tanh",
+    hf_act.NewGELUActivation: "gelu_tanh", nn.ReLU: "relu", hf_act.ReLUSquaredActivation: "relu2",
+    nn.Sigmoid: "sigmoid",
+}
+_PROBE_TOL = 1e-9  # float64: a match is exact up to rounding; the next-closest gate is ~1e-4 off
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The op's gate arguments for one experts module."""
+
+    activation: str
+    gated: bool
+    interleaved: bool = False
+    alpha: float = 1.0
+    limit: float = math.inf
+
+
+def register(name: str = NAME) -> None:
+    """Make ``name`` an experts implementation of transformers (done on import)."""
+    hf_moe.ExpertsInterface.register(name, experts_forward)
+
+
+# ----------------------------------------------------------------------------- the gate
+
+def _known_act(act: Any) -> Optional[str]:
+    if isinstance(act, hf_act.GELUActivation):
+        return "gelu"  # F.gelu, or its erf formula (use_gelu_python): the same function
+    if isinstance(act, nn.GELU):
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    return _KNOWN_ACT.get(type(act))
+
+
+def _number(module: nn.Module, *names: str) -> Optional[float]:
+    for n in names:
+        v = getattr(module, n, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
+def _candidates(module: nn.Module) -> list[Plan]:
+    """Gates this module's may be, most likely first (the structural guess)."""
+    gated = bool(getattr(module, "has_gate", True))
+    guess = _known_act(getattr(module, "act_fn", None))
+    acts = [guess] if guess else []
+    acts += [a for a in spec.ACTIVATIONS if a != guess]
+    if not gated:
+        return [Plan(a, False) for a in acts]
+    if type(module)._apply_gate is hf_moe._default_apply_gate:
+        return [Plan(a, True) for a in acts]
+    limit = _number(module, "limit", "swiglu_limit")
+    alpha = _number(module, "alpha", "swiglu_alpha")
+    limits = [math.inf] if limit is None else [limit, math.inf]
+    got = [Plan(spec.GPT_OSS, True, inter, alpha, lim)
+           for inter in (False, True) for lim in limits if alpha is not None]
+    return got + [Plan(a, True, inter, 1.0, lim) for lim in limits for inter in (False, True) for a in acts]
+
+
+def _trusted(module: nn.Module) -> Optional[Plan]:
+    """The plan known without running anything: the default gate with a known activation."""
+    act = _known_act(getattr(module, "act_fn", None))
+    if act is None:
+        return None
+    if not getattr(module, "has_gate", True):
+        return Plan(act, False)
+    return Plan(act, True) if type(module)._apply_gate is hf_moe._default_apply_gate else None
+
+
+def _probe(module: nn.Module, width: int) -> Optional[Plan]:
+    """The first candidate whose gate equals the module's on float64 probe rows (values
+    past every clamp included)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, width, generator=gen, dtype=torch.float64) * 4
+    x[0] = torch.linspace(-12, 12, width, dtype=torch.float64)
+    gated = bool(getattr(module, "has_gate", True))
+    try:
+        with torch.no_grad():
+            want = module._apply_gate(x.clone()) if gated else module.act_fn(x.clone())
+    except Exception as e:  # a gate that needs its own device or parameters: not ours
+        logger.debug("opreg: probing %s's gate failed: %s", type(module).__name__, e)
+        return None
+    for plan in _candidates(module):
+        got = spec.apply_gate(x, plan.activation, plan.gated, plan.interleaved, plan.alpha, plan.limit)
+        if got.shape == want.shape and want.dtype == torch.float64 and \
+                torch.allclose(got, want, rtol=_PROBE_TOL, atol=_PROBE_TOL):
+            return plan
+    return None
+
+
+_UNSET = object()
+
+
+def plan_for(module: nn.Module) -> Optional[Plan]:
+    """The module's gate as op arguments (cached on it), or None: not expressible."""
+    got = module.__dict__.get("_opreg_plan", _UNSET)
+    if got is not _UNSET:
+        return got  # type: ignore[return-value]
+    if torch.compiler.is_compiling():
+        return _trusted(module)  # not cached: an eager call may still probe
+    w1 = _weights(module)
+    plan = None if isinstance(w1, str) else _probe(module, _up_width(module, w1[0]))
+    module.__dict__["_opreg_plan"] = plan
+    return plan
+
+
+def _up_width(module: nn.Module, w1: torch.Tensor) -> int:
+    return int(w1.shape[2] if getattr(module, "is_transposed", False) else w1.shape[1])
+
+
+# ----------------------------------------------------------------------------- weights
+
+def _plain(t: Optional[torch.Tensor]) -> bool:
+    # DTensor / quantized subclasses: the op takes dense strided tensors of one float dtype.
+    return t is None or (type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided)
+
+
+Weights = tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]
+
+
+def _weights(module: nn.Module) -> Weights | str:
+    """(gate_up or up, its bias, down, its bias), or why the op can't take them."""
+    if getattr(module, "has_post_expert_norm", False):
+        return "it applies a norm after each expert (has_post_expert_norm)"
+    gated, bias = getattr(module, "has_gate", True), getattr(module, "has_bias", False)
+    up = "gate_up_proj" if gated else "up_proj"
+    w1, w2 = getattr(module, up, None), getattr(module, "down_proj", None)
+    b1 = getattr(module, up + "_bias", None) if bias else None
+    b2 = getattr(module, "down_proj_bias", None) if bias else None
+    if not isinstance(w1, torch.Tensor) or not isinstance(w2, torch.Tensor) or w1.dim() != 3:
+        return f"it has no 3-D {up} / down_proj parameters"
+    if bias and (b1 is None or b2 is None):
+        return "has_bias is set but a bias is missing"
+    if not all(_plain(t) for t in (w1, b1, w2, b2)):
+        return "its expert weights are not dense tensors (sharded or quantized)"
+    if not w1.is_floating_point() or any(t is not None and t.dtype != w1.dtype for t in (b1, w2, b2)):
+        return "its expert weights are not all of one float dtype"
+    if getattr(module, "num_experts", w1.shape[0]) != w1.shape[0]:
+        return "num_experts differs from the weights' expert count"
+    return w1, b1, w2, b2
+
+
+# ----------------------------------------------------------------------------- forward
+
+_told: set[tuple[type, str]] = set()
+
+
+def _fallback(module: nn.Module, why: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """transformers' own experts for this module: its default, grouped_mm, or for float64
+    (which torch's grouped_mm does not take) the class's eager loop."""
+    eager = isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64
+    key = (type(module), why)
+    if key not in _told:
+        _told.add(key)
+        logger.warning("opreg: %s runs transformers' %s experts, not opreg: %s", type(module).__name__,
+                       "eager" if eager else "grouped_mm", why)
+    forward: Callable[..., torch.Tensor] = (type(module).forward.__wrapped__ if eager
+                                            else hf_moe.ALL_EXPERTS_FUNCTIONS["grouped_mm"])
+    return forward(module, *args, **kwargs)
+
+
+def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The experts interface function: (T, H) hidden states, (T, k) expert ids and routing
+    weights -> (T, H) weighted sum of the chosen experts' outputs."""
+    call = (hidden_states, top_k_index, top_k_weights) + args
+    if args or kwargs or hidden_states.dim() != 2:
+        return _fallback(module, "an unexpected call signature", *call, **kwargs)
+    weights = _weights(module)
+    if isinstance(weights, str):
+        return _fallback(module, weights, *call)
+    plan = plan_for(module)
+    if plan is None:
+        return _fallback(module, "its gate is none of moe_experts' activations", *call)
+    w1, b1, w2, b2 = weights
+    x = hidden_states.to(w1.dtype)  # as transformers' grouped_mm does (autocast leaves them apart)
+    op_args = (x, top_k_index, top_k_weights, w1, b1, w2, b2, plan.activation, plan.gated,
+               bool(getattr(module, "is_transposed", False)), plan.interleaved, plan.alpha, plan.limit)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, top_k_weights, w1, b1, w2, b2))
+    out = spec.grouped(*op_args) if needs_grad else torch.ops.opreg.moe_experts(*op_args)
+    return out.to(hidden_states.dtype)
+
+
+register()

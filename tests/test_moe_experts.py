@@ -1,0 +1,201 @@
+"""moe_experts: the generic op suite (correctness vs float64, gradients, gradcheck, opcheck,
+determinism, bad input), then what is specific: the differentiable grouped path the
+transformers integration trains with, expert-parallel sentinels, the listing, and on CUDA
+the grouped_mm path, CUDA-graph capture and bit-identical reruns."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import opreg
+from opreg.ops import moe_experts as M
+from opreg.testing import OpTestSuite, Sample
+
+from _util import assert_matches, set_requires_grad
+
+OP = torch.ops.opreg.moe_experts.default
+ARGS = ("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "gate_up_bias", "down_proj",
+        "down_bias", "activation", "gated", "transposed", "interleaved", "alpha", "limit")
+
+
+def make(t: int, k: int, h: int, i: int, e: int, dtype: torch.dtype, device: str, *,
+         activation: str = "silu", gated: bool = True, transposed: bool = False, interleaved: bool = False,
+         bias: bool = False, alpha: float = 1.0, limit: float = math.inf, idx_dtype: torch.dtype = torch.int64,
+         sentinels: int = 0, gain: float = 1.0) -> tuple:
+    """Random inputs in the op's argument order: each token picks k distinct experts (the
+    first ``sentinels`` tokens' last slot an id >= E), routing weights in (0.1, 1.1)."""
+    n = 2 * i if gated else i
+    ids = torch.rand(t, e).argsort(-1)[:, :k]
+    ids[:sentinels, -1] = e + torch.arange(min(sentinels, t)) % 3
+    w1 = torch.randn(e, n, h) * gain / math.sqrt(h)
+    w2 = torch.randn(e, h, i) / math.sqrt(i)
+    if transposed:
+        w1, w2 = w1.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+    b1 = torch.randn(e, n) * 0.5 if bias else None
+    b2 = torch.randn(e, h) * 0.5 if bias else None
+    to = lambda x: None if x is None else x.to(device=device, dtype=dtype)  # noqa: E731
+    return (to(torch.randn(t, h)), ids.to(device=device, dtype=idx_dtype), to(torch.rand(t, k) + 0.1),
+            to(w1), to(b1), to(w2), to(b2), activation, gated, transposed, interleaved, alpha, limit)
+
+
+FAMILIES = {  # name: (t, k, h, i, e), options -- the layouts transformers' families use
+    "mixtral silu": ((13, 2, 16, 8, 4), {}),
+    "gelu_tanh transposed": ((11, 2, 16, 8, 4), dict(activation="gelu_tanh", transposed=True)),
+    "gpt_oss biases": ((12, 2, 16, 8, 4), dict(activation="gpt_oss", transposed=True, interleaved=True,
+                                               bias=True, alpha=1.702, limit=1.5, gain=4.0)),
+    "clamped silu": ((9, 2, 16, 8, 4), dict(limit=0.7, gain=4.0)),
+    "relu2 ungated": ((10, 2, 16, 8, 4), dict(activation="relu2", gated=False)),
+    "gelu interleaved bias": ((8, 3, 16, 8, 5), dict(activation="gelu", interleaved=True, bias=True)),
+    "k=1 empty experts": ((6, 1, 16, 8, 8), {}),
+    "sentinels": ((10, 2, 16, 8, 4), dict(sentinels=4)),
+    "int32 ids, k=4 of 16": ((33, 4, 24, 16, 16), dict(idx_dtype=torch.int32)),
+}
+
+
+def sample_inputs(device: str, dtype: torch.dtype, requires_grad: bool = False):
+    for name, (dims, opts) in FAMILIES.items():
+        yield Sample(set_requires_grad(make(*dims, dtype, device, **opts), requires_grad), name)
+    yield Sample(set_requires_grad(make(0, 2, 16, 8, 4, dtype, device), requires_grad), "no tokens")
+
+
+def small_samples(device: str, dtype: torch.dtype, requires_grad: bool = False):
+    """For gradcheck and opcheck: tiny, one per gate kind, biases and sentinels."""
+    for name, opts in (("silu", {}), ("gpt_oss", dict(activation="gpt_oss", interleaved=True, bias=True,
+                                                      alpha=1.702, limit=1.0, gain=3.0)),
+                       ("relu2 ungated transposed", dict(activation="relu2", gated=False, transposed=True)),
+                       ("sentinel", dict(sentinels=2))):
+        yield Sample(set_requires_grad(make(5, 2, 4, 3, 3, dtype, device, **opts), requires_grad), name)
+
+
+def sub(args: tuple, **kw) -> tuple:
+    """``args`` with the named arguments replaced."""
+    return tuple(kw.get(name, a) for name, a in zip(ARGS, args))
+
+
+def _neg(a: tuple) -> tuple:
+    idx = a[1].clone()
+    idx[1, 0] = -1
+    return sub(a, top_k_index=idx)
+
+
+BAD = [
+    ("hidden rank", lambda *a: sub(a, hidden_states=a[0][0]), ValueError, "hidden_states"),
+    ("index rows", lambda *a: sub(a, top_k_index=a[1][:-1]), ValueError, "top_k_index"),
+    ("weights shape", lambda *a: sub(a, top_k_weights=a[2][:, :1]), ValueError, "top_k_weights"),
+    ("float index", lambda *a: sub(a, top_k_index=a[1].float()), TypeError, "top_k_index"),
+    ("int hidden", lambda *a: sub(a, hidden_states=a[0].int()), TypeError, "hidden_states"),
+    ("weight dtype", lambda *a: sub(a, gate_up_proj=a[3].double()), TypeError, "gate_up_proj"),
+    ("weight rank", lambda *a: sub(a, down_proj=a[5][0]), ValueError, "down_proj"),
+    ("down shape", lambda *a: sub(a, down_proj=a[5][:, :, :-1]), ValueError, "down_proj"),
+    ("odd gate_up", lambda *a: sub(a, gate_up_proj=a[3][:, :-1]), ValueError, "gate_up_proj.*even"),
+    ("bias shape", lambda *a: sub(a, gate_up_bias=a[3][:, :-1, 0]), ValueError, "gate_up_bias"),
+    ("activation", lambda *a: sub(a, activation="tanh"), ValueError, "activation"),
+    ("gpt_oss ungated", lambda *a: sub(a, activation="gpt_oss", gated=False,
+                                        gate_up_proj=a[3][:, :a[3].shape[1] // 2]), ValueError, "activation"),
+    ("negative id", lambda *a: _neg(a), IndexError, r"top_k_index\[1, 0\]"),
+]
+
+SUITE = OpTestSuite("moe_experts", sample_inputs, small_samples=small_samples, bad=BAD,
+                    bad_context=opreg.check_indices,
+                    bad_sample=lambda device: make(6, 2, 8, 4, 3, torch.float32, device))
+_tests = SUITE.pytest_tests(devices=("cpu", "cuda"), device_marks={"cuda": [pytest.mark.cuda]})
+del _tests["test_cuda_graphs"]  # only the bf16 grouped_mm path is capturable: test_cuda_graph_bf16
+globals().update(_tests)
+
+
+def _grads(fn, args: tuple, cot: torch.Tensor) -> list[torch.Tensor]:
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    return list(torch.autograd.grad(fn(*args), leaves, cot))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_grouped_path_gradients(family, dtype):
+    """The differentiable grouped path (what the integration trains with): output and every
+    gradient equal the float64 reference's."""
+    dims, opts = FAMILIES[family]
+    args = set_requires_grad(make(*dims, dtype, "cpu", **opts), True)
+    args64 = set_requires_grad(tuple(a.detach().double() if isinstance(a, torch.Tensor) and
+                                     a.is_floating_point() else a for a in args), True)
+    out = M.grouped(*args)
+    want = M.reference(*args64)
+    assert_matches(out, want, dtype)
+    cot = torch.randn_like(want)
+    for got, ref in zip(_grads(M.grouped, args, cot.to(dtype)), _grads(M.reference, args64, cot)):
+        assert_matches(got, ref, dtype)
+
+
+def test_sentinel_slots_contribute_nothing():
+    args = make(10, 2, 16, 8, 4, torch.float64, "cpu", sentinels=5)
+    ids, w = args[1], args[2]
+    keep = (ids < 4).to(w.dtype)
+    # The same call with the sentinel slots' weights zeroed and their ids made valid.
+    fixed = sub(args, top_k_index=ids.clamp(max=3), top_k_weights=w * keep)
+    assert_matches(OP(*args), M.reference(*fixed), torch.float64)
+    assert not torch.equal(OP(*args), M.reference(*sub(args, top_k_index=ids.clamp(max=3))))
+
+
+def test_listed_with_its_implementations():
+    rows = {r["impl"]: r for r in opreg.implementations("moe_experts")}
+    assert set(rows) == {"grouped", "reference"}
+    assert rows["grouped"]["available"] and rows["grouped"]["devices"] == "cpu,cuda"
+    OP(*make(4, 2, 8, 4, 3, torch.float32, "cpu"))
+    assert opreg.bound("moe_experts", "cpu") == "grouped"
+
+
+def test_grouped_impl_is_what_runs(monkeypatch):
+    calls = []
+    real = M.grouped
+    monkeypatch.setattr(M, "grouped", lambda *a: calls.append(1) or real(*a))
+    OP(*make(4, 2, 8, 4, 3, torch.float32, "cpu"))
+    assert calls == [1]
+
+
+# ------------------------------------------------------------------------------ CUDA
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs a CUDA device of sm90 or newer")
+BF16_FAMILIES = ["mixtral silu", "gpt_oss biases", "relu2 ungated", "sentinels", "int32 ids, k=4 of 16"]
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("family", BF16_FAMILIES)
+def test_cuda_bf16_grouped_mm(family):
+    dims, opts = FAMILIES[family]
+    args = make(*dims, torch.bfloat16, "cuda", **opts)
+    assert M.uses_grouped_mm(args[0], args[3])
+    args64 = tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    out = OP(*args)
+    assert_matches(out, M.reference(*args64), torch.bfloat16)
+    assert torch.equal(out, OP(*args)), "two runs differ"
+
+
+@pytest.mark.cuda
+@needs_sm90
+def test_cuda_bf16_grouped_path_gradients_deterministic():
+    args = set_requires_grad(make(64, 2, 32, 16, 8, torch.bfloat16, "cuda", bias=True), True)
+    cot = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+    first, again = _grads(M.grouped, args, cot), _grads(M.grouped, args, cot)
+    assert all(torch.equal(a, b) for a, b in zip(first, again)), "gradients differ between runs"
+    args64 = set_requires_grad(tuple(a.detach().double() if isinstance(a, torch.Tensor) and
+                                     a.is_floating_point() else a for a in args), True)
+    for got, ref in zip(first, _grads(M.reference, args64, cot.double())):
+        assert_matches(got, ref, torch.bfloat16)
+
+
+@pytest.mark.cuda
+@needs_sm90
+def test_cuda_graph_bf16():
+    """The grouped_mm path captured in a CUDA graph, replayed on new values (and new ids)."""
+    def samples(device, dtype, requires_grad=False):
+        for family in ("mixtral silu", "gpt_oss biases", "sentinels"):
+            dims, opts = FAMILIES[family]
+            yield Sample(make(*dims, dtype, device, **opts), family)
+
+    OpTestSuite("moe_experts", samples).check_cuda_graphs(torch.bfloat16)

@@ -1,0 +1,230 @@
+"""transformers integration: ``experts_implementation="opreg"`` on tiny random models of
+several MoE families (no downloads). The MoE block's and the whole model's outputs and
+gradients equal HF eager run in float64; the opreg ops ran (profiler); unexpressible gates
+fall back to HF with one log line; on CUDA: bf16 via grouped_mm, CUDA-graph capture of the
+block, bit-identical reruns."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import opreg.integrations.transformers as oi  # noqa: E402  (registers "opreg")
+
+from _util import assert_matches  # noqa: E402
+
+COMMON = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+FAMILIES = {  # name: (config class name, its MoE arguments)
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                         head_dim=8)),
+    "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2)),
+    # shared experts (gated by a sigmoid of their own)
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                         shared_expert_intermediate_size=32)),
+    # expert biases, transposed interleaved weights, its own clamped gate
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8)),
+    # routed scaling, group-limited top-k, shared experts
+    "deepseek_v3": ("DeepseekV3Config", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                             n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16,
+                                             q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                             v_head_dim=8, n_group=2, topk_group=1, num_key_value_heads=4,
+                                             routed_scaling_factor=2.5)),
+    "granitemoe": ("GraniteMoeConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+}
+DTYPES = [pytest.param(torch.float64, id="float64"), pytest.param(torch.float32, id="float32")]
+
+
+def tiny_model(family: str, layers: int = 1) -> torch.nn.Module:
+    """A float64 causal LM of the family with every parameter random (none zero)."""
+    cls, moe = FAMILIES[family]
+    config = getattr(transformers, cls)(**{**COMMON, **moe, "num_hidden_layers": layers})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    return model
+
+
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
+
+
+def moe_block(model: torch.nn.Module) -> torch.nn.Module:
+    return next(m for m in model.modules() if any(c in experts_modules(model) for c in m.children()))
+
+
+def first_tensor(out):
+    return out if isinstance(out, torch.Tensor) else first_tensor(out[0])
+
+
+def run(fn, inputs: list[torch.Tensor], params: list[torch.Tensor], cot: torch.Tensor | None = None):
+    """fn(*inputs) and the gradients of <out, cot> w.r.t. inputs and params."""
+    out = first_tensor(fn(*inputs))
+    cot = torch.randn_like(out) if cot is None else cot.to(out.dtype)
+    grads = torch.autograd.grad(out, inputs + params, cot, allow_unused=True)
+    return out, [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs + params)], cot
+
+
+def compare(model64: torch.nn.Module, dtype: torch.dtype, make_call) -> None:
+    """``make_call(model) -> (fn, inputs, params)``: opreg in ``dtype`` against HF eager in float64."""
+    ref = copy.deepcopy(model64)
+    ref.set_experts_implementation("eager")
+    model = copy.deepcopy(model64).to(dtype)
+    model.set_experts_implementation("opreg")
+    fn, inputs, params = make_call(model)
+    out, grads, cot = run(fn, inputs, params)
+    fn64, inputs64, params64 = make_call(ref, [t.detach().double() for t in inputs])
+    want, want_grads, _ = run(fn64, inputs64, params64, cot.double())
+    assert_matches(out, want, dtype)
+    for got, ref_grad in zip(grads, want_grads):
+        assert_matches(got, ref_grad, dtype)
+    assert all(m.__dict__.get("_opreg_plan") is not None for m in experts_modules(model)), \
+        "an experts module fell back to HF"
+
+
+def block_call(model, inputs=None):
+    block = moe_block(model)
+    dtype = next(model.parameters()).dtype
+    x = inputs[0] if inputs else torch.randn(2, 7, COMMON["hidden_size"], dtype=dtype)
+    x = x.detach().requires_grad_()
+    return block, [x], [p for p in block.parameters() if p.requires_grad]
+
+
+def _model_call_pair():
+    """model_call that hands the first model's token ids to the reference model."""
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 7))
+
+    def call(model, inputs=None):
+        emb = model.get_input_embeddings()(ids).detach().requires_grad_()
+        return (lambda e: model(inputs_embeds=e).logits), [emb], [p for p in model.parameters()]
+
+    return call
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_block_matches_eager(family, dtype):
+    compare(tiny_model(family), dtype, block_call)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss", "deepseek_v3"])
+def test_model_matches_eager(family, dtype):
+    compare(tiny_model(family, layers=2), dtype, _model_call_pair())
+
+
+def _ran(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events() if e.name.startswith("opreg::")}
+
+
+def test_opreg_ops_ran():
+    model = tiny_model("qwen3_moe")
+    model.set_experts_implementation("opreg")
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 5))
+    with torch.no_grad():  # inference: the fused op
+        assert {"opreg::moe_experts", "opreg::scatter_combine"} <= _ran(lambda: model(ids))
+    # training: the grouped path, combined by scatter_combine
+    assert "opreg::scatter_combine" in _ran(lambda: model(ids).logits.sum().backward())
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        assert not _ran(lambda: model(ids))
+
+
+def test_from_pretrained(tmp_path):
+    model = tiny_model("mixtral")
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="opreg",
+                                                               dtype=torch.float64)
+    assert loaded.config._experts_implementation == "opreg"
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 6))
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        assert "opreg::moe_experts" in _ran(lambda: loaded(ids))
+        assert_matches(loaded(ids).logits, model(ids).logits, torch.float64)
+
+
+def test_unexpressible_gate_falls_back(caplog):
+    """A gate none of the op's activations is: HF's grouped_mm runs, with one log line."""
+    model = tiny_model("mixtral")
+    experts = experts_modules(model)[0]
+    cls = type(experts)
+    odd = type("OddGateExperts", (cls,), {"_apply_gate": lambda self, h: h.chunk(2, -1)[0] * torch.tanh(
+        h.chunk(2, -1)[1])})
+    experts.__class__ = odd
+    block = moe_block(model)
+    x = torch.randn(2, 5, COMMON["hidden_size"], dtype=torch.float64)
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        want = first_tensor(block(x))
+        model.set_experts_implementation("opreg")
+        with caplog.at_level(logging.WARNING, logger="opreg"):
+            got, again = first_tensor(block(x)), first_tensor(block(x))
+    assert oi.plan_for(experts) is None
+    assert_matches(got, want, torch.float64)
+    assert torch.equal(got, again)
+    lines = [r for r in caplog.records if "OddGateExperts" in r.getMessage()]
+    assert len(lines) == 1 and "gate" in lines[0].getMessage()
+
+
+def test_gates_identified():
+    plans = {f: oi.plan_for(experts_modules(tiny_model(f))[0]) for f in ("mixtral", "gpt_oss")}
+    assert plans["mixtral"] == oi.Plan("silu", True)
+    assert plans["gpt_oss"].activation == "gpt_oss" and plans["gpt_oss"].interleaved
+    assert plans["gpt_oss"].limit == 7.0 and plans["gpt_oss"].alpha == pytest.approx(1.702)
+
+
+# ------------------------------------------------------------------------------ CUDA
+
+def _cuda_block(family: str):
+    model = tiny_model(family).cuda()
+    return model, moe_block(model)
+
+
+needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
+                                reason="needs a CUDA device of sm90 or newer")
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_cuda_bf16_block(family):
+    """bf16 (grouped_mm): forward and gradients vs HF eager in float64; two runs identical."""
+    model64, _ = _cuda_block(family)
+    x = torch.randn(4, 64, COMMON["hidden_size"], device="cuda", dtype=torch.float64)
+    compare(model64, torch.bfloat16, lambda m, inputs=None: block_call(m, inputs or [x.bfloat16()]))
+    model = copy.deepcopy(model64).bfloat16()
+    model.set_experts_implementation("opreg")
+    block = moe_block(model)
+    with torch.no_grad():
+        assert torch.equal(first_tensor(block(x.bfloat16())), first_tensor(block(x.bfloat16())))
+
+
+@pytest.mark.cuda
+@needs_sm90
+def test_cuda_graph_capture_block():
+    model, _ = _cuda_block("qwen3_moe")
+    model = model.bfloat16()
+    model.set_experts_implementation("opreg")
+    block = moe_block(model)
+    x = torch.randn(2, 32, COMMON["hidden_size"], device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            first_tensor(block(x))  # warm-up (plans, allocator) off the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = first_tensor(block(x))
+        x.copy_(torch.randn_like(x))  # new tokens: new routing, new groups
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, first_tensor(block(x)))
