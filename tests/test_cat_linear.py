@@ -1,17 +1,20 @@
-"""cat_linear: every implementation against the float64 reference, opcheck, gradcheck,
-bad input."""
+"""cat_linear and cat_linear_stacked: their samples and bad-input tables, run through
+the generic harness (:mod:`opreg.testing`: every implementation against the float64
+reference, gradients, gradcheck, opcheck, determinism, bad-input parity, CUDA graphs), then
+what is specific: the no-autograd-node fast path, CUDA device mismatch, both CUDA paths."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-import opreg
-from opreg.ops.cat_linear import reference
+from opreg.ops.cat_linear import reference_stacked
+from opreg.testing import OpTestSuite, Sample
 
-from _util import DEVICES, FLOAT_DTYPES, assert_matches, poison, skip_without
+from _util import DEVICES, FLOAT_DTYPES, assert_matches, poison, set_requires_grad, skip_without
 
 OP = torch.ops.opreg.cat_linear.default
-IMPLS = ["default", "reference", "native"]
+STACKED = torch.ops.opreg.cat_linear_stacked.default
+MARKS = {"cuda": [pytest.mark.cuda]}
 
 
 def make_inputs(lead: tuple[int, ...], widths: list[int], k: int, dtype: torch.dtype,
@@ -22,64 +25,34 @@ def make_inputs(lead: tuple[int, ...], widths: list[int], k: int, dtype: torch.d
     return parts, weight, b
 
 
-def expected(parts, weight, bias) -> torch.Tensor:
-    return reference([p.double() for p in parts], weight.double(),
-                     None if bias is None else bias.double())
-
-
-def run(impl: str, device: str, *args) -> torch.Tensor:
-    if impl == "default":
-        return OP(*args)
-    return opreg.get("cat_linear", impl=device if impl == "native" else impl)(*args)
-
-
 SHAPES = [((12,), [32] * 4, 56), ((3, 5), [7, 1, 16], 9), ((), [3, 5], 4), ((64,), [256] * 4, 100),
+          ((3, 2), [4, 5, 3], 6), ((2, 3), [2, 3, 1], 4),
           ((0,), [4, 4], 3), ((4,), [0, 0], 3)]  # no rows; zero-width parts (y = bias)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_matches_reference(device, impl, dtype, bias, shape):
-    skip_without(device)
-    lead, widths, k = shape
-    args = make_inputs(lead, widths, k, dtype, device, bias)
-    poison(k * dtype.itemsize * max(1, torch.Size(lead).numel()), device)
-    assert_matches(run(impl, device, *args), expected(*args), dtype)
+def non_contiguous(dtype: torch.dtype, device: str):
+    """Strided slices of one tensor as parts, a transposed-contiguous weight."""
+    x = torch.randn(4, 16, 12, dtype=dtype, device=device)
+    parts = [x[i, :, ::2] for i in range(4)] + [x[0].t()[:6].t()]
+    weight = torch.randn(10, 4 * 6 + 6, dtype=dtype, device=device) / 30 ** 0.5
+    assert not any(p.is_contiguous() for p in parts)
+    return parts, weight.t().contiguous().t(), torch.randn(10, dtype=dtype, device=device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", IMPLS)
-def test_non_contiguous_parts(device, impl):
-    skip_without(device)
-    x = torch.randn(4, 16, 12, device=device)
-    parts = [x[i, :, ::2] for i in range(4)] + [x[0].t()[:6].t()]  # strided slices
-    weight = torch.randn(10, 4 * 6 + 6, device=device)
-    args = (parts, weight.t().contiguous().t(), torch.randn(10, device=device))
-    assert_matches(run(impl, device, *args), expected(*args), torch.float32)
+def sample_inputs(device: str, dtype: torch.dtype, requires_grad: bool = False):
+    """Every shape with and without bias, and strided parts."""
+    for lead, widths, k in SHAPES:
+        for bias in (True, False):
+            args = make_inputs(lead, widths, k, dtype, device, bias)
+            yield Sample(set_requires_grad(args, requires_grad), f"lead={lead} widths={widths} bias={bias}")
+    yield Sample(set_requires_grad(non_contiguous(dtype, device), requires_grad), "non-contiguous")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck(device):
-    skip_without(device)
-    parts, weight, bias = make_inputs((3, 2), [4, 5, 3], 6, torch.float32, device)
-    torch.library.opcheck(OP, ([p.requires_grad_() for p in parts], weight.requires_grad_(),
-                               bias.requires_grad_()))
-    torch.library.opcheck(OP, ([p.detach() for p in parts], weight.detach(), None))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_gradcheck(device, bias):
-    skip_without(device)
-    parts, weight, b = make_inputs((2, 3), [2, 3, 1], 4, torch.float64, device, bias)
-    inputs = [*parts, weight] + ([b] if bias else [])
-    for t in inputs:
-        t.requires_grad_()
-    f = lambda *a: OP(list(a[:3]), a[3], a[4] if bias else None)  # noqa: E731
-    assert torch.autograd.gradcheck(f, tuple(inputs))
+def small_samples(device: str, dtype: torch.dtype, requires_grad: bool = False):
+    """For gradcheck and opcheck: 2-D and 3-D, with and without bias."""
+    for lead, widths, k, bias in [((3, 2), [4, 5, 3], 6, True), ((2, 3), [2, 3, 1], 4, False), ((5,), [3, 4], 2, True)]:
+        args = make_inputs(lead, widths, k, dtype, device, bias)
+        yield Sample(set_requires_grad(args, requires_grad), f"lead={lead} bias={bias}")
 
 
 BAD = [
@@ -94,14 +67,9 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("what,mutate,exc,word", BAD, ids=[b[0] for b in BAD])
-def test_bad_input(device, impl, what, mutate, exc, word):
-    skip_without(device)
-    args = mutate(*make_inputs((5,), [3, 4, 2], 6, torch.float32, device))
-    with pytest.raises(exc, match=word):
-        run(impl, device, *args)
+SUITE = OpTestSuite("cat_linear", sample_inputs, small_samples=small_samples, bad=BAD,
+                    bad_sample=lambda device: make_inputs((5,), [3, 4, 2], 6, torch.float32, device))
+globals().update(SUITE.pytest_tests(device_marks=MARKS))
 
 
 @pytest.mark.cuda
@@ -112,34 +80,9 @@ def test_device_mismatch():
         OP(parts, weight.cpu(), bias)
 
 
-@pytest.mark.cuda
-def test_cuda_graph_capture():
-    skip_without("cuda")
-    args = make_inputs((12,), [32] * 4, 56, torch.float32, "cuda")
-    OP(*args)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        captured = OP(*args)
-    for p in args[0]:
-        p.copy_(torch.randn_like(p))
-    g.replay()
-    torch.cuda.synchronize()
-    assert_matches(captured, expected(*args), torch.float32)
-
-
 # ------------------------------------------------------------------ cat_linear_stacked
 # cat_linear_stacked(x, dim, W, b) == cat_linear(x.unbind(dim), W, b): what the backend
 # emits for torch.cat([x[i] for i in range(R)], -1).
-
-STACKED = torch.ops.opreg.cat_linear_stacked.default
-from opreg.ops.cat_linear import reference_stacked  # noqa: E402
-
-
-def run_stacked(impl: str, device: str, *args) -> torch.Tensor:
-    if impl == "default":
-        return STACKED(*args)
-    return opreg.get("cat_linear_stacked", impl=device if impl == "native" else impl)(*args)
-
 
 def stacked_inputs(shape: tuple[int, ...], dim: int, k: int, dtype: torch.dtype, device: str,
                    bias: bool = True):
@@ -155,55 +98,24 @@ def expected_stacked(x, dim, weight, bias) -> torch.Tensor:
 
 
 # (x shape, dim, K): the reference model's (R, B, H) along 0; a middle dim; the last dim
-# (slices are x[..., i]); a negative dim; 4-D; a large one (the GEMM path on CUDA).
+# (slices are x[..., i]); a negative dim; 4-D; a large one (the GEMM path on CUDA); small
+# ones along each dim; no rows; zero-width slices.
 STACKED_SHAPES = [((4, 12, 32), 0, 56), ((5, 3, 8), 1, 9), ((6, 7, 3), 2, 5), ((2, 3, 4), -2, 4),
-                  ((2, 3, 4, 5), 0, 6), ((4, 64, 256), 0, 100), ((3, 0, 4), 0, 3), ((3, 4, 0), 0, 5)]
+                  ((2, 3, 4, 5), 0, 6), ((4, 64, 256), 0, 100),
+                  ((3, 2, 4), 0, 5), ((3, 2, 4), 1, 5), ((3, 2, 4), -1, 5), ((3, 4, 5), 2, 6),
+                  ((3, 0, 4), 0, 3), ((3, 4, 0), 0, 5)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("shape,dim,k", STACKED_SHAPES, ids=str)
-def test_stacked_matches_reference(device, impl, dtype, bias, shape, dim, k):
-    skip_without(device)
-    args = stacked_inputs(shape, dim, k, dtype, device, bias)
-    want = expected_stacked(*args)
-    poison(k * dtype.itemsize * max(1, want.numel() // max(k, 1)), device)
-    assert_matches(run_stacked(impl, device, *args), want, dtype)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", IMPLS)
-def test_stacked_non_contiguous_x(device, impl):
-    skip_without(device)
-    x = torch.randn(16, 4, 12, device=device).transpose(0, 1)[:, :, ::2]  # (4, 16, 6), strided
-    weight = torch.randn(10, 4 * 6, device=device)
-    args = (x, 0, weight, torch.randn(10, device=device))
-    assert_matches(run_stacked(impl, device, *args), expected_stacked(*args), torch.float32)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dim", [0, 1, 2])
-def test_stacked_opcheck(device, dim):
-    skip_without(device)
-    x, d, weight, bias = stacked_inputs((3, 4, 5), dim, 6, torch.float32, device)
-    torch.library.opcheck(STACKED, (x.requires_grad_(), d, weight.requires_grad_(),
-                                    bias.requires_grad_()))
-    torch.library.opcheck(STACKED, (x.detach(), d, weight.detach(), None))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dim", [0, 1, -1])
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_stacked_gradcheck(device, dim, bias):
-    skip_without(device)
-    x, d, weight, b = stacked_inputs((3, 2, 4), dim, 5, torch.float64, device, bias)
-    inputs = [x, weight] + ([b] if bias else [])
-    for t in inputs:
-        t.requires_grad_()
-    f = lambda *a: STACKED(a[0], d, a[1], a[2] if bias else None)  # noqa: E731
-    assert torch.autograd.gradcheck(f, tuple(inputs))
+def stacked_samples(device: str, dtype: torch.dtype, requires_grad: bool = False):
+    """Every shape and dim with and without bias, and a strided x."""
+    for shape, dim, k in STACKED_SHAPES:
+        for bias in (True, False):
+            args = stacked_inputs(shape, dim, k, dtype, device, bias)
+            yield Sample(set_requires_grad(args, requires_grad), f"x={shape} dim={dim} bias={bias}")
+    x = torch.randn(16, 4, 12, dtype=dtype, device=device).transpose(0, 1)[:, :, ::2]  # (4, 16, 6)
+    weight = torch.randn(10, 4 * 6, dtype=dtype, device=device) / 24 ** 0.5
+    args = (x, 0, weight, torch.randn(10, dtype=dtype, device=device))
+    yield Sample(set_requires_grad(args, requires_grad), "non-contiguous x")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -225,6 +137,15 @@ def test_no_autograd_node_without_grad(device):
         torch.testing.assert_close(c.detach(), a, rtol=0, atol=0)
 
 
+def stacked_small(device: str, dtype: torch.dtype, requires_grad: bool = False):
+    """For gradcheck and opcheck: every dim of a 3-D x (the last also negative), each with
+    and without bias."""
+    for dim, bias in [(0, True), (0, False), (1, True), (1, False), (2, True), (-1, False)]:
+        shape, k = (3, 2, 4), 5
+        args = stacked_inputs(shape, dim, k, dtype, device, bias)
+        yield Sample(set_requires_grad(args, requires_grad), f"x={shape} dim={dim} bias={bias}")
+
+
 STACKED_BAD = [
     ("x rank", lambda x, d, w, b: (x[0, 0], 0, w, b), ValueError, "x must have at least 2 dims"),
     ("dim range", lambda x, d, w, b: (x, 3, w, b), ValueError, "dim must be in"),
@@ -238,14 +159,9 @@ STACKED_BAD = [
 ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("what,mutate,exc,word", STACKED_BAD, ids=[b[0] for b in STACKED_BAD])
-def test_stacked_bad_input(device, impl, what, mutate, exc, word):
-    skip_without(device)
-    args = mutate(*stacked_inputs((3, 5, 4), 0, 6, torch.float32, device))
-    with pytest.raises(exc, match=word):
-        run_stacked(impl, device, *args)
+STACKED_SUITE = OpTestSuite("cat_linear_stacked", stacked_samples, small_samples=stacked_small, bad=STACKED_BAD,
+                            bad_sample=lambda device: stacked_inputs((3, 5, 4), 0, 6, torch.float32, device))
+globals().update(STACKED_SUITE.pytest_tests(prefix="stacked_", device_marks=MARKS))
 
 
 @pytest.mark.cuda
@@ -254,20 +170,6 @@ def test_stacked_device_mismatch():
     x, d, weight, bias = stacked_inputs((3, 5, 4), 0, 6, torch.float32, "cuda")
     with pytest.raises(ValueError, match="bias"):
         STACKED(x, d, weight, bias.cpu())
-
-
-@pytest.mark.cuda
-def test_stacked_cuda_graph_capture():
-    skip_without("cuda")
-    args = stacked_inputs((4, 12, 32), 0, 56, torch.float32, "cuda")
-    STACKED(*args)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        captured = STACKED(*args)
-    args[0].copy_(torch.randn_like(args[0]))
-    g.replay()
-    torch.cuda.synchronize()
-    assert_matches(captured, expected_stacked(*args), torch.float32)
 
 
 @pytest.mark.cuda

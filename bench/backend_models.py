@@ -1,0 +1,187 @@
+"""The backend's regression benchmark: models whose only difference under
+``backend="opreg"`` is its rewrites, timed against eager and Inductor in one run.
+
+    python bench/backend_models.py [--device cuda] [--rounds 9] [--profile] [--json out.json]
+
+Models (issue 11; on CUDA at the issue's sizes, bf16; on the CPU tiny, float32):
+
+* ``cat8-linear``: ``Linear(cat([x[i] for i in range(8)], -1))``, x (8, T, D);
+  frozen parameters and trainable ones (forward; and forward + backward);
+* ``ln-cat8-linear``: LayerNorm before the cat (trainable);
+* ``ln-cat8-linear-gelu``: and a GELU after the linear (trainable);
+* the two reference models (``opreg.models``): cat_linear, and the MoE loop through
+  ``opreg.optimize``.
+
+Per model: median ms of back-to-back calls (CUDA events around a batch), rounds
+interleaved so drift hits every variant alike; the ratio opreg / min(eager, Inductor);
+with ``--profile`` the top device kernels of the opreg and Inductor variants.
+Every variant's output is checked against eager first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+import opreg
+from opreg.models import cat_linear as cat_model
+from opreg.models import moe_combine_loop as moe_model
+
+
+class CatLinear(nn.Module):
+    def __init__(self, r: int, d: int, k: int, norm: bool, act: bool) -> None:
+        super().__init__()
+        self.r = r
+        self.norm = nn.LayerNorm(d) if norm else nn.Identity()
+        self.proj = nn.Linear(r * d, k)
+        self.act = nn.GELU() if act else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
+        return self.act(self.proj(torch.cat([x[i] for i in range(self.r)], -1)))
+
+
+def _sizes(device: str) -> dict[str, int]:
+    return dict(r=8, t=4096, d=512, k=2048) if device == "cuda" else dict(r=4, t=16, d=8, k=12)
+
+
+def models(device: str) -> dict[str, tuple[Callable[[], nn.Module], list[Any], bool]]:
+    """name -> (factory, inputs, backward?)."""
+    s = _sizes(device)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = torch.randn(s["r"], s["t"], s["d"], device=device, dtype=dtype)
+
+    def cat(norm: bool, act: bool, frozen: bool) -> Callable[[], nn.Module]:
+        def make() -> nn.Module:
+            torch.manual_seed(0)
+            m = CatLinear(s["r"], s["d"], s["k"], norm, act).to(device, dtype)
+            return m.requires_grad_(not frozen)
+        return make
+
+    out: dict[str, tuple[Callable[[], nn.Module], list[Any], bool]] = {
+        "cat8-linear frozen": (cat(False, False, True), [x], False),
+        "cat8-linear trainable": (cat(False, False, False), [x], False),
+        "cat8-linear fwd+bwd": (cat(False, False, False), [x], True),
+        "ln-cat8-linear": (cat(True, False, False), [x], False),
+        "ln-cat8-linear-gelu": (cat(True, True, False), [x], False),
+    }
+
+    def ref_cat() -> nn.Module:
+        torch.manual_seed(0)
+        return cat_model.Model().to(device)
+
+    out["reference cat_linear"] = (ref_cat, list(cat_model.get_inputs(device=device)), False)
+    return out
+
+
+def variants(make: Callable[[], nn.Module], inputs: list[Any], backward: bool) -> dict[str, Callable[[], Any]]:
+    def step(fn: Callable[..., Any]) -> Callable[[], Any]:
+        if not backward:
+            return lambda: fn(*inputs)
+
+        def fwd_bwd() -> Any:
+            y = fn(*inputs)
+            y.float().sum().backward()
+            return y
+        return fwd_bwd
+
+    torch._dynamo.reset()
+    return {"eager": step(make()), "inductor": step(torch.compile(make())),
+            "opreg": step(torch.compile(make(), backend="opreg"))}
+
+
+def time_rounds(fns: dict[str, Callable[[], Any]], device: str, rounds: int, calls: int) -> dict[str, float]:
+    """Median ms per call of each fn over ``rounds`` interleaved batches of ``calls``."""
+    import time
+
+    for f in fns.values():  # warm up: compile, autotune, allocator
+        for _ in range(3):
+            f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, f in fns.items():
+            if device == "cuda":
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(calls):
+                    f()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / calls)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    f()
+                times[name].append((time.perf_counter() - t0) * 1e3 / calls)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def check(fns: dict[str, Callable[[], Any]]) -> None:
+    ref = fns["eager"]().detach()
+    for name, f in fns.items():
+        got = f().detach()
+        tol = 2e-2 if ref.dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol, msg=name)
+
+
+def profile(fn: Callable[[], Any], device: str, top: int = 8) -> str:
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(5):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    key = "device_time_total" if device == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=top)
+
+
+def moe_row(device: str, rounds: int) -> dict[str, float]:
+    """The MoE loop reference model: eager loop vs opreg.optimize (Inductor skips the frame)."""
+    torch.manual_seed(0)
+    model = moe_model.Model().to(device)
+    inputs = [t.to(device) if isinstance(t, torch.Tensor) else t for t in moe_model.get_inputs()]
+    fast = opreg.optimize(moe_model.Model().to(device))
+    return time_rounds({"eager": lambda: model(*inputs), "opreg": lambda: fast(*inputs)}, device,
+                       max(3, rounds // 3), 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--moe", action="store_true", help="also the MoE loop model (slow eager loop)")
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    rows: dict[str, dict[str, float]] = {}
+    print(f"{'model':<24} {'eager':>9} {'inductor':>9} {'opreg':>9}  opreg/min", flush=True)
+    for name, (make, inputs, backward) in models(a.device).items():
+        fns = variants(make, inputs, backward)
+        check(fns)
+        t = time_rounds(fns, a.device, a.rounds, a.calls)
+        t["ratio"] = t["opreg"] / min(t["eager"], t["inductor"])
+        rows[name] = t
+        print(f"{name:<24} {t['eager']:9.4f} {t['inductor']:9.4f} {t['opreg']:9.4f}  {t['ratio']:.3f}", flush=True)
+        if a.profile:
+            for v in ("opreg", "inductor"):
+                print(f"--- {name}: {v}\n{profile(fns[v], a.device)}", flush=True)
+    if a.moe:
+        rows["reference moe loop"] = moe_row(a.device, a.rounds)
+        print("reference moe loop", rows["reference moe loop"], flush=True)
+    worst = max(rows.values(), key=lambda r: r.get("ratio", 0)).get("ratio", 0)
+    print(f"worst opreg / min(eager, inductor): {worst:.3f} (goal <= 1.03)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": a.device, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
