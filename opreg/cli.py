@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -34,20 +35,26 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_build(args: argparse.Namespace) -> int:
     """Build every kernel library this machine can build, each with its time and whether it
-    was compiled or already current ("cached": no ninja run); non-zero exit on any failure."""
-    exts = [e for e in _build.extensions() if args.only in (None, "cuda" if e.cuda else "cpu")]
-    failed = 0
-    for i, ext in enumerate(exts, 1):
-        arch = args.cuda_arch if ext.cuda else None
-        why = _build.why_not(ext, cuda_arch=arch) if ext.cuda else None
+    was compiled or already current ("cached": no ninja run); non-zero exit on any failure.
+    Two or more libraries build side by side, one process each (they share no object, and
+    ninja keeps each one's own files in order); then each is loaded here."""
+    exts = [e for e in _build.extensions() if args.lib in (None, e.name)
+            and args.only in (None, "cuda" if e.cuda else "cpu")]
+    todo = []
+    for ext in exts:
+        why = _build.why_not(ext, cuda_arch=args.cuda_arch) if ext.cuda else None
         if why is not None and not isinstance(why, _build.CacheProblem):  # CUDA can't build here
-            print(f"[{i}/{len(exts)}] {ext.name}: skipped ({why})")
-            continue
-        srcs = ", ".join(s.name for s in ext.sources())
-        print(f"[{i}/{len(exts)}] {ext.name}: {srcs}", flush=True)
+            print(f"{ext.name}: skipped ({why})")
+        else:
+            todo.append(ext)
+    if len(todo) > 1:
+        _build_side_by_side(todo, args)
+    failed = 0
+    for i, ext in enumerate(todo, 1):
+        print(f"[{i}/{len(todo)}] {ext.name}: {', '.join(s.name for s in ext.sources())}", flush=True)
         t0 = time.monotonic()
         try:
-            registry.load(ext, cuda_arch=arch, verbose=args.verbose)
+            registry.load(ext, cuda_arch=args.cuda_arch if ext.cuda else None, verbose=args.verbose)
         except _build.BuildError as e:
             failed += 1
             print(f"  FAILED ({time.monotonic() - t0:.1f} s): {e}", file=sys.stderr)
@@ -55,6 +62,24 @@ def cmd_build(args: argparse.Namespace) -> int:
         how = _build.last_outcome(ext) or "already loaded"
         print(f"  ok, {how} ({time.monotonic() - t0:.1f} s): {_build.build_dir(ext)}")
     return 1 if failed else 0
+
+
+def _build_side_by_side(exts: list[_build.Extension], args: argparse.Namespace) -> None:
+    """Compile ``exts`` in parallel child processes (``build --lib NAME``), reporting each
+    one's time; a failure is reported again by the in-process load that follows."""
+    t0 = time.monotonic()
+    procs = {}
+    for ext in exts:
+        cmd = [sys.executable, "-m", "opreg", "build", "--lib", ext.name]
+        if ext.cuda and args.cuda_arch:
+            cmd += ["--cuda-arch", args.cuda_arch]
+        print(f"building {ext.name} ...", flush=True)
+        procs[ext.name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for name, p in procs.items():
+        out, _ = p.communicate()
+        line = next((x.strip() for x in out.splitlines() if x.strip().startswith(("ok,", "FAILED"))), "")
+        print(f"  {name}: {line or out.strip()[-300:]} (done at {time.monotonic() - t0:.1f} s)", flush=True)
+    print(f"all libraries built side by side in {time.monotonic() - t0:.1f} s", flush=True)
 
 
 def _median_us(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
@@ -121,7 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="ops x implementations, available or why not")
     b = sub.add_parser("build", help="build every kernel library available on this machine")
-    b.add_argument("--only", choices=["cpu", "cuda"], help="build just one library")
+    b.add_argument("--only", choices=["cpu", "cuda"],
+                   help="only the host libraries (cpu: kernels and autograd) or only CUDA")
+    b.add_argument("--lib", help="only the library of this name (e.g. opreg_cuda)")
     b.add_argument("--cuda-arch", help="CUDA target, e.g. 9.0 (compiles without a GPU)")
     b.add_argument("--verbose", action="store_true", help="show the compiler commands")
     d = sub.add_parser("demo", help="run the reference models against opreg, with timings")

@@ -38,11 +38,12 @@
 //           3 ns tensor cores). For small M (a GEMV: B = 1, decode) the bytes term is the
 //           weight read, the bound eager's cuBLAS GEMV works against.
 // Rule: SIMT iff its predicted cost x 1.10 <= the GEMM path's (the model is
-// within 5 % at the three fitted SIMT points and 3.5 % / 4 % at the two fp32
-// cuBLAS points; the 10 % keeps a misprediction from costing more than eager).
+// within 6 % at the three fitted SIMT points, 13.1/37.9/34.3 vs 13.8/36.3/32.5
+// us, and at the two fp32 cat + cuBLAS points, 28.7/29.1 vs 26.8/29.3; the 10 %
+// keeps a misprediction from costing more than eager).
 // What it picks on the H200 grid: the GEMM path for every bf16/fp16 problem
 // that is not host-bound (a tensor-core GEMM beats a SIMT walk over K) and for
-// every B = 1..16 problem whose K is past ~1-2K (the walk over K exceeds the
+// every B = 1..16 problem whose K is past ~1K (the walk over K exceeds the
 // host time the single launch saves); SIMT for host-bound problems of >= 2
 // parts (one launch instead of two: ~4 us of a ~14 us call) and for exact-fp32
 // problems of 32+ rows where cuBLAS can't fill the GPU (R4 B64 H256 K1024:

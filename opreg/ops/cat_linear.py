@@ -23,11 +23,13 @@ NAME = "cat_linear"
 SCHEMA = "(Tensor[] parts, Tensor weight, Tensor? bias) -> Tensor"
 
 # The stacked form saves host time (no Python-made slices), which only matters when the
-# kernel is short. Above this many multiply-adds (rows * in-features * out-features) the
-# CUDA op takes its GEMM path, where the list form's at::cat measured faster (H200,
-# bench/RESULTS.md: 9-14 %), so the pattern emits the stacked form only up to here,
-# where both dtypes' CUDA calls run the single-launch kernel (``use_simt_path`` in
-# backends/cuda/cat_linear.cu).
+# kernel is short. The pattern emits it only up to this many multiply-adds (rows *
+# in-features * out-features) because its CUDA GEMM path used to build the matrix with
+# movedim + reshape, 9-14 % slower than the list form's at::cat (H200, bench/RESULTS.md).
+# It now runs the list form's kernels (at::cat(x.unbind(d), -1) + cuBLAS), and which
+# path runs is the cost model's choice in backends/cuda/cat_linear.cu, not a size limit,
+# so this cap can go once bench/sweep.py shows cat_linear_stacked within 3 % of eager
+# at GEMM sizes (its cat_linear_stacked/stacked/* rows with B 1024/8192).
 STACKED_MAX_MACS = 1 << 24
 
 

@@ -1,0 +1,96 @@
+"""bench/sweep.py end to end on the CPU (its tiny grid runs in seconds): the command line,
+the summary it prints, the JSON it writes, and the summary's counting on made-up rows."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SWEEP = ROOT / "bench" / "sweep.py"
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    spec = importlib.util.spec_from_file_location("opreg_bench_sweep", SWEEP)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    yield mod
+    sys.modules.pop(spec.name, None)
+
+
+def groups(sweep) -> list[str]:
+    return ["cat_linear/list/fwd", "cat_linear/list/fwdbwd", "cat_linear_stacked/stacked/fwd",
+            "cat_linear_stacked/stacked/fwdbwd", "scatter_combine/-/fwd", "scatter_combine/-/bwd"]
+
+
+def test_cli_end_to_end(tmp_path, sweep):
+    out = tmp_path / "sweep.json"
+    p = subprocess.run([sys.executable, str(SWEEP), "--device", "cpu", "--json", str(out)],
+                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    text = p.stdout
+    for g in groups(sweep):
+        assert f"slower than eager by > 3 %: {g}: " in text
+    for line in ("== summary:", "10 worst opreg/eager:", "scatter_combine >= 16 MB below 70 % of copy: ",
+                 "cat_linear model: automatic path > 3 % slower than a forced one: ",
+                 "outputs off the float64 reference: 0", "sweep took"):
+        assert line in text, line
+
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"meta", "summary", "rows"}
+    assert doc["meta"]["device"] == "cpu" and doc["meta"]["copy_GBps"] > 0
+    assert doc["meta"]["command"].startswith("python bench/sweep.py")
+    grid = sweep.GRIDS["tiny"]
+    n_cat = len(sweep.cat_shapes(grid))  # one row per shape in each op/form/mode group
+    n_scatter = len(sweep.scatter_shapes(grid))
+    rows = doc["rows"]
+    count = {g: sum(f"{r['op']}/{r['form']}/{r['mode']}" == g for r in rows) for g in groups(sweep)}
+    assert count == {g: n_scatter if g.startswith("scatter") else n_cat for g in groups(sweep)}
+    for r in rows:
+        assert {"opreg", "eager"} <= set(r["median_us"]) and min(r["median_us"].values()) > 0
+        assert r["ratio"] > 0
+        assert (r["err"] is None) == (r["mode"] == "fwdbwd")  # cat_linear checks its forward
+        assert r["err"] is None or r["err"] < sweep.TOL[r["params"]["dtype"]]
+        assert (r["frac_copy"] is not None) == (r["op"] == "scatter_combine")
+        if r["op"] == "scatter_combine" and r["mode"] == "fwd":
+            assert "index_put" in r["vs"]
+    assert set(doc["summary"]["slower"]) == set(groups(sweep))
+    assert len(doc["summary"]["worst"]) == 10
+
+
+def test_ops_filter(tmp_path, sweep, capsys):
+    out = tmp_path / "s.json"
+    assert sweep.main(["--device", "cpu", "--ops", "scatter_combine", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and {r["op"] for r in rows} == {"scatter_combine"}
+    assert "slower than eager by > 3 %: scatter_combine/-/fwd" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        sweep.main(["--device", "cpu", "--ops", "nope"])
+
+
+def test_summary_counts(sweep):
+    R = sweep.Row
+    rows = [
+        R("cat_linear", "list", "fwd", "a", {"dtype": "fp32"}, {"opreg": 1.0, "eager": 1.0}, 1.02,
+          {"simt": 1.0, "gemm": 0.7}, err=0.0),
+        R("cat_linear", "list", "fwd", "b", {"dtype": "fp32"}, {"opreg": 2.0, "eager": 1.0}, 2.0,
+          {"simt": 1.2, "gemm": 1.0}, err=0.0),                  # slower, and a mispick
+        R("scatter_combine", "-", "fwd", "c", {"dtype": "bf16"}, {"opreg": 1.0, "eager": 3.0}, 0.33,
+          nbytes=32e6, frac_copy=0.5, err=1e-3),                 # >= 16 MB below 70 %
+        R("scatter_combine", "-", "fwd", "d", {"dtype": "bf16"}, {"opreg": 1.0, "eager": 3.0}, 0.33,
+          nbytes=1e6, frac_copy=0.2, err=0.5),                   # small: not counted; wrong output
+    ]
+    cfg = sweep.Config("cpu", sweep.GRIDS["tiny"], "none", 1e9, 0.0, rows=rows)
+    lines, summary = sweep.summarize(cfg)
+    assert summary["slower"] == {"cat_linear/list/fwd": ["b"], "scatter_combine/-/fwd": []}
+    assert summary["mispicks"] == ["b"]
+    assert summary["below_copy"] == ["c fwd"]
+    assert summary["wrong"] == ["d"]
+    assert summary["worst"][0]["label"] == "b"
+    assert "slower than eager by > 3 %: cat_linear/list/fwd: 1 of 2" in lines
