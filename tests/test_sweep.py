@@ -53,8 +53,8 @@ def test_cli_end_to_end(tmp_path, sweep):
     count = {g: sum(f"{r['op']}/{r['form']}/{r['mode']}" == g for r in rows) for g in groups(sweep)}
     assert count == {g: n_scatter if g.startswith("scatter") else n_cat for g in groups(sweep)}
     for r in rows:
-        assert {"opreg", "eager"} <= set(r["median_us"]) and min(r["median_us"].values()) > 0
-        assert r["ratio"] > 0
+        assert {"opreg", "eager"} <= set(r["median_us"]) and min(r["median_us"].values()) > 0, r
+        assert r["ratio"] > 0, r
         assert (r["err"] is None) == (r["mode"] == "fwdbwd")  # cat_linear checks its forward
         assert r["err"] is None or r["err"] < sweep.TOL[r["params"]["dtype"]]
         assert (r["frac_copy"] is not None) == (r["op"] == "scatter_combine")

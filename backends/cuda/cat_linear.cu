@@ -21,7 +21,7 @@
 //
 // Which path: a model of the work, not thresholds (namespace model, below).
 // Per call, back to back, a path costs max(host, device): the host runs ahead
-// while the device is busy. Inside CUDA-graph capture only device time replays.
+// while the device is busy.
 //   host:   SIMT one launch, 10 us from Python on the H200 (cat_linear_stacked
 //           9.7, list 11.2); GEMM one more ATen op + launch (the cat), +4 us;
 //           one part: no cat, the same 10 us.
@@ -47,8 +47,9 @@
 // host time the single launch saves); SIMT for host-bound problems of >= 2
 // parts (one launch instead of two: ~4 us of a ~14 us call) and for exact-fp32
 // problems of 32+ rows where cuBLAS can't fill the GPU (R4 B64 H256 K1024:
-// SIMT 13.8 vs 26.8 us). In capture the 4 us host saving is gone, so tiny
-// problems go to cuBLAS there (12 x 56 x 128 fp32: 4.4 SIMT vs 3.5 replayed).
+// SIMT 13.8 vs 26.8 us). The same choice inside CUDA-graph capture (see
+// use_simt_path), though there the host saving is gone (12 x 56 x 128 fp32:
+// 4.4 us SIMT vs 3.5 replayed): a capture must record what its warm-up ran.
 // What bench/sweep.py must show to confirm it: no shape > 3 % slower than
 // eager (list and stacked, no_grad and forward+backward), and at the forced
 // paths (OPREG_CAT_LINEAR_PATH=simt|gemm, its `simt`/`gemm` columns) the
@@ -424,9 +425,11 @@ void launch_simt(
 }
 
 // The model's choice (header comment), or the override. Per call back to back a path
-// costs max(host, device) (the host runs ahead while the device is busy); inside CUDA
-// graph capture only device time is replayed. The capture status is asked only when
-// the two regimes disagree.
+// costs max(host, device) (the host runs ahead while the device is busy). The choice
+// never depends on whether the stream is capturing a CUDA graph: the warm-up before a
+// capture must run the path the capture records, or the capture makes the first cuBLAS
+// call of the process (handle, workspace) inside the graph, which fails it (seen on
+// the H200, 2026-12-01, tests/test_cat_linear.py::test_cuda_graphs under xdist).
 bool use_simt_path(int64_t M, int64_t N, int64_t K, int64_t R, at::ScalarType dt,
                    c10::DeviceIndex dev) {
   const int path = forced_path();
@@ -438,12 +441,7 @@ bool use_simt_path(int64_t M, int64_t N, int64_t K, int64_t R, at::ScalarType dt
                          double(c10::elementSize(dt)), dt, tf32};
   const double ds = model::simt_device_us(p, sm_count(dev)), dg = model::gemm_device_us(p);
   const double hs = model::kHostOneLaunchUs, hg = hs + (R > 1 ? model::kHostPerOpUs : 0.0);
-  const bool eager_pick = std::max(hs, ds) * model::kMargin <= std::max(hg, dg);
-  const bool graph_pick = ds * model::kMargin <= dg;
-  if (eager_pick == graph_pick) return eager_pick;
-  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &st));
-  return st == cudaStreamCaptureStatusNone ? eager_pick : graph_pick;
+  return std::max(hs, ds) * model::kMargin <= std::max(hg, dg);
 }
 
 // Part i starts at ptr, its rows rs elements apart, wi wide; vec_ok stays true
