@@ -82,11 +82,18 @@ def step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, mode: str)
     return fwd_bwd
 
 
-def check(block: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+def check(block: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
+    """Normwise error of ``fn`` against HF eager in float64. In float32 it must be within
+    tolerance; in bf16 it is reported, not asserted: bf16 router logits flip near-tied top-k
+    choices, so even HF's own bf16 block is ~2 % off float64 (H200, 2026-12-01), and the
+    experts' accuracy is tested with a fixed routing (tests/test_transformers.py)."""
     ref = copy.deepcopy(block).double()
     ref.experts.config._experts_implementation = "eager"
     with torch.no_grad():
-        assert_matches(fn(x), ref(x.double()), x.dtype)
+        got, want = fn(x), ref(x.double())
+        if x.dtype != torch.bfloat16:
+            assert_matches(got, want, x.dtype)
+        return float((got.double() - want).norm() / want.norm())
 
 
 def inputs(name: str, tokens: int, cpu: bool) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -154,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     for config in a.configs:
         block, x = inputs(config, a.tokens, cpu)
         fns = {v: variant(block, v) for v in VARIANTS}
-        for v, fn in fns.items():
-            check(block, fn, x)
+        errs = {v: check(block, fn, x) for v, fn in fns.items()}
+        print(f"| {config} | error vs float64 | " + " | ".join(f"{errs[v]:.2e}" for v in VARIANTS) + " |")
         for mode in MODES:
             us = {v: median_us(step(fn, x, mode), a.reps) for v, fn in fns.items()}
             base = us["hf_grouped_mm_inductor"]
