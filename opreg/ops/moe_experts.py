@@ -206,12 +206,10 @@ def reference(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     return out.to(hidden_states.dtype)
 
 
-def fake(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-         gate_up_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor], down_proj: torch.Tensor,
-         down_bias: Optional[torch.Tensor], activation: str, gated: bool, transposed: bool,
-         interleaved: bool, alpha: float, limit: float) -> torch.Tensor:
-    check(hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias,
-          activation, gated, transposed, interleaved, alpha, limit)
+def fake(hidden_states: torch.Tensor, *rest: Any) -> torch.Tensor:
+    """Output metadata: (T, H) like hidden_states, after the same checks (``rest``: the
+    other arguments of the schema, in order)."""
+    check(hidden_states, *rest)
     return hidden_states.new_empty(hidden_states.shape)
 
 
