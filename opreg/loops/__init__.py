@@ -9,14 +9,14 @@ Generic machinery in :mod:`opreg.loops.rewriter` (source, scan, template, recomp
 """
 from __future__ import annotations
 
-from . import scatter_combine
+from . import experts, scatter_combine
 from .idiom import (Fresh, LoopIdiom, LoopSite, Plan, Reject, fresh_origin, names_in, plain_tensors,
                     positive_count, prove_fresh, range_loop, subscript_of)
 from .registry import register_loop_idiom, registered_loop_idioms, unregister_loop_idiom
 from .rewriter import LoopFinding, find_loops, rewrite_function, rewrite_loops, user_functions
 
 #: The idioms opreg ships, tried in this order.
-BUILTIN = [scatter_combine.IDIOM]
+BUILTIN = [scatter_combine.IDIOM, experts.IDIOM]
 
 for _idiom in BUILTIN:
     register_loop_idiom(_idiom)

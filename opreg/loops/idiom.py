@@ -67,7 +67,8 @@ class Plan:
     fallback's iterable and the loop variable's final value, as format strings of ``{s}``
     (the source's value). ``before``: replacements for statements that run before the
     loop, keyed by the statement (e.g. to keep a value the guard must check, see
-    :func:`prove_fresh`).
+    :func:`prove_fresh`). ``setup``: statements run where the loop was, before everything
+    else (e.g. a nested ``def`` of the loop's body, which the run-time helper calls).
     """
 
     source: ast.expr
@@ -77,6 +78,7 @@ class Plan:
     iterate: str = "range({s})"
     last: str = "{s} - 1"
     before: dict[ast.stmt, list[ast.stmt]] = dataclasses.field(default_factory=dict)
+    setup: list[ast.stmt] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

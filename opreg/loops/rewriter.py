@@ -224,7 +224,7 @@ def _replacement(m: _Match) -> list[ast.stmt]:
     fallback.iter = _at([ast.Expr(_expr(plan.iterate.format(s=s)))], site.loop, everywhere=True)[0].value
     stmts[2].body = [fallback]
     stmts[2].orelse[1].targets = [copy.deepcopy(site.loop.target)]
-    return _at(stmts, site.loop, everywhere=False)
+    return _at([*plan.setup, *stmts], site.loop, everywhere=False)
 
 
 def _blocks(fn_def: ast.FunctionDef) -> dict[int, tuple[list[ast.stmt], int]]:
