@@ -12,8 +12,8 @@ Models (issue 11; on CUDA at the issue's sizes, bf16; on the CPU tiny, float32):
 * the two reference models (``opreg.models``): cat_linear, and the MoE loop through
   ``opreg.optimize``.
 
-Per model: median ms of back-to-back calls (CUDA events around a batch), rounds
-interleaved so drift hits every variant alike; the ratio opreg / min(eager, Inductor);
+Per model: median ms of back-to-back calls (bench/_timing.py: CUDA events around a batch,
+rounds interleaved so drift hits every variant alike); the ratio opreg / min(eager, Inductor);
 with ``--profile`` the top device kernels of the opreg and Inductor variants.
 Every variant's output is checked against eager first.
 """
@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
-import opreg
-from opreg.models import cat_linear as cat_model
-from opreg.models import moe_combine_loop as moe_model
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _timing as tm  # noqa: E402
+
+import opreg  # noqa: E402
+from opreg.models import cat_linear as cat_model  # noqa: E402
+from opreg.models import moe_combine_loop as moe_model  # noqa: E402
 
 
 class CatLinear(nn.Module):
@@ -95,31 +98,16 @@ def variants(make: Callable[[], nn.Module], inputs: list[Any], backward: bool) -
             "opreg": step(torch.compile(make(), backend="opreg"))}
 
 
-def time_rounds(fns: dict[str, Callable[[], Any]], device: str, rounds: int, calls: int) -> dict[str, float]:
-    """Median ms per call of each fn over ``rounds`` interleaved batches of ``calls``."""
-    import time
-
+def time_rounds(fns: dict[str, Callable[[], Any]], device: str, rounds: int,
+                target_us: float = 2000.0) -> dict[str, float]:
+    """Median ms per call of each fn, timed by the project's timer (bench/_timing.py:
+    interleaved rounds, CUDA events, a batch of about ``target_us`` per variant)."""
     for f in fns.values():  # warm up: compile, autotune, allocator
         for _ in range(3):
             f()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, f in fns.items():
-            if device == "cuda":
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(calls):
-                    f()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end) / calls)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    f()
-                times[name].append((time.perf_counter() - t0) * 1e3 / calls)
-    return {k: statistics.median(v) for k, v in times.items()}
+    variants = {k: tm.Variant(lambda i, f=f: f()) for k, f in fns.items()}
+    times = tm.interleaved(variants, device, rounds=rounds, target_us=target_us)
+    return {k: tm.median(v) / 1e3 for k, v in times.items()}
 
 
 def check(fns: dict[str, Callable[[], Any]]) -> None:
@@ -148,14 +136,13 @@ def moe_row(device: str, rounds: int) -> dict[str, float]:
     inputs = [t.to(device) if isinstance(t, torch.Tensor) else t for t in moe_model.get_inputs()]
     fast = opreg.optimize(moe_model.Model().to(device))
     return time_rounds({"eager": lambda: model(*inputs), "opreg": lambda: fast(*inputs)}, device,
-                       max(3, rounds // 3), 1)
+                       max(3, rounds // 3), target_us=1.0)  # the eager loop is slow: one call a batch
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rounds", type=int, default=9)
-    p.add_argument("--calls", type=int, default=20)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--moe", action="store_true", help="also the MoE loop model (slow eager loop)")
     p.add_argument("--json")
@@ -165,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (make, inputs, backward) in models(a.device).items():
         fns = variants(make, inputs, backward)
         check(fns)
-        t = time_rounds(fns, a.device, a.rounds, a.calls)
+        t = time_rounds(fns, a.device, a.rounds)
         t["ratio"] = t["opreg"] / min(t["eager"], t["inductor"])
         rows[name] = t
         print(f"{name:<24} {t['eager']:9.4f} {t['inductor']:9.4f} {t['opreg']:9.4f}  {t['ratio']:.3f}", flush=True)
