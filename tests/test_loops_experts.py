@@ -30,9 +30,13 @@ def ops_ran(fn: Any) -> tuple[Any, set[str]]:
     return out, {e.name for e in prof.events() if e.name.startswith("opreg::")}
 
 
-def routing(t: int, e: int, k: int, sentinel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.stack([torch.randperm(e + sentinel)[:k] for _ in range(t)])
-    return ids, torch.rand(t, k, dtype=torch.float64)
+def routing(t: int, e: int, k: int, sentinel: bool = False,
+            min_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random top-k ids (t, k) and gates; redrawn until every expert has min_rows rows."""
+    while True:
+        ids = torch.stack([torch.randperm(e + sentinel)[:k] for _ in range(t)])
+        if min_rows == 0 or torch.bincount(ids.flatten(), minlength=e)[:e].min() >= min_rows:
+            return ids, torch.rand(t, k, dtype=torch.float64)
 
 
 def grads(out: torch.Tensor, leaves: list[torch.Tensor], cot: torch.Tensor) -> list[torch.Tensor]:
@@ -196,7 +200,7 @@ def test_runtime_misfit_runs_the_loop() -> None:
     ref = copy.deepcopy(m)
     assert [f.matched for f in rewrite_loops(m)] == [True]
     x = torch.randn(T, H, dtype=torch.float64)
-    ids, w = routing(T, E, K)
+    ids, w = routing(T, E, K, min_rows=2)  # BatchNorm in training needs 2 rows per expert
     got, ran = ops_ran(lambda x=x, ids=ids, w=w: m(x, ids, w))
     assert OP not in ran
     assert_close(got, ref(x, ids, w))
