@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import ast
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -281,6 +281,29 @@ def _split(pieces: list[tuple[Any, Any]], final: torch.Tensor, cast: bool,
     return torch.cat(hs), torch.cat(gs)
 
 
+_said: set[str] = set()
+
+
+def _say_once(msg: str) -> None:
+    """Log ``msg`` at INFO the first time (a run-time fallback happens on every call)."""
+    if msg not in _said:
+        _said.add(msg)
+        logger.info(msg)
+
+
+def _all_rowwise(callables: Iterable[Any]) -> bool:
+    """Are all the callables the body calls on rows row-wise? The first that isn't is
+    named in the log, once."""
+    for c in callables:
+        if not _rowwise(c):
+            f = getattr(c, "__func__", c)
+            name = getattr(f, "__qualname__", None) or type(c).__qualname__
+            _say_once(f"opreg: expert loop: {name} is not provably row-wise (each output row from "
+                      f"its input row alone); running the loop as written")
+            return False
+    return True
+
+
 @torch.compiler.disable
 def grouped_experts(s: Any, final: Any, mask: Any, body: Callable[..., Any], skip: Any,
                     checks: Callable[[Any], tuple[Any, ...]], *origin: Any, unpack: bool, form: str,
@@ -296,7 +319,7 @@ def grouped_experts(s: Any, final: Any, mask: Any, body: Callable[..., Any], ski
     if got is None or not got[0] or not _ordered(got[0], mask.shape[0] if form == "mask" else None):
         return None
     keep = [(i, v) for i, v in zip(*got) if skip is None or not bool(i == skip)]
-    if not keep or not all(_rowwise(c) for _, v in keep for c in checks(v)):
+    if not keep or not _all_rowwise(c for _, v in keep for c in checks(v)):
         return None
     if mask.shape[token + (1 if form == "mask" else 0)] > final.shape[0]:
         return None  # a token index could be out of range: the loop raises

@@ -6,8 +6,12 @@ The replacement for each loop is :data:`TEMPLATE` (see :mod:`opreg.loops.idiom` 
 an idiom proves). The new function is compiled from the user's own source, inside a
 factory that takes the original's free variables, so it sees the same closure (``super()``
 included) and the same, live, module globals. Functions without source (``exec``'d) are
-left alone with one warning; so are decorated ones, ones using name-mangled ``__names``
-and ones already using ``_opreg_`` names. Methods are replaced on the *instance*
+left alone with one warning; so are ones using name-mangled ``__names`` and ones already
+using ``_opreg_`` names. A decorated function is seen through when its decorator is a
+``functools.wraps`` wrapper holding the function in one closure variable (transformers'
+``@use_experts_implementation``, ``torch.no_grad()``): the function is rewritten and the
+wrapper rebuilt around it (same code, the rest of its closure shared), so the decorator
+still does what it did; other decorated functions are left alone, with the reason. Methods are replaced on the *instance*
 (``module.forward = ...``), so parameters and the module itself stay the same objects,
 and ``module._opreg_loops`` lists what was found.
 """
@@ -60,8 +64,6 @@ class LoopFinding:
 
 def _source_of(fn: Callable[..., Any]) -> tuple[ast.FunctionDef, str, list[str]] | str:
     """(def, file, lines of the file) of ``fn``'s source, or why it can't be had."""
-    if hasattr(fn, "__wrapped__"):
-        return "it is decorated"
     try:
         lines, first = inspect.getsourcelines(fn)
         file = inspect.getsourcefile(fn) or inspect.getfile(fn)
@@ -317,23 +319,73 @@ def _compile(fn: Callable[..., Any], fn_def: ast.FunctionDef, file: str,
 
 def find_loops(fn: Callable[..., Any]) -> list[LoopFinding]:
     """The loops :func:`opreg.optimize` would rewrite in ``fn`` (matched) or leave (why)."""
-    fn = getattr(fn, "__opreg_original__", fn)
-    got = _source_of(fn)
-    if isinstance(got, str):
-        return []
-    return _Scan(fn, *got, registered_loop_idioms()).findings
+    return _rewrite(getattr(fn, "__opreg_original__", fn))[1]
 
 
-def _rewrite(fn: Callable[..., Any]) -> tuple[Callable[..., Any] | None, list[LoopFinding], str]:
-    """(rewritten fn or None, findings, why not rewritten)."""
+def _wrapped(wrapper: Callable[..., Any]) -> tuple[Callable[..., Any], int] | str:
+    """(the function a ``functools.wraps`` wrapper wraps, the index of the closure cell
+    holding it), or why the decorator can't be seen through."""
+    inner = wrapper.__wrapped__
+    if not isinstance(wrapper, types.FunctionType) or not isinstance(inner, types.FunctionType):
+        return "it is decorated (by something other than a plain function wrapper)"
+    held = []
+    for i, cell in enumerate(wrapper.__closure__ or ()):
+        try:
+            if cell.cell_contents is inner:
+                held.append(i)
+        except ValueError:  # an empty cell
+            continue
+    if len(held) != 1:
+        return "it is decorated (the wrapper does not hold the function in one closure variable)"
+    return inner, held[0]
+
+
+def _rewrap(wrapper: Callable[..., Any], cell: int, inner: Callable[..., Any]) -> Callable[..., Any]:
+    """``wrapper`` as it is, but calling ``inner`` through closure cell ``cell``."""
+    closure = list(wrapper.__closure__ or ())
+    closure[cell] = types.CellType(inner)
+    new = types.FunctionType(wrapper.__code__, wrapper.__globals__, wrapper.__name__,
+                             wrapper.__defaults__, tuple(closure))
+    new.__kwdefaults__ = wrapper.__kwdefaults__
+    new.__dict__.update(wrapper.__dict__)  # what functools.wraps copied, __wrapped__ included
+    new.__qualname__, new.__module__, new.__doc__ = wrapper.__qualname__, wrapper.__module__, wrapper.__doc__
+    new.__annotations__ = dict(getattr(wrapper, "__annotations__", {}))
+    new.__wrapped__ = inner
+    new.__opreg_original__ = wrapper
+    return new
+
+
+def _left(findings: list[LoopFinding], why: str) -> list[LoopFinding]:
+    """``findings`` with each proved loop marked as left, because of ``why``."""
+    for f in findings:
+        if f.matched:
+            f.matched, f.reason = False, f"proved, but the function can't be rewritten: {why}"
+    return findings
+
+
+def _rewrite(fn: Callable[..., Any], unwrapped: bool = False
+             ) -> tuple[Callable[..., Any] | None, list[LoopFinding], str]:
+    """(rewritten fn or None, findings, why not rewritten). ``unwrapped``: ``fn`` was
+    reached through a wrapper's ``__wrapped__`` (its source's decorators are that wrapper,
+    rebuilt by the caller)."""
+    if hasattr(fn, "__wrapped__"):
+        got_inner = _wrapped(fn)
+        if isinstance(got_inner, str):
+            inner = inspect.unwrap(fn)
+            found = _rewrite(inner, unwrapped=True)[1] if isinstance(inner, types.FunctionType) else []
+            return None, _left(found, got_inner), got_inner
+        new_inner, found, why = _rewrite(got_inner[0], unwrapped=True)
+        return (None if new_inner is None else _rewrap(fn, got_inner[1], new_inner)), found, why
     got = _source_of(fn)
     if isinstance(got, str):
         return None, [], got
     fn_def, file, lines = got
+    if unwrapped:
+        fn_def.decorator_list = []
+    scan = _Scan(fn, fn_def, file, lines, registered_loop_idioms())
     why = _plain(fn_def)
     if why:
-        return None, [], why
-    scan = _Scan(fn, fn_def, file, lines, registered_loop_idioms())
+        return None, _left(scan.findings, why), why
     applied = _apply(fn_def, scan.matches)
     if not applied:
         return None, scan.findings, "no loop to rewrite"
