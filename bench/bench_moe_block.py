@@ -6,7 +6,8 @@
 Variants, each on the same block weights and input: ``hf_eager`` (the per-expert loop),
 ``hf_grouped_mm`` (transformers' default), ``hf_grouped_mm_inductor`` (that under
 ``torch.compile``), ``opreg`` (``experts_implementation="opreg"``) and
-``grouped_mm_backend_opreg`` (the grouped_mm block under ``torch.compile(backend="opreg")``);
+``grouped_mm_backend_opreg`` (the grouped_mm block under ``torch.compile(backend="opreg")``) and
+``hf_eager_optimize`` (the eager-loop block under ``opreg.optimize``: its loop rewritten);
 modes ``fwd`` and ``fwd+bwd``. Every variant's output is first checked against HF eager in
 float64. On CUDA: the issue's three block configs at T = 4096, bf16; on the CPU a tiny
 one in float32 (so CI runs this file).
@@ -25,6 +26,7 @@ import torch
 
 transformers = pytest.importorskip("transformers") if "pytest" in sys.modules else __import__("transformers")
 
+import opreg  # noqa: E402
 import opreg.integrations.transformers  # noqa: E402,F401  (registers "opreg")
 from opreg.testing import TOL, assert_matches  # noqa: E402
 
@@ -36,7 +38,8 @@ CONFIGS = {
     "olmoe": ("OlmoeConfig", "olmoe.modeling_olmoe.OlmoeSparseMoeBlock", 2048, 1024, 64, 8),
 }
 CPU_SIZES = (64, 32, 8, 2)  # hidden, ffn, experts (at most the config's), top-k; T = 64
-VARIANTS = ["hf_eager", "hf_grouped_mm", "hf_grouped_mm_inductor", "opreg", "grouped_mm_backend_opreg"]
+VARIANTS = ["hf_eager", "hf_grouped_mm", "hf_grouped_mm_inductor", "opreg", "grouped_mm_backend_opreg",
+            "hf_eager_optimize"]
 MODES = ["fwd", "fwd+bwd"]
 
 
@@ -59,13 +62,18 @@ def make_block(name: str, dtype: torch.dtype, device: str, cpu: bool) -> torch.n
 
 def variant(block: torch.nn.Module, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """A copy of ``block`` running as ``name`` says."""
-    impl = {"hf_eager": "eager", "opreg": "opreg"}.get(name, "grouped_mm")
+    impl = {"hf_eager": "eager", "hf_eager_optimize": "eager", "opreg": "opreg"}.get(name, "grouped_mm")
     b = copy.deepcopy(block)
     b.experts.config._experts_implementation = impl
     if name == "hf_grouped_mm_inductor":
         return torch.compile(b)
     if name == "grouped_mm_backend_opreg":
         return torch.compile(b, backend="opreg")
+    if name == "hf_eager_optimize":
+        fast = opreg.optimize(b)
+        assert all(f.matched for f in b.experts._opreg_loops) and b.experts._opreg_loops, \
+            "opreg.optimize did not rewrite the expert loop"
+        return fast
     return b
 
 
