@@ -110,17 +110,25 @@ def explain(model: Callable[..., Any], example_inputs: Sequence[Any], *, print_r
 
 
 def _loops(model: Callable[..., Any]) -> list[loops.LoopFinding]:
-    """What the loop idioms find in ``model``'s methods (each function once)."""
-    fns = [f for m in model.modules() for f in loops.user_functions(type(m)).values()] \
-        if isinstance(model, torch.nn.Module) else [model]
+    """What :func:`opreg.optimize` would do to ``model``'s loops: the module rewrites'
+    findings (a module they take: its ``forward`` is theirs), then what the loop idioms find
+    in the methods (each function, each location, once)."""
+    if not isinstance(model, torch.nn.Module):
+        return loops.find_loops(model)
     seen: set[Any] = set()
-    found: list[loops.LoopFinding] = []
-    for fn in fns:
-        fn = getattr(fn, "__opreg_original__", fn)
-        if fn not in seen:
+    found: dict[str, loops.LoopFinding] = {}
+    for m in model.modules():
+        by_module = loops.module_findings(m)
+        for f in by_module:
+            found.setdefault(f.where, f)
+        for name, fn in loops.user_functions(type(m)).items():
+            fn = getattr(fn, "__opreg_original__", fn)
+            if (by_module and name == "forward") or fn in seen:
+                continue
             seen.add(fn)
-            found.extend(loops.find_loops(fn))
-    return found
+            for f in loops.find_loops(fn):
+                found.setdefault(f.where, f)
+    return list(found.values())
 
 
 # ======================================================================== command line

@@ -166,10 +166,15 @@ def hf_experts(family: str) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_hf_experts_dispatch_survives(family: str) -> None:
+def test_hf_experts_dispatch_survives(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The rewritten loop runs while the config says "eager"; another implementation set
-    afterwards is still dispatched to (the wrapper was rebuilt, not bypassed)."""
+    afterwards is still dispatched to (the wrapper was rebuilt, not bypassed). The loop
+    idiom alone: transformers' module rewrite (moe_experts) is taken out."""
     m = hf_experts(family)
+    from opreg.integrations import transformers as oi
+    from opreg.loops import registry
+
+    monkeypatch.delitem(registry._MODULE_REWRITES, oi.OPTIMIZE_NAME)
     ref = copy.deepcopy(m)
     found = rewrite_loops(m)
     assert [(f.matched, f.idiom) for f in found] == [(True, "experts")], found

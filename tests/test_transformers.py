@@ -298,50 +298,92 @@ def test_cuda_graph_capture_block():
         assert torch.equal(captured, first_tensor(block(x)))
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_optimize_rewrites_the_eager_expert_loop(family, caplog):
-    """``opreg.optimize`` on a model running HF's eager experts (a forward wrapped by
-    ``@use_experts_implementation``): the loop inside the wrapper is rewritten, logits and
-    gradients equal HF eager in float64, scatter_combine ran. gpt_oss's gate
-    (``_apply_gate``: strided column slices) is not provably row-wise: its loop runs as
-    written, and the log says why."""
+def _optimized_matches_eager(family: str, ops: set[str], caplog) -> list:
+    """``opreg.optimize`` on a model running HF's eager experts: logits and gradients equal
+    HF eager in float64; under no_grad exactly ``ops`` of opreg's ran. Returns the findings."""
     model = tiny_model(family).double()  # deepseek_v3 keeps a float32 router parameter otherwise
     model.set_experts_implementation("eager")
     ref = copy.deepcopy(model)
     assert opreg.optimize(model, compile=False) is model
     found = [f for m in experts_modules(model) for f in m._opreg_loops]
-    assert found and all(f.matched and f.idiom == "experts" for f in found), found
     ids = torch.randint(0, COMMON["vocab_size"], (2, 7))
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="opreg"):
+        assert _ran(lambda: model(ids)) == ops
     params, ref_params = list(model.parameters()), list(ref.parameters())
-    with caplog.at_level(logging.INFO, logger="opreg"):
-        ran = _ran(lambda: model(ids))
     out, grads, cot = run(lambda: model(ids).logits, [], params)
     want, want_grads, _ = run(lambda: ref(ids).logits, [], ref_params, cot)
     assert_matches(out, want, torch.float64)
     for got, ref_grad in zip(grads, want_grads):
         assert_matches(got, ref_grad, torch.float64)
-    if family == "gpt_oss":
-        assert "opreg::scatter_combine" not in ran
-        assert "GptOssExperts._apply_gate is not provably row-wise" in caplog.text
-    else:
-        assert "opreg::scatter_combine" in ran
+    model.set_experts_implementation("batched_mm")  # the wrapper still dispatches
+    with torch.no_grad():
+        assert not _ran(lambda: model(ids))
+        assert_matches(model(ids).logits, want, torch.float64)
+    return found
 
 
-@pytest.mark.parametrize("impl, combine", [("grouped_mm", "(x * g)[inv].view-sum"), ("batched_mm", "(x * g).view-sum")])
-def test_explain_on_a_transformers_model(impl, combine, capsys):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_optimize_runs_moe_experts_for_the_eager_loop(family, caplog):
+    """An HF experts module on the eager implementation whose loop the idiom proves and
+    whose gate the op expresses runs moe_experts after ``opreg.optimize`` (the module
+    rewrite: HF's wrapper rebuilt around opreg's experts)."""
+    found = _optimized_matches_eager(family, {"opreg::moe_experts", "opreg::scatter_combine"}, caplog)
+    assert found and all((f.matched, f.idiom, f.op) == (True, "transformers_experts", "opreg::moe_experts")
+                         and "modeling_" in f.file for f in found), found
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_optimize_loop_idiom_alone(family, caplog, monkeypatch):
+    """Without the module rewrite, the loop idiom rewrites the loop inside HF's wrapper to
+    the grouped form and one scatter_combine. GPT-OSS's gate (``_apply_gate``: strided
+    column slices) is not provably row-wise: its loop runs as written, and the log says why."""
+    from opreg.loops import registry
+
+    monkeypatch.delitem(registry._MODULE_REWRITES, oi.OPTIMIZE_NAME)
+    gpt = family == "gpt_oss"
+    found = _optimized_matches_eager(family, set() if gpt else {"opreg::scatter_combine"}, caplog)
+    assert found and all((f.matched, f.idiom) == (True, "experts") for f in found), found
+    assert ("GptOssExperts._apply_gate is not provably row-wise" in caplog.text) == gpt
+
+
+def test_optimize_leaves_an_unexpressible_gate_to_the_loop_idiom():
+    model = tiny_model("mixtral")
+    experts = experts_modules(model)[0]
+    experts.__class__ = type("OddGateExperts", (type(experts),), {
+        "_apply_gate": lambda self, h: h.chunk(2, -1)[0] * torch.tanh(h.chunk(2, -1)[1])})
+    model.set_experts_implementation("eager")
+    ref = copy.deepcopy(model)
+    opreg.optimize(model, compile=False)
+    assert [(f.idiom, f.op) for f in experts._opreg_loops] == [("experts", "opreg::scatter_combine")]
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 7))
+    with torch.no_grad():
+        ran = _ran(lambda: model(ids))
+        assert_matches(model(ids).logits, ref(ids).logits, torch.float64)
+    # the lambda gate is no module: not provably row-wise, so the loop itself ran
+    assert "opreg::moe_experts" not in ran
+
+
+@pytest.mark.parametrize("impl, combine, loop_op", [
+    ("grouped_mm", "(x * g)[inv].view-sum", "opreg::scatter_combine"),
+    ("batched_mm", "(x * g).view-sum", "opreg::scatter_combine"),
+    ("eager", None, "opreg::moe_experts")])
+def test_explain_on_a_transformers_model(impl, combine, loop_op, capsys):
     """``explain`` names transformers' own source lines: the combine of the batched and
     grouped paths (rewritten to scatter_combine by the backend) and the eager expert loop
-    (rewritten by ``opreg.optimize``)."""
+    (what ``opreg.optimize`` makes of it: moe_experts when the model runs the eager
+    experts, else the loop idiom's scatter_combine)."""
     from opreg.explain import explain
 
     model = tiny_model("qwen3_moe")
     model.set_experts_implementation(impl)
     report = explain(model, [torch.randint(0, COMMON["vocab_size"], (2, 7))])
     printed = capsys.readouterr().out
-    assert [(f.spelling, os.path.basename(f.file)) for f in report.matches] == [(combine, "moe.py")], report
+    assert [(f.spelling, os.path.basename(f.file)) for f in report.matches] == \
+        ([(combine, "moe.py")] if combine else []), report
     assert not report.near_misses, report
     assert [(f.matched, f.op, os.path.basename(f.file)) for f in report.loops] == \
-        [(True, "opreg::scatter_combine", "modeling_qwen3_moe.py")], report
+        [(True, loop_op, "modeling_qwen3_moe.py")], report
+    assert f"rewrites it to {loop_op}" in printed
     for f in (*report.matches, *report.loops):
         assert f"{f.file}:{f.line}" in printed
         assert 0 < f.line <= len(open(f.file).read().splitlines())

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from typing import Any, Callable, Optional
 
 import torch
@@ -33,6 +34,7 @@ from transformers import activations as hf_act
 from transformers.integrations import moe as hf_moe
 
 from .._log import logger
+from ..loops import LoopFinding, ModuleRewrite, find_loops, register_module_rewrite, rewrap
 from ..ops import moe_experts as spec
 
 __all__ = ["NAME", "Plan", "experts_forward", "plan_for", "register"]
@@ -208,15 +210,24 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
                     top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """The experts interface function: (T, H) hidden states, (T, k) expert ids and routing
     weights -> (T, H) weighted sum of the chosen experts' outputs."""
-    call = (hidden_states, top_k_index, top_k_weights) + args
-    if args or kwargs or hidden_states.dim() != 2:
-        return _fallback(module, "an unexpected call signature", *call, **kwargs)
+    return _forward(module, (hidden_states, top_k_index, top_k_weights) + args, kwargs, _fallback)
+
+
+Fallback = Callable[..., torch.Tensor]  # (module, why, *call, **kwargs)
+
+
+def _forward(module: nn.Module, call: tuple[Any, ...], kwargs: dict[str, Any], fallback: Fallback
+             ) -> torch.Tensor:
+    """moe_experts on ``call`` = (hidden_states, top_k_index, top_k_weights), or ``fallback``."""
+    if len(call) != 3 or kwargs or not isinstance(call[0], torch.Tensor) or call[0].dim() != 2:
+        return fallback(module, "an unexpected call signature", *call, **kwargs)
+    hidden_states, top_k_index, top_k_weights = call
     weights = _weights(module)
     if isinstance(weights, str):
-        return _fallback(module, weights, *call)
+        return fallback(module, weights, *call)
     plan = plan_for(module)
     if plan is None:
-        return _fallback(module, "its gate is none of moe_experts' activations", *call)
+        return fallback(module, "its gate is none of moe_experts' activations", *call)
     w1, b1, w2, b2 = weights
     x = hidden_states.to(w1.dtype)  # as transformers' grouped_mm does (autocast leaves them apart)
     op_args = (x, top_k_index, top_k_weights, w1, b1, w2, b2, plan.activation, plan.gated,
@@ -227,4 +238,70 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     return out.to(hidden_states.dtype)
 
 
+# ----------------------------------------------------------------------------- opreg.optimize
+# A module whose experts implementation is "eager" runs transformers' per-expert loop;
+# opreg.optimize makes it run moe_experts instead (the module rewrite below), where the
+# loop idiom proves the eager forward is the expert loop and the op can express the
+# module. The class's @use_experts_implementation wrapper is rebuilt around the new eager
+# function, so set_experts_implementation() still switches implementations.
+
+OPTIMIZE_NAME = "transformers_experts"
+_proved: dict[Callable[..., Any], Optional[LoopFinding]] = {}
+
+
+def _eager_forward(module: nn.Module) -> Optional[Callable[..., Any]]:
+    """The eager forward of an experts module (what its @use_experts_implementation
+    wrapper wraps), or None if ``module`` is not one."""
+    wrapper = getattr(type(module), "forward", None)
+    inner = getattr(wrapper, "__wrapped__", None)
+    cells = getattr(wrapper, "__closure__", None) or ()
+    holds_interface = any(isinstance(_contents(c), hf_moe.ExpertsInterface) for c in cells)
+    return inner if holds_interface and callable(inner) else None
+
+
+def _contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _proved_loop(eager: Callable[..., Any]) -> Optional[LoopFinding]:
+    """The expert loop the loop idiom proves in ``eager`` (once per function), or None."""
+    if eager not in _proved:
+        _proved[eager] = next((f for f in find_loops(eager) if f.matched and f.idiom == "experts"), None)
+    return _proved[eager]
+
+
+def _optimize_check(module: nn.Module) -> Optional[LoopFinding]:
+    eager = _eager_forward(module)
+    config = getattr(module, "config", None)
+    if eager is None or getattr(config, "_experts_implementation", None) != "eager":
+        return None
+    loop = _proved_loop(eager)
+    if loop is None or isinstance(_weights(module), str) or plan_for(module) is None:
+        return None  # the loop idioms may still take it
+    return dataclasses.replace(loop, op="opreg::moe_experts", idiom=OPTIMIZE_NAME)
+
+
+def _optimize_apply(module: nn.Module) -> None:
+    eager = _eager_forward(module)
+
+    def fallback(m: nn.Module, why: str, *call: Any, **kwargs: Any) -> torch.Tensor:
+        key = (type(m), why)
+        if key not in _told:
+            _told.add(key)
+            logger.warning("opreg: %s runs transformers' eager experts, not opreg: %s", type(m).__name__, why)
+        return eager(m, *call, **kwargs)
+
+    def eager_via_opreg(self: nn.Module, *call: Any, **kwargs: Any) -> torch.Tensor:
+        return _forward(self, call, kwargs, fallback)
+
+    new = rewrap(type(module).forward, eager_via_opreg)
+    if isinstance(new, str):
+        raise RuntimeError(f"opreg: {type(module).__name__}.forward can't be rebuilt: {new}")
+    module.forward = types.MethodType(new, module)
+
+
 register()
+register_module_rewrite(ModuleRewrite(OPTIMIZE_NAME, "opreg::moe_experts", _optimize_check, _optimize_apply))

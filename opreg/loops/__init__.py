@@ -12,8 +12,10 @@ from __future__ import annotations
 from . import experts, scatter_combine
 from .idiom import (Fresh, LoopIdiom, LoopSite, Plan, Reject, fresh_origin, names_in, plain_tensors,
                     positive_count, prove_fresh, range_loop, subscript_of)
-from .registry import register_loop_idiom, registered_loop_idioms, unregister_loop_idiom
-from .rewriter import LoopFinding, find_loops, rewrite_function, rewrite_loops, user_functions
+from .registry import (ModuleRewrite, register_loop_idiom, register_module_rewrite, registered_loop_idioms,
+                       registered_module_rewrites, unregister_loop_idiom, unregister_module_rewrite)
+from .rewriter import (LoopFinding, find_loops, module_findings, rewrap, rewrite_function, rewrite_loops,
+                       user_functions)
 
 #: The idioms opreg ships, tried in this order.
 BUILTIN = [scatter_combine.IDIOM, experts.IDIOM]
@@ -21,8 +23,9 @@ BUILTIN = [scatter_combine.IDIOM, experts.IDIOM]
 for _idiom in BUILTIN:
     register_loop_idiom(_idiom)
 
-__all__ = ["BUILTIN", "Fresh", "LoopFinding", "LoopIdiom", "LoopSite", "Plan", "Reject",
-           "find_loops", "fresh_origin", "names_in", "plain_tensors", "positive_count",
-           "prove_fresh", "range_loop", "register_loop_idiom", "registered_loop_idioms",
-           "rewrite_function", "rewrite_loops", "subscript_of", "unregister_loop_idiom",
+__all__ = ["BUILTIN", "Fresh", "LoopFinding", "LoopIdiom", "LoopSite", "ModuleRewrite", "Plan", "Reject",
+           "find_loops", "fresh_origin", "module_findings", "names_in", "plain_tensors", "positive_count",
+           "prove_fresh", "range_loop", "register_loop_idiom", "register_module_rewrite",
+           "registered_loop_idioms", "registered_module_rewrites", "rewrap", "rewrite_function",
+           "rewrite_loops", "subscript_of", "unregister_loop_idiom", "unregister_module_rewrite",
            "user_functions"]

@@ -1,9 +1,21 @@
-"""The registered loop idioms, tried in order on every loop :func:`opreg.optimize` sees."""
+"""The registered loop idioms, tried in order on every loop :func:`opreg.optimize` sees,
+and the module rewrites, tried first on every module it sees."""
 from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
 
 from .idiom import LoopIdiom
 
-__all__ = ["register_loop_idiom", "registered_loop_idioms", "unregister_loop_idiom"]
+if TYPE_CHECKING:
+    from .rewriter import LoopFinding
+
+__all__ = ["ModuleRewrite", "register_loop_idiom", "register_module_rewrite", "registered_loop_idioms",
+           "registered_module_rewrites", "unregister_loop_idiom", "unregister_module_rewrite"]
 
 _IDIOMS: dict[str, LoopIdiom] = {}
 
@@ -32,3 +44,50 @@ def unregister_loop_idiom(name: str) -> None:
 def registered_loop_idioms() -> list[LoopIdiom]:
     """The idioms tried on each loop, in order (the first that proves it wins)."""
     return list(_IDIOMS.values())
+
+
+# ===================================================================== module rewrites
+
+@dataclasses.dataclass(frozen=True)
+class ModuleRewrite:
+    """An integration's rewrite of a library's module class: ``check(module)`` returns the
+    (matched) finding to report when it takes ``module``, else None; ``apply(module)`` then
+    replaces the module's method on the instance. Tried before the loop idioms; a module it
+    takes keeps the rest of its methods to them."""
+
+    name: str
+    op: str                                                      # the op the module then runs
+    check: Callable[[torch.nn.Module], Optional["LoopFinding"]]
+    apply: Callable[[torch.nn.Module], None]
+
+
+_MODULE_REWRITES: dict[str, ModuleRewrite] = {}
+# Libraries with an opreg integration that registers module rewrites: loaded only when the
+# program has imported the library itself (opreg never imports it).
+_INTEGRATIONS = {"transformers": "opreg.integrations.transformers"}
+
+
+def register_module_rewrite(rewrite: ModuleRewrite) -> ModuleRewrite:
+    """Add ``rewrite`` (a name already taken raises ValueError). Returns it."""
+    if not isinstance(rewrite, ModuleRewrite):
+        raise TypeError(f"register_module_rewrite: rewrite must be a ModuleRewrite, got {type(rewrite).__name__}")
+    if rewrite.name in _MODULE_REWRITES:
+        raise ValueError(f"register_module_rewrite: a module rewrite named {rewrite.name!r} is already registered")
+    _MODULE_REWRITES[rewrite.name] = rewrite
+    return rewrite
+
+
+def unregister_module_rewrite(name: str) -> None:
+    """Remove the module rewrite ``name`` (KeyError naming it if there is none)."""
+    if name not in _MODULE_REWRITES:
+        raise KeyError(f"unregister_module_rewrite: no module rewrite named {name!r}")
+    del _MODULE_REWRITES[name]
+
+
+def registered_module_rewrites() -> list[ModuleRewrite]:
+    """The module rewrites, in order, after loading the integrations of the libraries the
+    program has imported."""
+    for library, integration in _INTEGRATIONS.items():
+        if library in sys.modules and integration not in sys.modules:
+            importlib.import_module(integration)
+    return list(_MODULE_REWRITES.values())

@@ -32,9 +32,9 @@ import torch
 
 from .._log import logger
 from .idiom import NESTED_SCOPES, LoopIdiom, LoopSite, Plan, Reject
-from .registry import registered_loop_idioms
+from .registry import ModuleRewrite, registered_loop_idioms, registered_module_rewrites
 
-__all__ = ["LoopFinding", "find_loops", "rewrite_function", "rewrite_loops", "user_functions"]
+__all__ = ["LoopFinding", "find_loops", "module_findings", "rewrap", "rewrite_function", "rewrite_loops", "user_functions"]
 
 _warned: set[str] = set()
 _NO_SOURCE = "its source is not available (exec'd or compiled code)"
@@ -340,6 +340,13 @@ def _wrapped(wrapper: Callable[..., Any]) -> tuple[Callable[..., Any], int] | st
     return inner, held[0]
 
 
+def rewrap(wrapper: Callable[..., Any], inner: Callable[..., Any]) -> Callable[..., Any] | str:
+    """``wrapper`` (a ``functools.wraps`` decorator's function) rebuilt to call ``inner``
+    where it called the function it wraps; or why it can't be (a str)."""
+    got = _wrapped(wrapper) if hasattr(wrapper, "__wrapped__") else "it is not decorated"
+    return got if isinstance(got, str) else _rewrap(wrapper, got[1], inner)
+
+
 def _rewrap(wrapper: Callable[..., Any], cell: int, inner: Callable[..., Any]) -> Callable[..., Any]:
     """``wrapper`` as it is, but calling ``inner`` through closure cell ``cell``."""
     closure = list(wrapper.__closure__ or ())
@@ -439,18 +446,38 @@ def user_functions(cls: type) -> dict[str, Callable[..., Any]]:
     return {k: v for k, v in out.items() if getattr(cls, k, None) is v}
 
 
+def module_findings(mod: torch.nn.Module) -> list[LoopFinding]:
+    """What the registered module rewrites would do to ``mod`` (the first that takes it)."""
+    for r in registered_module_rewrites():
+        found = r.check(mod)
+        if found is not None:
+            return [found]
+    return []
+
+
+def _rewrite_module(mod: torch.nn.Module, rewrites: list[ModuleRewrite]) -> list[LoopFinding]:
+    """Apply the first module rewrite that takes ``mod``; its finding (or none)."""
+    for r in rewrites:
+        found = r.check(mod)
+        if found is not None:
+            r.apply(mod)
+            return [found]
+    return []
+
+
 def rewrite_loops(model: torch.nn.Module) -> list[LoopFinding]:
     """Rewrite the loops of every submodule's methods in place (instance attributes);
     return the findings (matched and not). Idempotent."""
     findings: list[LoopFinding] = []
     rewritten: dict[Callable[..., Any], Callable[..., Any] | None] = {}
     unavailable: list[Callable[..., Any]] = []
+    module_rewrites = registered_module_rewrites()
     for mod in model.modules():
         done = getattr(mod, "_opreg_loops", None)
         if done is not None:
             findings.extend(done)
             continue
-        mine: list[LoopFinding] = []
+        mine = _rewrite_module(mod, module_rewrites)
         for name, fn in user_functions(type(mod)).items():
             if name in vars(mod):
                 continue  # already replaced on this instance by someone
