@@ -15,6 +15,7 @@ subprocess.
 """
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -33,6 +34,7 @@ import opreg
 from opreg import registry
 from opreg.ops.cat_linear import reference as cl_ref
 from opreg.ops.cat_linear import reference_stacked as cls_ref
+from opreg.ops.moe_experts import reference as moe_ref
 from opreg.ops.scatter_combine import backward_reference as scb_ref
 from opreg.ops.scatter_combine import reference as sc_ref
 
@@ -45,8 +47,9 @@ SC = torch.ops.opreg.scatter_combine.default
 SCB = torch.ops.opreg.scatter_combine_backward.default
 CL = torch.ops.opreg.cat_linear.default
 CLS = torch.ops.opreg.cat_linear_stacked.default
+MOE = torch.ops.opreg.moe_experts.default
 OPS = ["scatter_combine", "scatter_combine_backward", "cat_linear", "cat_linear_nobias",
-       "cat_linear_stacked"]
+       "cat_linear_stacked", "moe_experts", "moe_experts_gpt_oss"]
 
 
 @dataclass
@@ -80,18 +83,40 @@ def make_case(name: str, device: str, dtype: torch.dtype = torch.float64,
     if name == "cat_linear_nobias":
         return Case("cat_linear", lambda a, w: CL([a], w, None), lambda a, w: cl_ref([a], w, None),
                     (rnd(3, 4), rnd(5, 4)))
+    if name.startswith("moe_experts"):
+        return moe_case(name, rnd, gates, device)
     assert name == "cat_linear_stacked"
     return Case(name, lambda x, w, c: CLS(x, 1, w, c), lambda x, w, c: cls_ref(x, 1, w, c),
                 (rnd(3, 2, 4), rnd(5, 8), rnd(5)))
+
+
+def moe_case(name: str, rnd: Callable[..., torch.Tensor], gates: torch.Tensor, device: str) -> Case:
+    """moe_experts of (hidden, routing weights, both projections, both biases): 6 tokens,
+    top-2 of 3 experts (one slot an expert-parallel sentinel), SwiGLU or GPT-OSS's clamped
+    interleaved gate; the routing is fixed."""
+    t, h, i, e = 6, 4, 3, 3
+    ids = torch.rand(t, e).argsort(-1)[:, :2].to(device)
+    ids[0, 1] = e  # a sentinel slot: contributes nothing
+    gate = ("gpt_oss", True, False, True, 1.702, 1.0) if name.endswith("gpt_oss") else \
+        ("silu", True, False, False, 1.0, math.inf)
+    act, gated, transposed, interleaved, alpha, limit = gate
+
+    def call(op: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda x, w, w1, b1, w2, b2: op(x, ids, w, w1, b1, w2, b2, act, gated, transposed,
+                                                interleaved, alpha, limit)
+
+    return Case("moe_experts", call(MOE), call(moe_ref),
+                (rnd(t, h), gates[:t * 2].view(t, 2), rnd(e, 2 * i, h), rnd(e, 2 * i), rnd(e, h, i), rnd(e, h)))
 
 
 def outs(y: Any) -> tuple[torch.Tensor, ...]:
     return y if isinstance(y, tuple) else (y,)
 
 
-def expected_kind() -> str:
+def expected_kind(op: str = "scatter_combine") -> str:
+    """The autograd ``op`` binds: moe_experts has no C++ autograd (the reference's)."""
     compiler = registry.lookup("scatter_combine").impls["cpu"].unavailable("cpu") is None
-    return "cpp" if compiler and not FALLBACK else "python"
+    return "cpp" if compiler and not FALLBACK and op != "moe_experts" else "python"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -101,7 +126,7 @@ def test_gradcheck(device, name):
     c = make_case(name, device)
     inputs = tuple(x.requires_grad_() for x in c.inputs)
     assert torch.autograd.gradcheck(c.fn, inputs)
-    assert opreg.autograd_kind(c.op) == expected_kind()
+    assert opreg.autograd_kind(c.op) == expected_kind(c.op)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -218,7 +243,7 @@ def test_vmap_over_token_idx(device, op):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["scatter_combine", "cat_linear"])
+@pytest.mark.parametrize("name", ["scatter_combine", "cat_linear", "moe_experts"])
 def test_functorch_grad(device, name):
     """torch.func.grad (and vmap over it): torch refuses C++ autograd Functions with a
     clear error; the Python fallback differentiates the reference."""
@@ -228,7 +253,7 @@ def test_functorch_grad(device, name):
     def loss(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
         return lambda *xs: fn(*xs).pow(2).sum()
 
-    if expected_kind() == "cpp":
+    if expected_kind(c.op) == "cpp":
         with pytest.raises(RuntimeError, match="C\\+\\+ torch::autograd::Function with functorch"):
             torch.func.grad(loss(c.fn))(*c.inputs)
         return
