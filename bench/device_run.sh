@@ -3,7 +3,8 @@
 #   STAGE=tests bash bench/device_run.sh   install, cold build (timed), warm first call, every test
 #   STAGE=bench bash bench/device_run.sh   the shape sweep, the backend models, the MoE block
 #   (default: both). Logs and JSON land in $OUT (default /tmp/opreg-out).
-# TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 8) runs it with xdist.
+# TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 8) runs it with xdist;
+# FIRST_CALL=0 skips the first-call timing.
 set -uo pipefail
 OUT=${OUT:-/tmp/opreg-out}
 STAGE=${STAGE:-all}
@@ -16,7 +17,7 @@ date -u +%FT%TZ
 if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
   /usr/bin/time -f "cold build of every library: %e s wall" python3 -m opreg build 2>&1 | tee "$OUT/build.log"
   python3 -m opreg build 2>&1 | tail -4                       # warm: every library "cached"
-  python3 bench/first_call.py --device cuda --runs 5 2>&1 | tee "$OUT/first_call.log"
+  [ "${FIRST_CALL:-1}" = 1 ] && python3 bench/first_call.py --device cuda --runs 5 2>&1 | tee "$OUT/first_call.log"
   W=${PYTEST_WORKERS:-8}
   XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n $W" || echo "")
   python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider $XDIST -rfE 2>&1 | tee "$OUT/tests.log" | tail -25
