@@ -193,6 +193,48 @@ def test_hand_written_loops(make: Any) -> None:
         assert_close(grads(got, [x, *m.parameters()], cot), grads(want, [x, *ref.parameters()], cot))
 
 
+class ItemExperts(nn.Module):
+    """Nemotron-H's form: the hit experts as a tensor of ids, ``e = e.item()``, an empty
+    guard, an ungated MLP; the loop variable is read after the loop."""
+
+    def __init__(self, squeeze: bool) -> None:
+        super().__init__()
+        self.squeeze = squeeze
+        self.up = nn.Parameter(torch.randn(E, FFN, H) * 0.4)
+        self.down = nn.Parameter(torch.randn(E, H, FFN) * 0.4)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, int]:
+        out = torch.zeros_like(x, dtype=w.dtype)
+        mask = F.one_hot(ids, num_classes=E).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        hit = hit.squeeze(-1) if self.squeeze else hit
+        for e in hit:
+            e = e.item()
+            pos, tok = torch.where(mask[e])
+            if tok.numel() == 0:
+                continue
+            h = F.linear(F.relu(F.linear(x[tok], self.up[e])), self.down[e])
+            h = h * w[tok, pos, None]
+            out.index_add_(0, tok, h.to(out.dtype))
+        return out, e
+
+
+@pytest.mark.parametrize("squeeze", [True, False], ids=["ids_1d", "ids_n_by_1"])
+def test_item_unpack(squeeze: bool) -> None:
+    m = ItemExperts(squeeze).double()
+    ref = copy.deepcopy(m)
+    found = rewrite_loops(m)
+    assert [(f.matched, f.idiom, f.code) for f in found] == [(True, "experts", "e = e.item()")], found
+    x = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
+    ids, w = routing(T, E, K)
+    (got, last), ran = ops_ran(lambda: m(x, ids, w))
+    want, want_last = ref(x, ids, w)
+    assert OP in ran and type(last) is int and last == want_last == int(ids.max())
+    assert_close(got, want)
+    cot = torch.randn_like(want)
+    assert_close(grads(got, [x, *m.parameters()], cot), grads(want, [x, *ref.parameters()], cot))
+
+
 def test_runtime_misfit_runs_the_loop() -> None:
     """A BatchNorm expert (normalises over the rows) is seen only at run time: the guard
     runs the user's loop, so nothing changes and scatter_combine doesn't run."""

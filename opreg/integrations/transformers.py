@@ -37,7 +37,7 @@ from .._log import logger
 from ..loops import LoopFinding, ModuleRewrite, find_loops, register_module_rewrite, rewrap
 from ..ops import moe_experts as spec
 
-__all__ = ["NAME", "Plan", "experts_forward", "plan_for", "register"]
+__all__ = ["NAME", "Plan", "eager_forward", "experts_forward", "plan_for", "register"]
 
 NAME = "opreg"
 
@@ -249,10 +249,10 @@ OPTIMIZE_NAME = "transformers_experts"
 _proved: dict[Callable[..., Any], Optional[LoopFinding]] = {}
 
 
-def _eager_forward(module: nn.Module) -> Optional[Callable[..., Any]]:
-    """The eager forward of an experts module (what its @use_experts_implementation
-    wrapper wraps), or None if ``module`` is not one."""
-    wrapper = getattr(type(module), "forward", None)
+def eager_forward(cls: type) -> Optional[Callable[..., Any]]:
+    """The eager forward of an experts class (what its @use_experts_implementation
+    wrapper wraps), or None if ``cls`` is not one."""
+    wrapper = getattr(cls, "forward", None)
     inner = getattr(wrapper, "__wrapped__", None)
     cells = getattr(wrapper, "__closure__", None) or ()
     holds_interface = any(isinstance(_contents(c), hf_moe.ExpertsInterface) for c in cells)
@@ -274,7 +274,7 @@ def _proved_loop(eager: Callable[..., Any]) -> Optional[LoopFinding]:
 
 
 def _optimize_check(module: nn.Module) -> Optional[LoopFinding]:
-    eager = _eager_forward(module)
+    eager = eager_forward(type(module))
     config = getattr(module, "config", None)
     if eager is None or getattr(config, "_experts_implementation", None) != "eager":
         return None
@@ -285,7 +285,7 @@ def _optimize_check(module: nn.Module) -> Optional[LoopFinding]:
 
 
 def _optimize_apply(module: nn.Module) -> None:
-    eager = _eager_forward(module)
+    eager = eager_forward(type(module))
 
     def fallback(m: nn.Module, why: str, *call: Any, **kwargs: Any) -> torch.Tensor:
         key = (type(m), why)

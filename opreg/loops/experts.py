@@ -3,7 +3,7 @@ per-expert body run on each expert's contiguous slice, one ``opreg::scatter_comb
 
     final = torch.zeros_like(hidden_states)
     for expert_idx in expert_hit:                 # or range(E), a list: any iterable
-        expert_idx = expert_idx[0]                # (optional)
+        expert_idx = expert_idx[0]                # (optional) or expert_idx.item()
         if expert_idx == self.num_experts:        # (optional) a skipped id
             continue
         top_k_pos, token_idx = torch.where(expert_mask[expert_idx])   # or (ids == e), nonzero(as_tuple=True)
@@ -152,12 +152,17 @@ def _read_elsewhere(site: LoopSite, names: set[str]) -> str | None:
     return next((x for x in sorted(names) if site.escapes(x)), None)
 
 
-def _head(site: LoopSite, var: str) -> tuple[list[ast.stmt], bool, ast.expr | None]:
-    body, unpack, skip = list(site.loop.body), False, None
+# How the loop variable is unpacked first: "" (not), "index" (``e = e[0]``: rows of a 2-D
+# nonzero()), "item" (``e = e.item()``: elements of a 1-D one); and what it ends as.
+UNPACKS = {"": "{s}[-1]", "index": "{s}[-1][0]", "item": "{s}[-1].item()"}
+
+
+def _head(site: LoopSite, var: str) -> tuple[list[ast.stmt], str, ast.expr | None]:
+    body, unpack, skip = list(site.loop.body), "", None
     first = body[0]
-    if isinstance(first, ast.Assign) and len(first.targets) == 1 and _src(first.targets[0]) == var \
-            and _src(first.value) == f"{var}[0]":
-        body, unpack = body[1:], True
+    if isinstance(first, ast.Assign) and len(first.targets) == 1 and _src(first.targets[0]) == var:
+        unpack = {f"{var}[0]": "index", f"{var}.item()": "item"}.get(_src(first.value), "")
+        body = body[1:] if unpack else body
     if body and _skip_id(body[0], var) is not None and not names_in(_skip_id(body[0], var)) & _stored(body):
         skip, body = _skip_id(body[0], var), body[1:]
     return body, unpack, skip
@@ -227,7 +232,7 @@ def prove(site: LoopSite) -> Plan:
     checks = ast.Lambda(args=copy.deepcopy(fn.args), body=ast.Tuple(elts=rows.callables, ctx=ast.Load()))
     checks.args.args = checks.args.args[:1]
     return Plan(source=loop.iter, args=[final, mask, fn.name, skip or ast.Constant(None), checks, *fresh.origin],
-                result=final, iterate="{s}", last="{s}[-1][0]" if unpack else "{s}[-1]", before=fresh.before,
+                result=final, iterate="{s}", last=UNPACKS[unpack], before=fresh.before,
                 setup=[fn], flags={"unpack": unpack, "form": form, "token": token, "skip_empty": skip_empty,
                                    "cast": cast})
 
@@ -243,11 +248,17 @@ def _runs(s: Any) -> bool:
     return isinstance(s, (list, tuple)) and len(s) > 0
 
 
-def _experts(s: Any, unpack: bool) -> tuple[list[int], list[Any]] | None:
+def _experts(s: Any, unpack: str) -> tuple[list[int], list[Any]] | None:
     """(expert ids as ints, the values the loop variable takes after the unpack), or None."""
     if type(s) is torch.Tensor:
-        if s.dtype.is_floating_point or s.dtype.is_complex or s.dtype == torch.bool \
-                or s.dim() != (2 if unpack else 1) or (unpack and s.shape[1] < 1):
+        if s.dtype.is_floating_point or s.dtype.is_complex or s.dtype == torch.bool:
+            return None
+        if unpack == "item":  # e.item() needs one element per e: s (n,) or (n, 1)
+            if not (s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1)):
+                return None
+            ids = s.reshape(-1).tolist()
+            return ids, list(ids)
+        if s.dim() != (2 if unpack else 1) or (unpack and s.shape[1] < 1):
             return None
         ids = (s[:, 0] if unpack else s).tolist()
         return ids, [r[0] for r in s] if unpack else list(s)
@@ -306,7 +317,7 @@ def _all_rowwise(callables: Iterable[Any]) -> bool:
 
 @torch.compiler.disable
 def grouped_experts(s: Any, final: Any, mask: Any, body: Callable[..., Any], skip: Any,
-                    checks: Callable[[Any], tuple[Any, ...]], *origin: Any, unpack: bool, form: str,
+                    checks: Callable[[Any], tuple[Any, ...]], *origin: Any, unpack: str, form: str,
                     token: int, skip_empty: bool, cast: bool) -> torch.Tensor | None:
     """What the expert loop leaves in ``final`` (fresh zeros), or None when the values
     don't fit (the caller then runs the loop). Runs eagerly (one host read of the
