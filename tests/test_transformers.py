@@ -387,3 +387,23 @@ def test_explain_on_a_transformers_model(impl, combine, loop_op, capsys):
     for f in (*report.matches, *report.loops):
         assert f"{f.file}:{f.line}" in printed
         assert 0 < f.line <= len(open(f.file).read().splitlines())
+
+
+def test_optimized_model_saved_and_loaded(tmp_path):
+    """torch.save of an optimized model works; the loaded one runs as written (pickle keeps a
+    method by its name) until opreg.optimize is called on it again, which rewrites it."""
+    model = tiny_model("qwen3_moe")
+    model.set_experts_implementation("eager")
+    opreg.optimize(model, compile=False)
+    torch.save(model, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 7))
+    with torch.no_grad():
+        want = model(ids).logits
+        out, ops = loaded(ids).logits, _ran(lambda: loaded(ids))
+        assert "opreg::moe_experts" not in ops
+        assert_matches(out, want, torch.float64)
+        opreg.optimize(loaded, compile=False)
+        again, ops = loaded(ids).logits, _ran(lambda: loaded(ids))
+    assert "opreg::moe_experts" in ops
+    assert_matches(again, want, torch.float64)

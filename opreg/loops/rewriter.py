@@ -465,21 +465,38 @@ def _rewrite_module(mod: torch.nn.Module, rewrites: list[ModuleRewrite]) -> list
     return []
 
 
+def _replaced(mod: torch.nn.Module, name: str) -> bool:
+    """Is method ``name`` replaced on this instance (by anyone)? The class's own function,
+    bound, is not a replacement."""
+    v = vars(mod).get(name)
+    return v is not None and not (isinstance(v, types.MethodType) and v.__func__ is getattr(type(mod), name, None))
+
+
+def _still_rewritten(mod: torch.nn.Module) -> bool:
+    """Are the methods opreg put on ``mod`` still there? A pickled module comes back with
+    its class's own (pickle saves a method as its name), so it is rewritten again."""
+    return all(hasattr(getattr(vars(mod).get(n), "__func__", None), "__opreg_original__")
+               for n in getattr(mod, "_opreg_methods", ()))
+
+
 def rewrite_loops(model: torch.nn.Module) -> list[LoopFinding]:
     """Rewrite the loops of every submodule's methods in place (instance attributes);
-    return the findings (matched and not). Idempotent."""
+    return the findings (matched and not). Idempotent; a module saved with ``torch.save``
+    and loaded again runs as written until this is called on it again."""
     findings: list[LoopFinding] = []
     rewritten: dict[Callable[..., Any], Callable[..., Any] | None] = {}
     unavailable: list[Callable[..., Any]] = []
     module_rewrites = registered_module_rewrites()
     for mod in model.modules():
         done = getattr(mod, "_opreg_loops", None)
-        if done is not None:
+        if done is not None and _still_rewritten(mod):
             findings.extend(done)
             continue
+        for name in getattr(mod, "_opreg_methods", ()):
+            vars(mod).pop(name, None)  # what unpickling left of them: the class's own
         mine = _rewrite_module(mod, module_rewrites)
         for name, fn in user_functions(type(mod)).items():
-            if name in vars(mod):
+            if _replaced(mod, name):
                 continue  # already replaced on this instance by someone
             if fn not in rewritten:
                 new, found, why = _rewrite(fn)
@@ -491,6 +508,8 @@ def rewrite_loops(model: torch.nn.Module) -> list[LoopFinding]:
             if new is not None:
                 setattr(mod, name, types.MethodType(new, mod))
         mod._opreg_loops = mine  # type: ignore[assignment]
+        mod._opreg_methods = tuple(n for n, v in vars(mod).items()  # type: ignore[assignment]
+                                   if hasattr(getattr(v, "__func__", None), "__opreg_original__"))
         findings.extend(mine)
     _warn_unavailable(unavailable)
     return findings
