@@ -120,3 +120,23 @@ def test_registry_refuses_bad_idioms(toy: loops.LoopIdiom) -> None:
         loops.register_loop_idiom(object())  # type: ignore[arg-type]
     with pytest.raises(KeyError, match="no_such_idiom"):
         loops.unregister_loop_idiom("no_such_idiom")
+
+
+def test_an_integration_that_fails_to_import_is_skipped(monkeypatch, caplog) -> None:
+    """A library the program imported whose opreg integration can't load (another version):
+    optimize goes on with the loop idioms, and says so once."""
+    import logging
+    import sys
+    import types
+
+    from opreg.loops import registry
+
+    monkeypatch.setitem(sys.modules, "opreg_fake_lib", types.ModuleType("opreg_fake_lib"))
+    monkeypatch.setitem(registry._INTEGRATIONS, "opreg_fake_lib", "opreg.integrations.opreg_fake_lib")
+    monkeypatch.setattr(registry, "_FAILED", set())
+    with caplog.at_level(logging.WARNING, logger="opreg"):
+        before = registry.registered_module_rewrites()
+        again = registry.registered_module_rewrites()
+    assert before == again
+    said = [r.getMessage() for r in caplog.records if "opreg_fake_lib" in r.getMessage()]
+    assert len(said) == 1 and "loop idioms" in said[0], said

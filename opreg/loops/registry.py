@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from .._log import logger
 from .idiom import LoopIdiom
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ _MODULE_REWRITES: dict[str, ModuleRewrite] = {}
 # Libraries with an opreg integration that registers module rewrites: loaded only when the
 # program has imported the library itself (opreg never imports it).
 _INTEGRATIONS = {"transformers": "opreg.integrations.transformers"}
+_FAILED: set[str] = set()
 
 
 def register_module_rewrite(rewrite: ModuleRewrite) -> ModuleRewrite:
@@ -88,6 +90,11 @@ def registered_module_rewrites() -> list[ModuleRewrite]:
     """The module rewrites, in order, after loading the integrations of the libraries the
     program has imported."""
     for library, integration in _INTEGRATIONS.items():
-        if library in sys.modules and integration not in sys.modules:
-            importlib.import_module(integration)
+        if library in sys.modules and integration not in sys.modules and integration not in _FAILED:
+            try:
+                importlib.import_module(integration)
+            except ImportError as e:  # a version of the library the integration can't use
+                _FAILED.add(integration)
+                logger.warning("opreg: %s not loaded (%s): opreg.optimize leaves %s's modules to the "
+                               "loop idioms", integration, e, library)
     return list(_MODULE_REWRITES.values())
