@@ -1,9 +1,10 @@
 """Loop idioms: Python loops Dynamo can't trace, rewritten into opreg ops by
 :func:`opreg.optimize` after a proof from the source that nothing observable changes.
 
-Generic machinery in :mod:`opreg.loops.rewriter` (source, scan, template, recompile),
-:mod:`opreg.loops.idiom` (the plug-in API and the proof helpers) and
-:mod:`opreg.loops.registry`; one file per idiom (:mod:`opreg.loops.scatter_combine`). Adding one::
+Generic machinery in :mod:`opreg.loops.rewriter` (one function: source, scan, template,
+recompile), :mod:`opreg.loops.modules` (a model: module rewrites, then each method),
+:mod:`opreg.loops.wrappers` (decorators seen through), :mod:`opreg.loops.idiom` (the
+plug-in API and the proof helpers) and :mod:`opreg.loops.registry`; one file per idiom (:mod:`opreg.loops.scatter_combine`). Adding one::
 
     opreg.loops.register_loop_idiom(LoopIdiom(name=..., op=..., candidate=..., prove=..., runtime=...))
 """
@@ -14,8 +15,9 @@ from .idiom import (Fresh, LoopIdiom, LoopSite, Plan, Reject, fresh_origin, name
                     positive_count, prove_fresh, range_loop, subscript_of)
 from .registry import (ModuleRewrite, register_loop_idiom, register_module_rewrite, registered_loop_idioms,
                        registered_module_rewrites, unregister_loop_idiom, unregister_module_rewrite)
-from .rewriter import (LoopFinding, find_loops, module_findings, rewrap, rewrite_function, rewrite_loops,
-                       user_functions)
+from .modules import module_findings, rewrite_loops, user_functions
+from .rewriter import LoopFinding, find_loops, rewrite_function
+from .wrappers import rewrap
 
 #: The idioms opreg ships, tried in this order.
 BUILTIN = [scatter_combine.IDIOM, experts.IDIOM]

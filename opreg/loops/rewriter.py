@@ -11,9 +11,8 @@ using ``_opreg_`` names. A decorated function is seen through when its decorator
 ``functools.wraps`` wrapper holding the function in one closure variable (transformers'
 ``@use_experts_implementation``, ``torch.no_grad()``): the function is rewritten and the
 wrapper rebuilt around it (same code, the rest of its closure shared), so the decorator
-still does what it did; other decorated functions are left alone, with the reason. Methods are replaced on the *instance*
-(``module.forward = ...``), so parameters and the module itself stay the same objects,
-and ``module._opreg_loops`` lists what was found.
+still does what it did (:mod:`opreg.loops.wrappers`); other decorated functions are left
+alone, with the reason. A model's methods: :mod:`opreg.loops.modules`.
 """
 from __future__ import annotations
 
@@ -28,13 +27,13 @@ import types
 import warnings
 from typing import Any, Callable
 
-import torch
 
 from .._log import logger
 from .idiom import NESTED_SCOPES, LoopIdiom, LoopSite, Plan, Reject
-from .registry import ModuleRewrite, registered_loop_idioms, registered_module_rewrites
+from .registry import registered_loop_idioms
+from .wrappers import rebuild, wrapped
 
-__all__ = ["LoopFinding", "find_loops", "module_findings", "rewrap", "rewrite_function", "rewrite_loops", "user_functions"]
+__all__ = ["LoopFinding", "find_loops", "rewrite_function"]
 
 _warned: set[str] = set()
 _NO_SOURCE = "its source is not available (exec'd or compiled code)"
@@ -322,46 +321,6 @@ def find_loops(fn: Callable[..., Any]) -> list[LoopFinding]:
     return _rewrite(getattr(fn, "__opreg_original__", fn))[1]
 
 
-def _wrapped(wrapper: Callable[..., Any]) -> tuple[Callable[..., Any], int] | str:
-    """(the function a ``functools.wraps`` wrapper wraps, the index of the closure cell
-    holding it), or why the decorator can't be seen through."""
-    inner = wrapper.__wrapped__
-    if not isinstance(wrapper, types.FunctionType) or not isinstance(inner, types.FunctionType):
-        return "it is decorated (by something other than a plain function wrapper)"
-    held = []
-    for i, cell in enumerate(wrapper.__closure__ or ()):
-        try:
-            if cell.cell_contents is inner:
-                held.append(i)
-        except ValueError:  # an empty cell
-            continue
-    if len(held) != 1:
-        return "it is decorated (the wrapper does not hold the function in one closure variable)"
-    return inner, held[0]
-
-
-def rewrap(wrapper: Callable[..., Any], inner: Callable[..., Any]) -> Callable[..., Any] | str:
-    """``wrapper`` (a ``functools.wraps`` decorator's function) rebuilt to call ``inner``
-    where it called the function it wraps; or why it can't be (a str)."""
-    got = _wrapped(wrapper) if hasattr(wrapper, "__wrapped__") else "it is not decorated"
-    return got if isinstance(got, str) else _rewrap(wrapper, got[1], inner)
-
-
-def _rewrap(wrapper: Callable[..., Any], cell: int, inner: Callable[..., Any]) -> Callable[..., Any]:
-    """``wrapper`` as it is, but calling ``inner`` through closure cell ``cell``."""
-    closure = list(wrapper.__closure__ or ())
-    closure[cell] = types.CellType(inner)
-    new = types.FunctionType(wrapper.__code__, wrapper.__globals__, wrapper.__name__,
-                             wrapper.__defaults__, tuple(closure))
-    new.__kwdefaults__ = wrapper.__kwdefaults__
-    new.__dict__.update(wrapper.__dict__)  # what functools.wraps copied, __wrapped__ included
-    new.__qualname__, new.__module__, new.__doc__ = wrapper.__qualname__, wrapper.__module__, wrapper.__doc__
-    new.__annotations__ = dict(getattr(wrapper, "__annotations__", {}))
-    new.__wrapped__ = inner
-    new.__opreg_original__ = wrapper
-    return new
-
-
 def _left(findings: list[LoopFinding], why: str) -> list[LoopFinding]:
     """``findings`` with each proved loop marked as left, because of ``why``."""
     for f in findings:
@@ -376,13 +335,13 @@ def _rewrite(fn: Callable[..., Any], unwrapped: bool = False
     reached through a wrapper's ``__wrapped__`` (its source's decorators are that wrapper,
     rebuilt by the caller)."""
     if hasattr(fn, "__wrapped__"):
-        got_inner = _wrapped(fn)
+        got_inner = wrapped(fn)
         if isinstance(got_inner, str):
             inner = inspect.unwrap(fn)
             found = _rewrite(inner, unwrapped=True)[1] if isinstance(inner, types.FunctionType) else []
             return None, _left(found, got_inner), got_inner
         new_inner, found, why = _rewrite(got_inner[0], unwrapped=True)
-        return (None if new_inner is None else _rewrap(fn, got_inner[1], new_inner)), found, why
+        return (None if new_inner is None else rebuild(fn, got_inner[1], new_inner)), found, why
     got = _source_of(fn)
     if isinstance(got, str):
         return None, [], got
@@ -430,86 +389,3 @@ def rewrite_function(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[L
     if new is None and why == _NO_SOURCE:
         _warn_unavailable([fn])
     return new or fn, found
-
-
-def user_functions(cls: type) -> dict[str, Callable[..., Any]]:
-    """Methods of ``cls`` (through its MRO) that user code defines: torch's own are skipped."""
-    out: dict[str, Callable[..., Any]] = {}
-    for klass in reversed(cls.__mro__):
-        if klass.__module__.startswith("torch.") or klass is object:
-            continue
-        for name, f in vars(klass).items():
-            if isinstance(f, types.FunctionType):
-                out[name] = f
-            elif name in out:
-                del out[name]  # overridden by a non-function
-    return {k: v for k, v in out.items() if getattr(cls, k, None) is v}
-
-
-def module_findings(mod: torch.nn.Module) -> list[LoopFinding]:
-    """What the registered module rewrites would do to ``mod`` (the first that takes it)."""
-    for r in registered_module_rewrites():
-        found = r.check(mod)
-        if found is not None:
-            return [found]
-    return []
-
-
-def _rewrite_module(mod: torch.nn.Module, rewrites: list[ModuleRewrite]) -> list[LoopFinding]:
-    """Apply the first module rewrite that takes ``mod``; its finding (or none)."""
-    for r in rewrites:
-        found = r.check(mod)
-        if found is not None:
-            r.apply(mod)
-            return [found]
-    return []
-
-
-def _replaced(mod: torch.nn.Module, name: str) -> bool:
-    """Is method ``name`` replaced on this instance (by anyone)? The class's own function,
-    bound, is not a replacement."""
-    v = vars(mod).get(name)
-    return v is not None and not (isinstance(v, types.MethodType) and v.__func__ is getattr(type(mod), name, None))
-
-
-def _still_rewritten(mod: torch.nn.Module) -> bool:
-    """Are the methods opreg put on ``mod`` still there? A pickled module comes back with
-    its class's own (pickle saves a method as its name), so it is rewritten again."""
-    return all(hasattr(getattr(vars(mod).get(n), "__func__", None), "__opreg_original__")
-               for n in getattr(mod, "_opreg_methods", ()))
-
-
-def rewrite_loops(model: torch.nn.Module) -> list[LoopFinding]:
-    """Rewrite the loops of every submodule's methods in place (instance attributes);
-    return the findings (matched and not). Idempotent; a module saved with ``torch.save``
-    and loaded again runs as written until this is called on it again."""
-    findings: list[LoopFinding] = []
-    rewritten: dict[Callable[..., Any], Callable[..., Any] | None] = {}
-    unavailable: list[Callable[..., Any]] = []
-    module_rewrites = registered_module_rewrites()
-    for mod in model.modules():
-        done = getattr(mod, "_opreg_loops", None)
-        if done is not None and _still_rewritten(mod):
-            findings.extend(done)
-            continue
-        for name in getattr(mod, "_opreg_methods", ()):
-            vars(mod).pop(name, None)  # what unpickling left of them: the class's own
-        mine = _rewrite_module(mod, module_rewrites)
-        for name, fn in user_functions(type(mod)).items():
-            if _replaced(mod, name):
-                continue  # already replaced on this instance by someone
-            if fn not in rewritten:
-                new, found, why = _rewrite(fn)
-                rewritten[fn] = new
-                if new is None and why == _NO_SOURCE:
-                    unavailable.append(fn)
-                mine.extend(found)
-            new = rewritten[fn]
-            if new is not None:
-                setattr(mod, name, types.MethodType(new, mod))
-        mod._opreg_loops = mine  # type: ignore[assignment]
-        mod._opreg_methods = tuple(n for n, v in vars(mod).items()  # type: ignore[assignment]
-                                   if hasattr(getattr(v, "__func__", None), "__opreg_original__"))
-        findings.extend(mine)
-    _warn_unavailable(unavailable)
-    return findings
