@@ -35,6 +35,7 @@ from transformers.integrations import moe as hf_moe
 
 from .._log import logger
 from ..loops import LoopFinding, ModuleRewrite, find_loops, register_module_rewrite, rewrap
+from ..loops.wrappers import wrapped
 from ..ops import moe_experts as spec
 
 __all__ = ["NAME", "Plan", "eager_forward", "experts_forward", "plan_for", "register"]
@@ -279,7 +280,8 @@ def _optimize_check(module: nn.Module) -> Optional[LoopFinding]:
     if eager is None or getattr(config, "_experts_implementation", None) != "eager":
         return None
     loop = _proved_loop(eager)
-    if loop is None or isinstance(_weights(module), str) or plan_for(module) is None:
+    if loop is None or isinstance(wrapped(type(module).forward), str) or isinstance(_weights(module), str) \
+            or plan_for(module) is None:
         return None  # the loop idioms may still take it
     return dataclasses.replace(loop, op="opreg::moe_experts", idiom=OPTIMIZE_NAME)
 
@@ -298,8 +300,7 @@ def _optimize_apply(module: nn.Module) -> None:
         return _forward(self, call, kwargs, fallback)
 
     new = rewrap(type(module).forward, eager_via_opreg)
-    if isinstance(new, str):
-        raise RuntimeError(f"opreg: {type(module).__name__}.forward can't be rebuilt: {new}")
+    assert not isinstance(new, str), new  # _optimize_check saw that it can be rebuilt
     module.forward = types.MethodType(new, module)
 
 
