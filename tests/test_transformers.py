@@ -407,3 +407,27 @@ def test_optimized_model_saved_and_loaded(tmp_path):
         again, ops = loaded(ids).logits, _ran(lambda: loaded(ids))
     assert "opreg::moe_experts" in ops
     assert_matches(again, want, torch.float64)
+
+
+def test_optimize_leaves_an_instance_hook_alone():
+    """An experts module whose forward is already replaced on the instance (accelerate's
+    hooks do that for offloading) is left as it is: the hook still runs."""
+    model = tiny_model("mixtral")
+    model.set_experts_implementation("eager")
+    experts = experts_modules(model)[0]
+    seen = []
+    inner = experts.forward
+
+    def hook(*args, **kwargs):
+        seen.append(1)
+        return inner(*args, **kwargs)
+
+    experts.forward = hook
+    ref = copy.deepcopy(model)
+    opreg.optimize(model, compile=False)
+    assert experts.forward is hook
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 7))
+    with torch.no_grad():
+        out = model(ids).logits
+    assert seen and "moe_experts" not in str(experts._opreg_loops)
+    assert_matches(out, ref(ids).logits, torch.float64)

@@ -54,7 +54,8 @@ class ModuleRewrite:
     """An integration's rewrite of a library's module class: ``check(module)`` returns the
     (matched) finding to report when it takes ``module``, else None; ``apply(module)`` then
     replaces the module's method on the instance. Tried before the loop idioms; a module it
-    takes keeps the rest of its methods to them."""
+    takes keeps the rest of its methods to them. ``check`` must decline a module whose method
+    is already replaced on the instance (someone's hook, such as accelerate's)."""
 
     name: str
     op: str                                                      # the op the module then runs
