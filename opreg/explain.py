@@ -53,7 +53,7 @@ class ExplainReport:
         bad = [f for f in self.loops if not f.matched]
         if self.loops:
             out.append(f"\nPython loops ({len(self.loops)}):")
-            notes = {i.name: i.note for i in loops.registered_loop_idioms()}
+            notes = {i.name: i.note for i in [*loops.registered_loop_idioms(), *loops.registered_module_rewrites()]}
             out += [f"  {f.where}: {f.code}\n      "
                     + (f"{notes[f.idiom]}; " if notes.get(f.idiom) else "")
                     + f"opreg.optimize(model) rewrites it to {f.op}" for f in good]

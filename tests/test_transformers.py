@@ -384,6 +384,7 @@ def test_explain_on_a_transformers_model(impl, combine, loop_op, capsys):
     assert [(f.matched, f.op, os.path.basename(f.file)) for f in report.loops] == \
         [(True, loop_op, "modeling_qwen3_moe.py")], report
     assert f"rewrites it to {loop_op}" in printed
+    assert ("one expert at a time; the module runs opreg's experts instead" in printed) == (impl == "eager")
     for f in (*report.matches, *report.loops):
         assert f"{f.file}:{f.line}" in printed
         assert 0 < f.line <= len(open(f.file).read().splitlines())

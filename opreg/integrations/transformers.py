@@ -306,4 +306,7 @@ def _optimize_apply(module: nn.Module) -> None:
 
 
 register()
-register_module_rewrite(ModuleRewrite(OPTIMIZE_NAME, "opreg::moe_experts", _optimize_check, _optimize_apply))
+register_module_rewrite(ModuleRewrite(
+    OPTIMIZE_NAME, "opreg::moe_experts", _optimize_check, _optimize_apply,
+    note="transformers' eager experts, one expert at a time; the module runs opreg's experts instead "
+         "(set_experts_implementation still switches)"))

@@ -61,6 +61,7 @@ class ModuleRewrite:
     op: str                                                      # the op the module then runs
     check: Callable[[torch.nn.Module], Optional["LoopFinding"]]
     apply: Callable[[torch.nn.Module], None]
+    note: str = ""                                               # for explain: what it does instead
 
 
 _MODULE_REWRITES: dict[str, ModuleRewrite] = {}
