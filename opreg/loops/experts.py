@@ -55,6 +55,7 @@ from .idiom import (
     names_in,
     plain_tensors,
     prove_fresh,
+    value_of,
 )
 
 __all__ = ["IDIOM", "OP", "grouped_experts", "prove"]
@@ -102,7 +103,7 @@ def _where(site: LoopSite, s: ast.stmt, var: str) -> tuple[tuple[str, str], str,
             and isinstance(s.value, ast.Call)):
         raise Reject("no `a, b = torch.where(mask[e])` (or nonzero(as_tuple=True)) after the guards")
     call, names = s.value, tuple(t.id for t in s.targets[0].elts)
-    fn = _Rows(site.resolve, site.local, set(), {}, ()).value_of(call.func)
+    fn = value_of(call.func, site.local, site.resolve)
     tuple_kw = [k for k in call.keywords if k.arg == "as_tuple"]
     if fn is torch.where and len(call.args) == 1 and not call.keywords or fn is torch.nonzero and len(call.args) == 1 and _true(tuple_kw, call):
         cond = call.args[0]

@@ -140,17 +140,19 @@ class LoopSite:
     def _quiet(self, expr: ast.expr) -> bool:
         if not isinstance(expr, ast.Call):
             return False
-        obj = self._value_of(expr.func)
+        obj = value_of(expr.func, self.local, self.resolve)
         return any(obj is m for m in QUIET_MANAGERS)
 
-    def _value_of(self, expr: ast.expr) -> Any:
-        """The object a dotted name (``torch.no_grad``) refers to, or None."""
-        if isinstance(expr, ast.Name):
-            return None if expr.id in self.local else self.resolve(expr.id)
-        if isinstance(expr, ast.Attribute):
-            base = self._value_of(expr.value)
-            return None if base is None else getattr(base, expr.attr, None)
-        return None
+
+def value_of(expr: ast.expr, local: frozenset[str], resolve: Callable[[str], Any]) -> Any:
+    """The object a dotted name (``torch.no_grad``) refers to, or None (a local of the
+    function, or not a dotted name)."""
+    if isinstance(expr, ast.Name):
+        return None if expr.id in local else resolve(expr.id)
+    if isinstance(expr, ast.Attribute):
+        base = value_of(expr.value, local, resolve)
+        return None if base is None else getattr(base, expr.attr, None)
+    return None
 
 
 # ================================================================ run-time helpers

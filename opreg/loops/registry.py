@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -25,21 +25,30 @@ def register_loop_idiom(idiom: LoopIdiom) -> LoopIdiom:
     """Add ``idiom`` after those registered; loops it proves are rewritten from now on
     (modules already rewritten stay as they are). Returns it. A name already taken
     raises ValueError."""
-    if not isinstance(idiom, LoopIdiom):
-        raise TypeError(f"register_loop_idiom: idiom must be a LoopIdiom, got {type(idiom).__name__}")
-    if not idiom.name.isidentifier():
+    if isinstance(idiom, LoopIdiom) and not idiom.name.isidentifier():  # it names generated helpers
         raise ValueError(f"register_loop_idiom: idiom.name must be an identifier, got {idiom.name!r}")
-    if idiom.name in _IDIOMS:
-        raise ValueError(f"register_loop_idiom: a loop idiom named {idiom.name!r} is already registered")
-    _IDIOMS[idiom.name] = idiom
-    return idiom
+    return _add(_IDIOMS, idiom, LoopIdiom, "register_loop_idiom", "idiom", "a loop idiom")
 
 
 def unregister_loop_idiom(name: str) -> None:
     """Remove the idiom ``name`` (KeyError naming it if there is none)."""
-    if name not in _IDIOMS:
-        raise KeyError(f"unregister_loop_idiom: no loop idiom named {name!r}")
-    del _IDIOMS[name]
+    _remove(_IDIOMS, name, "unregister_loop_idiom", "loop idiom")
+
+
+def _add(table: dict[str, Any], item: Any, kind: type, caller: str, arg: str, what: str) -> Any:
+    """``table[item.name] = item``, refusing another type or a name already taken."""
+    if not isinstance(item, kind):
+        raise TypeError(f"{caller}: {arg} must be a {kind.__name__}, got {type(item).__name__}")
+    if item.name in table:
+        raise ValueError(f"{caller}: {what} named {item.name!r} is already registered")
+    table[item.name] = item
+    return item
+
+
+def _remove(table: dict[str, Any], name: str, caller: str, what: str) -> None:
+    if name not in table:
+        raise KeyError(f"{caller}: no {what} named {name!r}")
+    del table[name]
 
 
 def registered_loop_idioms() -> list[LoopIdiom]:
@@ -73,19 +82,13 @@ _FAILED: set[str] = set()
 
 def register_module_rewrite(rewrite: ModuleRewrite) -> ModuleRewrite:
     """Add ``rewrite`` (a name already taken raises ValueError). Returns it."""
-    if not isinstance(rewrite, ModuleRewrite):
-        raise TypeError(f"register_module_rewrite: rewrite must be a ModuleRewrite, got {type(rewrite).__name__}")
-    if rewrite.name in _MODULE_REWRITES:
-        raise ValueError(f"register_module_rewrite: a module rewrite named {rewrite.name!r} is already registered")
-    _MODULE_REWRITES[rewrite.name] = rewrite
-    return rewrite
+    return _add(_MODULE_REWRITES, rewrite, ModuleRewrite, "register_module_rewrite", "rewrite",
+                "a module rewrite")
 
 
 def unregister_module_rewrite(name: str) -> None:
     """Remove the module rewrite ``name`` (KeyError naming it if there is none)."""
-    if name not in _MODULE_REWRITES:
-        raise KeyError(f"unregister_module_rewrite: no module rewrite named {name!r}")
-    del _MODULE_REWRITES[name]
+    _remove(_MODULE_REWRITES, name, "unregister_module_rewrite", "module rewrite")
 
 
 def registered_module_rewrites() -> list[ModuleRewrite]:

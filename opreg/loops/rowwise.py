@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .idiom import Reject
+from .idiom import Reject, value_of
 
 ROW, PARAM = "row", "param"
 
@@ -51,14 +51,6 @@ class _Rows:
         self.resolve, self.local, self.bound, self.env, self.index = resolve, local, bound, env, index
         self.defs: dict[str, ast.expr] = {}
         self.callables: list[ast.expr] = []
-
-    def value_of(self, node: ast.expr) -> Any:
-        if isinstance(node, ast.Name):
-            return None if node.id in self.local else self.resolve(node.id)
-        if isinstance(node, ast.Attribute):
-            base = self.value_of(node.value)
-            return None if base is None else getattr(base, node.attr, None)
-        return None
 
     def assign(self, stmt: ast.stmt) -> None:
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
@@ -141,7 +133,7 @@ class _Rows:
         args = [*node.args, *(k.value for k in node.keywords)]
         if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
             raise Reject(f"{_src(node)}: *args/**kwargs")
-        fn = self.value_of(node.func)
+        fn = value_of(node.func, self.local, self.resolve)
         if fn is not None and any(fn is f for f in ELEMENTWISE | MATMULS):
             kinds = [self.kind(a) for a in args]
             if kinds[:1] != [ROW] or ROW in kinds[1:]:
