@@ -193,18 +193,22 @@ def _weights(module: nn.Module) -> Weights | str:
 _told: set[tuple[type, str]] = set()
 
 
-def _fallback(module: nn.Module, why: str, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """transformers' own experts for this module: its default, grouped_mm, or for float64
-    (which torch's grouped_mm does not take) the class's eager loop."""
-    eager = isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64
+def _run_theirs(module: nn.Module, why: str, name: str, forward: Callable[..., torch.Tensor],
+                *args: Any, **kwargs: Any) -> torch.Tensor:
+    """transformers' ``name`` experts ``forward`` for this module, said once per class and reason."""
     key = (type(module), why)
     if key not in _told:
         _told.add(key)
-        logger.warning("opreg: %s runs transformers' %s experts, not opreg: %s", type(module).__name__,
-                       "eager" if eager else "grouped_mm", why)
-    forward: Callable[..., torch.Tensor] = (type(module).forward.__wrapped__ if eager
-                                            else hf_moe.ALL_EXPERTS_FUNCTIONS["grouped_mm"])
+        logger.warning("opreg: %s runs transformers' %s experts, not opreg: %s", type(module).__name__, name, why)
     return forward(module, *args, **kwargs)
+
+
+def _fallback(module: nn.Module, why: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """transformers' own experts for this module: its default, grouped_mm, or for float64
+    (which torch's grouped_mm does not take) the class's eager loop."""
+    if isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
+        return _run_theirs(module, why, "eager", type(module).forward.__wrapped__, *args, **kwargs)
+    return _run_theirs(module, why, "grouped_mm", hf_moe.ALL_EXPERTS_FUNCTIONS["grouped_mm"], *args, **kwargs)
 
 
 def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -291,11 +295,7 @@ def _optimize_apply(module: nn.Module) -> None:
     eager = eager_forward(type(module))
 
     def fallback(m: nn.Module, why: str, *call: Any, **kwargs: Any) -> torch.Tensor:
-        key = (type(m), why)
-        if key not in _told:
-            _told.add(key)
-            logger.warning("opreg: %s runs transformers' eager experts, not opreg: %s", type(m).__name__, why)
-        return eager(m, *call, **kwargs)
+        return _run_theirs(m, why, "eager", eager, *call, **kwargs)  # the loop the user chose
 
     def eager_via_opreg(self: nn.Module, *call: Any, **kwargs: Any) -> torch.Tensor:
         return _forward(self, call, kwargs, fallback)
