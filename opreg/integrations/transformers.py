@@ -24,6 +24,7 @@ no eager call before, only the default gate with a known activation class is tru
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import types
 from typing import Any, Callable, Optional
@@ -33,7 +34,7 @@ import torch.nn as nn
 from transformers import activations as hf_act
 from transformers.integrations import moe as hf_moe
 
-from .._log import logger
+from .._log import log_once, logger
 from ..loops import LoopFinding, ModuleRewrite, find_loops, register_module_rewrite, rewrap
 from ..loops.wrappers import wrapped
 from ..ops import moe_experts as spec
@@ -190,16 +191,11 @@ def _weights(module: nn.Module) -> Weights | str:
 
 # ----------------------------------------------------------------------------- forward
 
-_told: set[tuple[type, str]] = set()
-
-
 def _run_theirs(module: nn.Module, why: str, name: str, forward: Callable[..., torch.Tensor],
                 *args: Any, **kwargs: Any) -> torch.Tensor:
     """transformers' ``name`` experts ``forward`` for this module, said once per class and reason."""
-    key = (type(module), why)
-    if key not in _told:
-        _told.add(key)
-        logger.warning("opreg: %s runs transformers' %s experts, not opreg: %s", type(module).__name__, name, why)
+    log_once(("transformers fallback", type(module), why), logging.WARNING,
+             "opreg: %s runs transformers' %s experts, not opreg: %s", type(module).__name__, name, why)
     return forward(module, *args, **kwargs)
 
 

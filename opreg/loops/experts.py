@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import ast
 import copy
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from .._log import logger
+from .._log import log_once, logger
 from ..ops.scatter_combine import unsupported
 from .rowwise import PARAM, ROW, _method, _rowwise, _Rows, _src, _stored
 from .idiom import (
@@ -293,16 +294,6 @@ def _split(pieces: list[tuple[Any, Any]], final: torch.Tensor, cast: bool,
     return torch.cat(hs), torch.cat(gs)
 
 
-_said: set[str] = set()
-
-
-def _say_once(msg: str) -> None:
-    """Log ``msg`` at INFO the first time (a run-time fallback happens on every call)."""
-    if msg not in _said:
-        _said.add(msg)
-        logger.info(msg)
-
-
 def _all_rowwise(callables: Iterable[Any]) -> bool:
     """Are all the callables the body calls on rows row-wise? The first that isn't is
     named in the log, once."""
@@ -310,8 +301,8 @@ def _all_rowwise(callables: Iterable[Any]) -> bool:
         if not _rowwise(c):
             f = getattr(c, "__func__", c)
             name = getattr(f, "__qualname__", None) or type(c).__qualname__
-            _say_once(f"opreg: expert loop: {name} is not provably row-wise (each output row from "
-                      f"its input row alone); running the loop as written")
+            log_once(("not row-wise", name), logging.INFO, "opreg: expert loop: %s is not provably row-wise "
+                     "(each output row from its input row alone); running the loop as written", name)
             return False
     return True
 
