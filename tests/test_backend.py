@@ -347,3 +347,22 @@ def test_cache_key_hashes_the_framework_and_the_op_specs(monkeypatch: pytest.Mon
         assert backend.patterns_uuid() != before, f"an edit of {f} leaves the cache key unchanged"
         monkeypatch.setattr(Path, "read_bytes", real)
     assert backend.patterns_uuid() == before
+
+
+def test_cache_key_covers_what_the_op_specs_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transitively: ``opreg/ops/_common.py`` (the dtype sets and checks every op spec's
+    ``unsupported()`` uses) is no pattern's import, yet an edit of it changes the key."""
+    from opreg.compile import cache_key
+    from opreg.ops import _common
+    from opreg.patterns import cat_linear, scatter_combine
+
+    common = Path(_common.__file__).resolve()
+    for p in (scatter_combine.PATTERN, cat_linear.PATTERN):
+        assert str(common) in cache_key.pattern_files(p.sources())
+    real = Path.read_bytes
+    before = backend.patterns_uuid()
+    monkeypatch.setattr(Path, "read_bytes",
+                        lambda self: real(self) + (b"\n# edit" if self.resolve() == common else b""))
+    assert backend.patterns_uuid() != before, "an edit of opreg/ops/_common.py leaves the key unchanged"
+    monkeypatch.setattr(Path, "read_bytes", real)
+    assert backend.patterns_uuid() == before
