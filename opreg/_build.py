@@ -191,6 +191,15 @@ def _plan(ext: Extension, cuda_arch: str | None) -> _Plan:
     return _Plan(ext, sources, ["-O3"], ["-O3", "-lineinfo"], env)
 
 
+def is_current(ext: Extension, cuda_arch: str | None = None) -> bool:
+    """Whether ``ext``'s cached library is current (its stamp matches: loading it runs no
+    ninja). False where it can't be planned here (no toolkit, no arch) or isn't built."""
+    try:
+        return _plan(ext, cuda_arch).current()
+    except (BuildError, OSError):
+        return False
+
+
 def _cuda_arch(cuda_arch: str | None) -> str:
     arch = cuda_arch or os.environ.get("TORCH_CUDA_ARCH_LIST")
     if arch:

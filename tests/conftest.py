@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import subprocess
 import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,3 +37,25 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_sep("-", f"opreg property tests: {sum(counts.values())} examples")
         for name, n in sorted(counts.items()):
             terminalreporter.write_line(f"  {n:4d}  {name}")
+
+
+@pytest.fixture(scope="session")
+def host_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A kernel cache holding a current build of every host library, made once per test
+    run and shared (tests copy it): seeded from the user's cache (under its lock) where
+    that has one, built otherwise. Tests about the cache or first use start from a copy
+    instead of building (a cold host build takes 30-60 s on 2 cores)."""
+    from opreg import _build, _cache
+
+    root = tmp_path_factory.mktemp("host-cache")
+    src = _cache.root() / _cache.tag()
+    for ext in _build.extensions():
+        if not ext.cuda and (src / ext.name).is_dir() and (src / f"{ext.name}.lock").exists():
+            with _build._exclusive(src / f"{ext.name}.lock"):
+                shutil.copytree(src / ext.name, root / _cache.tag() / ext.name, symlinks=True)
+    code = "import opreg._build as b; [b.build(e) for e in b.extensions() if not e.cuda]"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=900, env={**os.environ, "OPREG_CACHE_DIR": str(root)})
+    if out.returncode != 0:
+        pytest.skip(f"the host libraries do not build here: {out.stderr[-2000:]}")
+    return root

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -22,9 +23,13 @@ from pathlib import Path
 import pytest
 import torch
 
-# REPEATS processes, PARALLEL at a time: the old binding crashed about 1 process in 6,
-# so 24 miss it with probability (5/6)**24 < 1.3 %.
-THREADS, ROUNDS, REPEATS, PARALLEL = 6, 4, 24, 4
+# REPEATS processes, PARALLEL at a time, each racing ROUNDS + 1 first uses. The old
+# binding failed about 1 first use in 6 to 1 in 30; a race costs milliseconds and a process
+# seconds (import torch, load the libraries: 14 s on 2 busy cores, 62 s of the H200 run for
+# 24 processes), so the chances come from rounds: 8 x 31 = 248 first uses miss a 1-in-30
+# race with probability (29/30)**248 < 0.03 % (24 x 5 = 120 before: 1.7 %), and 8 processes
+# still each load the built-in libraries under racing threads.
+THREADS, ROUNDS, REPEATS, PARALLEL = 6, 30, 8, 4
 JOIN_S = 600  # a thread not done by then is deadlocked (a cold build takes ~60 s)
 
 
@@ -189,18 +194,28 @@ def _ninja_outputs(root: Path) -> list[str]:
     return outs
 
 
-def test_first_use_from_threads_and_processes_cold_cache(tmp_path):
-    """Two processes x THREADS threads into an empty cache: each library is compiled
-    exactly once (ninja logs every command it runs), and every thread gets the right
-    values. Once per CI run: a cold CPU build takes ~30-60 s on 2 cores."""
+def test_first_use_from_threads_and_processes_cold_cache(tmp_path, host_cache):
+    """Two processes x THREADS threads into a cache with one library missing: it is
+    compiled exactly once (ninja logs every command it runs), the other is loaded, and
+    every thread gets the right values. One library is enough for the race (build lock,
+    load, bind); the cheaper one (opreg_cpu: 13 s of the H200's cold build, vs 20 s for
+    opreg_autograd) is the one left to build."""
     if not shutil_which_cxx():
         pytest.skip("no C++ compiler")
-    env = {"OPREG_CACHE_DIR": str(tmp_path / "cache")}
+    from opreg import _cache
+
+    cache = tmp_path / "cache"
+    shutil.copytree(host_cache, cache, symlinks=True)
+    shutil.rmtree(cache / _cache.tag() / "opreg_cpu")
+    for log in cache.rglob(".ninja_log"):
+        log.unlink()  # the copied library's own history: only this test's builds count
+    env = {"OPREG_CACHE_DIR": str(cache)}
     procs = [_spawn("cpu", env) for _ in range(2)]
     for p in procs:
         _check(p, timeout=2 * JOIN_S)
-    outs = _ninja_outputs(tmp_path / "cache")
+    outs = _ninja_outputs(cache)
     assert outs and len(outs) == len(set(outs)), sorted(outs)
+    assert all("/opreg_cpu/" in o for o in outs), sorted(outs)  # the copied library: loaded
 
 
 def shutil_which_cxx() -> bool:
