@@ -1,0 +1,357 @@
+"""transformers integration: the experts module's gate is recognised from what the module
+is (its gate method is transformers' own, its activation a known class or function with no
+state or hooks), never by calling it, and re-checked on every call. Everything opreg can't
+prove runs transformers' own experts, with one log line naming why. Tiny modules, float64,
+against HF eager."""
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+import opreg  # noqa: E402
+import opreg.integrations.transformers as oi  # noqa: E402  (registers "opreg")
+from transformers.activations import ACT2FN  # noqa: E402
+from transformers.integrations.moe import use_experts_implementation  # noqa: E402
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts  # noqa: E402
+
+from _util import assert_matches  # noqa: E402
+
+E, H, INTER, K, T = 4, 16, 12, 2, 9  # experts, hidden, intermediate, top-k, tokens
+
+
+def experts(cls: type = MixtralExperts, impl: str = "opreg", dtype: torch.dtype = torch.float64,
+            scale: float = 0.3) -> nn.Module:
+    """A tiny experts module of ``cls`` (Mixtral's or GPT-OSS's config), random weights."""
+    if issubclass(cls, GptOssExperts):
+        config = transformers.GptOssConfig(hidden_size=H, intermediate_size=INTER, num_local_experts=E,
+                                           num_experts_per_tok=K, head_dim=8)
+    else:
+        config = transformers.MixtralConfig(hidden_size=H, intermediate_size=INTER, num_local_experts=E,
+                                            num_experts_per_tok=K)
+    m = cls(config).to(dtype)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, scale)
+    return set_impl(m, impl)
+
+
+def set_impl(m: nn.Module, impl: str) -> nn.Module:
+    m.config = copy.copy(m.config)  # each module its own implementation
+    m.config._experts_implementation = impl
+    return m
+
+
+def set_act(m: nn.Module, act) -> None:
+    """m.act_fn = act, a module or a plain function (which can't replace a child module)."""
+    if hasattr(m, "act_fn"):
+        del m.act_fn
+    m.act_fn = act
+
+
+def eager_twin(m: nn.Module) -> nn.Module:
+    """The same module (weights, activation, attributes) on HF's eager experts."""
+    twin = copy.deepcopy(m)
+    twin.__dict__.pop("forward", None)  # opreg.optimize's rewrite
+    return set_impl(twin, "eager")
+
+
+def inputs(dtype: torch.dtype = torch.float64, scale: float = 1.0):
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    return (torch.randn(T, H, dtype=dtype) * scale, ids, torch.rand(T, K, dtype=dtype))
+
+
+def ops_run(fn) -> tuple[torch.Tensor, set[str]]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, {e.name for e in prof.events() if e.name.startswith("opreg::")}
+
+
+def same_as_eager(m: nn.Module, call, dtype: torch.dtype = torch.float64) -> set[str]:
+    """m(*call) equals HF eager on the same module (float64 reference); the opreg ops that ran."""
+    ref = eager_twin(m).double()
+    with torch.no_grad():
+        got, ops = ops_run(lambda: m(*call))
+        want = ref(*(t.double() if t.is_floating_point() else t for t in call))
+    assert_matches(got, want, dtype)
+    return ops
+
+
+OPREG = "opreg::moe_experts"
+
+
+# ------------------------------------------------------------------ re-checked on every call
+
+def test_swap_act_fn_after_the_first_call():
+    m, call = experts(), inputs()
+    assert OPREG in same_as_eager(m, call)
+    set_act(m, nn.GELU(approximate="tanh"))            # another of the op's gates: opreg, the new one
+    assert OPREG in same_as_eager(m, call)
+    assert oi.plan_for(m) == oi.Plan("gelu_tanh", True)
+    set_act(m, nn.Tanh())                              # none of the op's: transformers' own
+    assert OPREG not in same_as_eager(m, call)
+    assert oi.plan_for(m) is None
+    set_act(m, ACT2FN["silu"])                         # and back
+    assert OPREG in same_as_eager(m, call)
+
+
+def test_swap_act_fn_after_optimize():
+    m, call = experts(impl="eager"), inputs()
+    opreg.optimize(m, compile=False)
+    assert [(f.matched, f.op) for f in m._opreg_loops] == [(True, OPREG)]
+    assert OPREG in same_as_eager(m, call)
+    set_act(m, nn.Tanh())                              # the rewrite must not keep computing SiLU
+    assert OPREG not in same_as_eager(m, call)
+    set_act(m, nn.ReLU())
+    assert OPREG in same_as_eager(m, call)
+
+
+def test_gpt_oss_limit_and_alpha_read_per_call():
+    m, call = experts(GptOssExperts, scale=1.0), inputs(scale=3.0)
+    assert OPREG in same_as_eager(m, call)
+    assert oi.plan_for(m) == oi.Plan("gpt_oss", True, True, pytest.approx(1.702), 7.0)
+    m.limit = 0.5
+    assert OPREG in same_as_eager(m, call)
+    m.alpha = 0.9
+    assert OPREG in same_as_eager(m, call)
+    assert oi.plan_for(m) == oi.Plan("gpt_oss", True, True, 0.9, 0.5)
+    m.limit = math.inf                                # no clamp
+    assert OPREG in same_as_eager(m, call)
+    m.limit = None                                    # not a number: HF's own (which raises too)
+    assert oi.plan_for(m) is None
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_gpt_oss_under_compile_without_an_eager_call(fullgraph):
+    """The decision reads attributes only: under torch.compile (no eager call first) GPT-OSS's
+    gate is recognised, in one graph, and a change of limit or alpha recompiles to the new gate."""
+    torch._dynamo.reset()
+    m, call = experts(GptOssExperts, scale=1.0), inputs(scale=3.0)
+    fast = torch.compile(m, backend="eager", fullgraph=fullgraph)
+    assert OPREG in same_as_eager_compiled(fast, m, call)
+    m.limit = 0.5
+    assert OPREG in same_as_eager_compiled(fast, m, call)
+    m.alpha = 0.9
+    assert OPREG in same_as_eager_compiled(fast, m, call)
+
+
+def same_as_eager_compiled(fast, m: nn.Module, call) -> set[str]:
+    ref = eager_twin(m)
+    with torch.no_grad():
+        got, ops = ops_run(lambda: fast(*call))
+        want = ref(*call)
+    assert_matches(got, want, torch.float64)
+    return ops
+
+
+def test_swap_act_fn_under_compile():
+    torch._dynamo.reset()
+    m, call = experts(), inputs()
+    fast = torch.compile(m, backend="eager")
+    assert OPREG in same_as_eager_compiled(fast, m, call)
+    set_act(m, nn.GELU())
+    assert OPREG in same_as_eager_compiled(fast, m, call)
+    m.act_fn.approximate = "tanh"
+    assert OPREG in same_as_eager_compiled(fast, m, call)
+    m.act_fn.register_forward_hook(lambda mod, args, out: out * 0.5)  # transformers' own, its hook runs
+    assert OPREG not in same_as_eager_compiled(fast, m, call)
+
+
+# ------------------------------------------------------------------ what can't be proved falls back
+
+def test_clamped_lambda_falls_back():
+    """SiLU of a clamped input is not SiLU: no sampling can tell, the structure can."""
+    m = experts(scale=1.0)
+    set_act(m, lambda x: F.silu(x.clamp(-20, 20)))
+    call = inputs(scale=30.0)
+    up = call[0] @ m.gate_up_proj[0, :INTER].T
+    assert up.abs().max() > 25  # the clamp matters on these rows
+    assert OPREG not in same_as_eager(m, call)
+    assert oi.plan_for(m) is None
+
+
+class Swish(nn.Module):
+    """x * sigmoid(beta * x), beta learnable (SiLU at beta = 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.beta = nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.beta * x)
+
+
+def test_learnable_swish_falls_back_and_trains():
+    m = experts()
+    set_act(m, Swish())
+    ref = eager_twin(m)
+    call = inputs()
+    out, ops = ops_run(lambda: m(*call))
+    want = ref(*call)
+    assert OPREG not in ops and oi.plan_for(m) is None
+    assert_matches(out, want.detach(), torch.float64)
+    cot = torch.randn_like(want)
+    out.backward(cot)
+    want.backward(cot)
+    assert m.act_fn.beta.grad is not None
+    assert_matches(m.act_fn.beta.grad, ref.act_fn.beta.grad, torch.float64)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert_matches(p.grad, q.grad, torch.float64)
+
+
+class Observer(nn.Module):
+    """A calibration-style activation: SiLU that records every input it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.detach().clone())
+        return F.silu(x)
+
+
+def test_observer_activation_sees_only_real_values():
+    m = experts()
+    set_act(m, Observer())
+    ref = eager_twin(m)
+    call = inputs()
+    with torch.no_grad():
+        got, want = m(*call), ref(*call)
+    assert_matches(got, want, torch.float64)
+    mine, theirs = torch.cat(m.act_fn.seen), torch.cat(ref.act_fn.seen)
+    assert mine.shape == theirs.shape, (mine.shape, theirs.shape)  # nothing synthetic
+    assert torch.equal(mine.sort(0).values, theirs.sort(0).values)
+
+
+class ForwardSub(MixtralExperts):
+    """A subclass overriding forward (around transformers' dispatch)."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return 2 * super().forward(hidden_states, top_k_index, top_k_weights) + 1
+
+
+@use_experts_implementation
+class DecoratedSub(MixtralExperts):
+    """A subclass with a decorated (eager) forward of its own, which calls its parent's."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return super().forward(hidden_states, top_k_index, top_k_weights) - 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_subclass_overriding_forward_runs_its_forward(dtype):
+    m, call = experts(ForwardSub, dtype=dtype), inputs(dtype)
+    assert OPREG in same_as_eager(m, call, dtype)
+    set_act(m, nn.Tanh())                              # transformers' own experts, inside its forward
+    assert OPREG not in same_as_eager(m, call, dtype)
+
+
+def test_decorated_subclass_falls_back_to_its_own_eager():
+    """float64 fallback: the eager forward of the first decorated class in the MRO (its
+    own), whose call of its parent's dispatch then runs the parent's eager: HF eager, no
+    endless recursion."""
+    m, call = experts(DecoratedSub), inputs()
+    set_act(m, nn.Tanh())
+    assert OPREG not in same_as_eager(m, call)
+
+
+@pytest.mark.parametrize("kind", ["forward", "forward_pre"])
+def test_hooks_on_act_fn_fall_back(kind):
+    m, call = experts(), inputs()
+    assert OPREG in same_as_eager(m, call)          # decided once: SiLU
+    seen = []
+    if kind == "forward":
+        h = m.act_fn.register_forward_hook(lambda mod, args, out: seen.append(1) or out * 0.5)
+    else:
+        h = m.act_fn.register_forward_pre_hook(lambda mod, args: seen.append(1) or (args[0] * 0.5,))
+    with torch.no_grad():
+        m(*call)
+    assert seen                                     # the hook runs, as in HF eager
+    assert OPREG not in same_as_eager(m, call)
+    h.remove()
+    assert OPREG in same_as_eager(m, call)
+
+
+def test_subclassed_activation_overriding_forward_falls_back():
+    class Tweaked(nn.SiLU):
+        def forward(self, x):
+            return super().forward(x) + 0.125
+
+    m, call = experts(), inputs()
+    set_act(m, Tweaked())
+    assert OPREG not in same_as_eager(m, call)
+    set_act(m, type("Plain", (nn.SiLU,), {})())        # a subclass with SiLU's own forward: SiLU
+    assert OPREG in same_as_eager(m, call)
+
+
+KNOWN = [
+    (nn.SiLU(), "silu"), (ACT2FN["silu"], "silu"), (ACT2FN["swish"], "silu"), (F.silu, "silu"),
+    (ACT2FN["gelu"], "gelu"), (nn.GELU(), "gelu"), (F.gelu, "gelu"), (ACT2FN["gelu_python"], "gelu"),
+    (ACT2FN["gelu_pytorch_tanh"], "gelu_tanh"), (ACT2FN["gelu_python_tanh"], "gelu_tanh"),
+    (ACT2FN["gelu_new"], "gelu_tanh"), (nn.GELU(approximate="tanh"), "gelu_tanh"),
+    (ACT2FN["relu"], "relu"), (F.relu, "relu"), (torch.relu, "relu"), (ACT2FN["relu2"], "relu2"),
+    (ACT2FN["sigmoid"], "sigmoid"), (torch.sigmoid, "sigmoid"), (ACT2FN["gelu_accurate"], "gelu_tanh"),
+    (functools.partial(F.gelu, approximate="tanh"), "gelu_tanh"),
+    # not the op's gates (close is not equal): transformers' own
+    (ACT2FN["gelu_fast"], None), (ACT2FN["quick_gelu"], None), (ACT2FN["gelu_10"], None),
+    (ACT2FN["relu6"], None), (ACT2FN["tanh"], None), (ACT2FN["mish"], None), (ACT2FN["leaky_relu"], None),
+    (ACT2FN["linear"], None), (ACT2FN["prelu"], None), (ACT2FN["xielu"], None), (lambda x: F.silu(x), None),
+]
+
+
+def test_known_activations():
+    """Each of transformers' activation classes and torch's functions: the op's activation
+    it is equivalent to (the same function up to rounding), or none: transformers' own."""
+    m, call = experts(scale=1.0), inputs(scale=3.0)
+    for act, want in KNOWN:
+        set_act(m, act.double() if isinstance(act, nn.Module) else act)
+        assert oi.plan_for(m) == (oi.Plan(want, True) if want else None), (act, want)
+        with torch.no_grad():
+            assert_matches(m(*call), eager_twin(m)(*call), torch.float64)
+
+
+def test_log_line_names_the_reason(caplog):
+    m, call = experts(type("ReasonProbeExperts", (MixtralExperts,), {})), inputs()
+    reasons = {}
+    for name, act in [("hook", nn.SiLU()), ("parameter", Swish()), ("Tanh", nn.Tanh()),
+                      ("lambda", lambda x: F.silu(x.clamp(-20, 20)))]:
+        if name == "hook":
+            act.register_forward_hook(lambda mod, args, out: None)
+        set_act(m, act)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="opreg"):
+            same_as_eager(m, call)
+            same_as_eager(m, call)
+        lines = [r.getMessage() for r in caplog.records if "ReasonProbeExperts" in r.getMessage()]
+        assert len(lines) == 1, lines
+        reasons[name] = lines[0]
+    for name, line in reasons.items():
+        assert name in line and "act_fn" in line, (name, line)
+
+
+def test_instance_gate_override_falls_back_and_module_is_freed():
+    import gc
+    import weakref
+
+    m, call = experts(), inputs()
+    assert OPREG in same_as_eager(m, call)
+    m._apply_gate = lambda h: F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1] * 2  # closes over nothing
+    assert OPREG not in same_as_eager(m, call)
+    set_act(m, lambda x: m.act_scale * F.silu(x))  # an activation holding the module: no leak
+    m.act_scale = 1.0
+    del m._apply_gate
+    assert OPREG not in same_as_eager(m, call)
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None
