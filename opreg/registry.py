@@ -40,7 +40,7 @@ from ._binding import (_autograd_stub, _bind, _install_stub, _refresh, _resolve,
                        _scoped_choice, load)
 from ._build import Extension
 from ._dispatch import NAMESPACE, push_kernel
-from ._state import (ANY_DEVICE, DEVICE_KEYS, Impl, Op, _autograd, _bound, _defs, _lock, _ops)
+from ._state import (ANY_DEVICE, DEVICE_KEYS, Impl, Op, _autograd, _bound, _defs, _lock, _ops, _scope)
 
 __all__ = ["DEVICE_KEYS", "Impl", "NAMESPACE", "Op", "add_impl", "autograd_kind", "bound", "define_op",
            "get", "implementations", "load", "lookup", "ops", "remove_impl", "resolve", "use"]
@@ -115,8 +115,10 @@ def ops() -> dict[str, Op]:
 
 def get(op: str, impl: str | None = None) -> Callable[..., Any]:
     """The callable for ``op``: with no ``impl``, ``torch.ops.opreg.<op>.default``
-    (the dispatcher runs the bound implementation for the inputs' device); with
-    ``impl``, that implementation (raises if it is unknown or unavailable here)."""
+    (the dispatcher runs the bound implementation for the inputs' device, or the calling
+    scope's choice); with ``impl``, that implementation, whatever scope is open where it is
+    called (raises if it is unknown or unavailable here): a Python implementation's own
+    function, or for a kernel library a pinning wrapper around the op (its autograd too)."""
     o = lookup(op)
     if impl is None:
         return o.torch_op
@@ -133,15 +135,29 @@ def get(op: str, impl: str | None = None) -> Callable[..., Any]:
         for d in i.devices:  # not used on d yet, and the default there anyway: bind now
             if (op, d) not in _bound and _resolve(o, d) is i:
                 _bind(o, d, i)
-    if all(_bound.get((op, d)) is i for d in i.devices):
-        return o.torch_op
+    return _pinned(o, i)
 
-    # Another implementation is the default there (a plug-in): pin this one per call,
-    # through the router, like a one-op scope of this thread only.
+
+def _pinned(o: Op, i: Impl) -> Callable[..., Any]:
+    """Call ``o`` running ``i`` (a kernel library's implementation). The op itself when
+    that is what it would run anyway -- ``i`` is the default on its devices now and no
+    scope of the calling thread/task names the op (another thread's scope doesn't matter:
+    the router reads the caller's) -- else through the router, as the innermost scope, for
+    this call only. Checked per call: a scope opened, or a plug-in bound, after ``get``.
+    Traced by ``torch.compile``, it is the op (a graph can't hold the pin: there the
+    calling scope, if any, picks at run time, as for ``torch.ops.opreg.<op>``)."""
+    name, torch_op = o.name, o.torch_op
+    keys = [(name, d) for d in i.devices]
+    pin = {name: i.name}
+
     def pinned(*args: Any) -> Any:
-        with _scoped({op: impl}):
-            return o.torch_op(*args)
+        if torch.compiler.is_compiling() or (
+                all(_bound.get(k) is i for k in keys) and not any(name in p for p in _scope.get())):
+            return torch_op(*args)
+        with _scoped(pin):
+            return torch_op(*args)
 
+    pinned.__name__ = pinned.__qualname__ = f"{name}[{i.name}]"
     return pinned
 
 

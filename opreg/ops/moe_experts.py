@@ -16,18 +16,29 @@ hidden_states (T, H) float; top_k_index (T, k) int32/int64; top_k_weights (T, k)
 gate_up_proj (E, N, H), or (E, H, N) when ``transposed``, N = 2I if gated else I;
 down_proj (E, H, I) or (E, I, H); biases (E, N) and (E, H) or None; weights and biases in
 hidden_states' dtype. Returns (T, H) in hidden_states' dtype; the weighted sum over the k
-slots accumulates in float32 (float64 for float64). A slot whose expert id is >= E
-contributes nothing: transformers' expert-parallel sentinel (an expert on another rank).
-A negative id raises IndexError on the CPU and in the reference; on CUDA it is not checked
-(that would synchronise) unless ``opreg.check_indices()`` is on, and contributes nothing.
+slots accumulates in float32 (float64 for float64). As transformers' eager loop: only the
+(token, slot) pairs that chose an expert go through it. A slot whose expert id is >= E
+contributes nothing, its routing weight unread (a NaN there is harmless): transformers'
+expert-parallel sentinel (an expert on another rank). An expert no token chose is never
+run (its values, an fp16 overflow say, reach neither output nor gradients). A NaN or inf
+weight in a real slot reaches that token's output, as in transformers. E = 0 experts: zeros
+(every id a sentinel). A negative id raises IndexError on the CPU and in the reference, on
+every path (eager, ``torch.compile`` with or without gradients, the differentiable grouped
+path); on CUDA the grouped kernel does not check it (that would synchronise) unless
+``opreg.check_indices()`` is on, and it contributes nothing. A required tensor that is
+None: TypeError naming it.
 
-Implementations: ``reference`` (every token through every expert, masked: the meaning) and ``grouped`` (CPU and
-CUDA): rows grouped by expert on the device (stable sort, offsets by ``searchsorted``: no
-host sync), grouped GEMMs (``torch._grouped_mm`` for bf16 on sm90+, which is CUDA-graph
-capturable; elsewhere one GEMM per expert after one host read of the offsets), the gate,
-and ``scatter_combine`` for the weighted combine (deterministic, fp32 accumulation).
-Gradients of the op are its reference's; :func:`grouped` itself is differentiable (plain
-torch autograd, scatter_combine's own), which the transformers integration uses to train.
+Implementations: ``reference`` (the meaning: per expert, the rows that chose it; traced, the
+op forward and the reference's gradients from an op of their own, see :func:`reference`)
+and ``grouped`` (CPU and CUDA): rows grouped by expert on the device (stable sort, offsets
+by ``searchsorted``: no host sync), grouped GEMMs (``torch._grouped_mm`` for bf16 on sm90+,
+which is CUDA-graph capturable; elsewhere one GEMM per expert after one host read of the
+offsets), the gate, and ``scatter_combine`` for the weighted combine (deterministic, fp32
+accumulation); sentinel rows are zero going in and zeroed coming out. Gradients of the op
+are its reference's; :func:`grouped` itself is differentiable (torch autograd,
+scatter_combine's own; under ``torch.func`` transforms torch's ``index_add`` instead, and
+under ``torch.compile`` one GEMM per expert of unbacked size), which the transformers
+integration uses to train.
 """
 from __future__ import annotations
 
@@ -88,6 +99,10 @@ def unsupported(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
     """Why these (real or fake) inputs don't fit the op, or None. Shapes, dtypes, devices,
     layouts and the activation; expert id *values* are :func:`check_ids`'."""
     x, idx, w, w1, w2 = hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj
+    bad = _not_tensors(hidden_states=x, top_k_index=idx, top_k_weights=w, gate_up_proj=w1, down_proj=w2,
+                       gate_up_bias=gate_up_bias, down_bias=down_bias)
+    if bad is not None:
+        return bad
 
     def ranks() -> Reason | None:
         if x.dim() != 2:
@@ -124,6 +139,16 @@ def unsupported(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_we
                  lambda: not_strided(NAME, hidden_states=x, **_named(idx, w, w1, w2, gate_up_bias, down_bias)))
 
 
+def _not_tensors(**args: Any) -> Reason | None:
+    """A required tensor that is None (or not a tensor), or an optional bias that is neither."""
+    for name, t in args.items():
+        if not isinstance(t, torch.Tensor) and not (t is None and name.endswith("_bias")):
+            want = "a Tensor or None" if name.endswith("_bias") else "a Tensor"
+            return Reason(TypeError, f"{NAME}: {name} must be {want}, got "
+                                     f"{'None' if t is None else type(t).__name__}")
+    return None
+
+
 def _named(idx: torch.Tensor, w: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
            b1: Optional[torch.Tensor], b2: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
     got = {"top_k_index": idx, "top_k_weights": w, "gate_up_proj": w1, "down_proj": w2,
@@ -157,9 +182,10 @@ def check(*args: Any) -> None:
 
 def check_ids(top_k_index: torch.Tensor) -> None:
     """Raise IndexError naming the first negative expert id (synchronises on CUDA). Ids
-    >= E are the expert-parallel sentinel, not an error."""
+    >= E are the expert-parallel sentinel, not an error. Does nothing on fake tensors:
+    traced code checks with :func:`checked_ids` instead, which the graph runs."""
     if top_k_index.numel() == 0 or is_fake(top_k_index):
-        return  # traced (the reference's gradients under AOT): no values to check
+        return
     bad = top_k_index < 0
     if bool(bad.any()):
         t, j = (int(v) for v in bad.nonzero()[0])
@@ -167,10 +193,37 @@ def check_ids(top_k_index: torch.Tensor) -> None:
                          f"(expert ids are in [0, E); ids >= E are skipped)")
 
 
+@torch.library.custom_op("opreg::moe_experts_check_ids", mutates_args=())
+def _check_ids_op(top_k_index: torch.Tensor) -> torch.Tensor:
+    """:func:`check_ids` as an op of its own, for traced code: the graph holds the check and
+    runs it on the real ids. It returns a copy (an op may not return its input) that the
+    caller uses, so the check cannot be dead code."""
+    check_ids(top_k_index)
+    return top_k_index.clone()
+
+
+@_check_ids_op.register_fake
+def _(top_k_index: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(top_k_index)
+
+
+def _tracing(t: torch.Tensor) -> bool:
+    return torch.compiler.is_compiling() or is_fake(t)
+
+
+def checked_ids(top_k_index: torch.Tensor) -> torch.Tensor:
+    """``top_k_index`` after :func:`check_ids`: now in eager, at run time in a traced graph
+    (``torch.compile``, AOT autograd of the op's reference), so that a negative id raises
+    the same IndexError on every path."""
+    if _tracing(top_k_index):
+        return _check_ids_op(top_k_index)
+    check_ids(top_k_index)
+    return top_k_index
+
+
 def _checks_ids_here(t: torch.Tensor) -> bool:
-    # Not while Dynamo traces the differentiable path: a value check would break the graph.
-    return (t.device.type != "cuda" or os.environ.get("OPREG_CHECK_INDICES") == "1") \
-        and not torch.compiler.is_compiling()
+    # CUDA: only when asked (a check synchronises); traced or not, via checked_ids.
+    return t.device.type != "cuda" or os.environ.get("OPREG_CHECK_INDICES") == "1"
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -188,22 +241,100 @@ def reference(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
               gate_up_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor], down_proj: torch.Tensor,
               down_bias: Optional[torch.Tensor], activation: str, gated: bool, transposed: bool,
               interleaved: bool, alpha: float, limit: float) -> torch.Tensor:
-    """The meaning, written plainly: every token through every expert, weighted by the
-    routing weight it gave that expert (0 where it didn't choose it), summed in float32
-    (float64). E times the work of the grouped path, and no data-dependent shapes."""
-    check(hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias,
-          activation, gated, transposed, interleaved, alpha, limit)
-    check_ids(top_k_index)
+    """The meaning, written plainly, as transformers' eager loop: for each expert, the
+    (token, slot) pairs that chose it (ids in [0, E)) -- and nothing else -- through it,
+    times their routing weights, in float32 (float64); then each token's k slots summed in
+    slot order (deterministic). A sentinel slot (id >= E) is never read, weight included:
+    a NaN there contributes nothing; an expert no token chose is never run, so its values
+    (an fp16 overflow) can't reach the output or the gradients. The work is the grouped
+    path's. Its shapes are data-dependent (``nonzero``): fine in eager (and under
+    ``torch.func``: vmap over anything but the ids). Traced -- ``torch.compile``'s fake
+    propagation of the op, AOT autograd -- unbacked sizes would escape the op's kernel, so
+    there the reference is :class:`_TracedReference`: the op forward, and backward
+    :func:`_reference_backward`, an op that runs this function's gradients in eager at run
+    time (same gradients, same work; no forward mode or double backward when compiled)."""
+    args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias,
+            activation, gated, transposed, interleaved, alpha, limit)
+    check(*args)
+    if _tracing(hidden_states):
+        return _TracedReference.apply(*args)
+    ids = checked_ids(top_k_index).reshape(-1)
+    (t, k), e = top_k_index.shape, gate_up_proj.shape[0]
     acc = accumulate_dtype(hidden_states.dtype)
-    out = hidden_states.new_zeros(hidden_states.shape, dtype=acc)
-    for e in range(gate_up_proj.shape[0]):
-        up = _linear(hidden_states, gate_up_proj[e], None if gate_up_bias is None else gate_up_bias[e],
-                     transposed)
+    weights = top_k_weights.reshape(-1)
+    # One row per (token, slot): written by the expert it chose; sentinel rows stay 0.
+    slots = hidden_states.new_zeros((t * k, hidden_states.shape[1]), dtype=acc)
+    if e == 0:  # zeros, still attached to hidden_states' graph (as the grouped path's)
+        slots = slots.index_copy(0, ids.new_zeros(0, dtype=torch.long), hidden_states[:0].to(acc))
+    for ex in range(e):
+        rows = (ids == ex).nonzero().squeeze(1)  # its (token, slot) pairs, as flat slot numbers
+        h = hidden_states.index_select(0, rows // k)
+        up = _linear(h, gate_up_proj[ex], None if gate_up_bias is None else gate_up_bias[ex], transposed)
         act = apply_gate(up, activation, gated, interleaved, alpha, limit)
-        y = _linear(act, down_proj[e], None if down_bias is None else down_bias[e], transposed)
-        weight = (top_k_weights.to(acc) * (top_k_index == e)).sum(-1)  # ids >= E match no expert
-        out = out + weight.unsqueeze(-1) * y.to(acc)
-    return out.to(hidden_states.dtype)
+        y = _linear(act, down_proj[ex], None if down_bias is None else down_bias[ex], transposed)
+        slots = slots.index_copy(0, rows, y.to(acc) * weights.index_select(0, rows).to(acc).unsqueeze(-1))
+    return slots.view(t, k, hidden_states.shape[1]).sum(1).to(hidden_states.dtype)
+
+
+# Traced (torch.compile, AOT autograd), the loop above would leave unbacked sizes in the
+# op's fake propagation (torch refuses: "pending unbacked symbols not in returned outputs").
+# So there the reference is the op itself forward and, backward, an op that runs the
+# reference's gradients in eager, at run time: no data-dependent shape in the graph, the
+# same gradients, and the work stays the grouped path's (not every expert on every token).
+
+_GRAD_ARGS = (0, 2, 3, 4, 5, 6)  # hidden_states, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias
+
+
+@torch.library.custom_op("opreg::moe_experts_reference_backward", mutates_args=())
+def _reference_backward(grad: torch.Tensor, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                        gate_up_bias: Optional[torch.Tensor], down_proj: torch.Tensor,
+                        down_bias: Optional[torch.Tensor], activation: str, gated: bool, transposed: bool,
+                        interleaved: bool, alpha: float, limit: float) -> list[torch.Tensor]:
+    """Gradients of :func:`reference` for hidden_states, top_k_weights, gate_up_proj,
+    gate_up_bias, down_proj, down_bias (an empty tensor for an absent bias)."""
+    args = [hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias,
+            activation, gated, transposed, interleaved, alpha, limit]
+    present = [j for j in _GRAD_ARGS if args[j] is not None]
+
+    def run(*diff: torch.Tensor) -> torch.Tensor:
+        a = list(args)
+        for j, v in zip(present, diff):
+            a[j] = v
+        return reference(*a)
+
+    # torch.func, not torch.autograd: a custom op's kernel runs below the autograd keys.
+    _, vjp = torch.func.vjp(run, *(args[j] for j in present))
+    got = dict(zip(present, vjp(grad)))
+    return [got[j] if j in got else hidden_states.new_empty(0) for j in _GRAD_ARGS]
+
+
+@_reference_backward.register_fake
+def _(grad: torch.Tensor, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+      gate_up_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor], down_proj: torch.Tensor,
+      down_bias: Optional[torch.Tensor], *_: Any) -> list[torch.Tensor]:
+    return [hidden_states.new_empty(0) if t is None else torch.empty_like(t)
+            for t in (hidden_states, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias)]
+
+
+class _TracedReference(torch.autograd.Function):
+    """The reference as traced: forward the op (its bound kernel, below autograd),
+    backward :func:`_reference_backward`. No forward mode or double backward here."""
+
+    @staticmethod
+    def forward(ctx: Any, *args: Any) -> torch.Tensor:
+        ctx.save_for_backward(*(a if isinstance(a, torch.Tensor) else None for a in args[:7]))
+        ctx.rest = args[7:]
+        return torch.ops.opreg.moe_experts(*args)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        saved = ctx.saved_tensors
+        grads = _reference_backward(grad, *saved, *ctx.rest)
+        out: list[Optional[torch.Tensor]] = [None] * (len(saved) + len(ctx.rest))
+        for j, g in zip(_GRAD_ARGS, grads):
+            out[j] = g if saved[j] is not None and ctx.needs_input_grad[j] else None
+        return tuple(out)
 
 
 def fake(hidden_states: torch.Tensor, *rest: Any) -> torch.Tensor:
@@ -215,26 +346,65 @@ def fake(hidden_states: torch.Tensor, *rest: Any) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- grouped
 
-class _Gather(torch.autograd.Function):
+def _in_functorch() -> bool:
+    """Inside a torch.func transform (grad, vjp, vmap, jvp), where scatter_combine's C++
+    autograd refuses to run ("cannot use C++ torch::autograd::Function with functorch")."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
+def _scatter_add_rows(rows: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, n: int) -> torch.Tensor:
+    """``out[idx[r]] += gates[r] * rows[r]``, (n, C), in rows' dtype, accumulated in float32
+    (float64): scatter_combine (deterministic), or inside torch.func transforms the same
+    sum from torch's own ops (``index_add``), which every transform differentiates."""
+    if not _in_functorch():
+        return torch.ops.opreg.scatter_combine(rows.contiguous(), idx, gates, n)
+    acc = accumulate_dtype(rows.dtype)
+    out = rows.new_zeros((n, rows.shape[-1]), dtype=acc)
+    return out.index_add(0, idx, rows.to(acc) * gates.to(acc).unsqueeze(-1)).to(rows.dtype)
+
+
+class _GatherRows(torch.autograd.Function):
     """``x.index_select(0, idx)`` whose backward is scatter_combine (deterministic, fp32
-    accumulation) rather than index_select's ``index_add_`` (atomics on CUDA)."""
+    accumulation) rather than index_select's ``index_add_`` (atomics on CUDA). Written in
+    torch.func's form (``setup_context``, a generated vmap rule); :class:`_Gather` adds
+    forward mode. This one is what ``torch.compile`` traces: Dynamo refuses an
+    autograd.Function with a custom ``jvp``."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return x.index_select(0, idx)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
+        x, idx = inputs
         ctx.save_for_backward(idx)
         ctx.rows = x.shape[0]
-        return x.index_select(0, idx)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None]:
         (idx,) = ctx.saved_tensors
-        ones = grad.new_ones(idx.shape[0])
-        return torch.ops.opreg.scatter_combine(grad.contiguous(), idx, ones, ctx.rows), None
+        return _scatter_add_rows(grad, idx, grad.new_ones(idx.shape[0]), ctx.rows), None
+
+
+class _Gather(_GatherRows):
+    """:class:`_GatherRows` with forward mode (``torch.func.jvp``, ``forward_ad``)."""
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
+        _GatherRows.setup_context(ctx, inputs, output)
+        ctx.save_for_forward(inputs[1])
+
+    @staticmethod
+    def jvp(ctx: Any, x_t: Optional[torch.Tensor], _idx_t: Any) -> Optional[torch.Tensor]:
+        (idx,) = ctx.saved_tensors
+        return None if x_t is None else x_t.index_select(0, idx)
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``x[idx]`` for (R, C) ``x``, deterministic in backward."""
-    return _Gather.apply(x, idx)
+    return (_GatherRows if torch.compiler.is_compiling() else _Gather).apply(x, idx)
 
 
 @functools.lru_cache(maxsize=None)
@@ -263,8 +433,17 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, b: Opti
     # a loop) so that backward assembles each gradient once, not once per expert.
     sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
     biases = b.unbind(0) if b is not None else [None] * len(sizes)
-    pieces = [xe @ we if be is None else torch.addmm(be, xe, we)
-              for xe, we, be in zip(x.split(sizes), wk.unbind(0), biases) if xe.shape[0] > 0]
+    if torch.compiler.is_compiling():
+        # Traced, the sizes are unbacked symbols: tell the tracer what the sort guarantees
+        # (each >= 0, together S) and make every GEMM, empty or not (no branch on a size).
+        for size in sizes:
+            torch._check(size >= 0)
+        torch._check(sum(sizes) == x.shape[0])
+        pieces = [xe @ we if be is None else torch.addmm(be, xe, we)
+                  for xe, we, be in zip(x.split(sizes), wk.unbind(0), biases)]
+    else:
+        pieces = [xe @ we if be is None else torch.addmm(be, xe, we)
+                  for xe, we, be in zip(x.split(sizes), wk.unbind(0), biases) if xe.shape[0] > 0]
     return torch.cat(pieces) if pieces else x.new_zeros(0, wk.shape[-1])
 
 
@@ -276,25 +455,31 @@ def grouped(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     check(hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias,
           activation, gated, transposed, interleaved, alpha, limit)
     if _checks_ids_here(top_k_index):
-        check_ids(top_k_index)
+        top_k_index = checked_ids(top_k_index)
     (t, k), e = top_k_index.shape, gate_up_proj.shape[0]
+    # Half-precision rows are weighted in fp32, as transformers' fp32 routing weights are.
+    half = hidden_states.dtype in (torch.float16, torch.bfloat16)
+    gate_dtype = torch.float32 if half else hidden_states.dtype
+    if e == 0:  # every slot a sentinel: zeros, attached to the graph like any output
+        none = top_k_index.new_zeros(0, dtype=torch.long)
+        return _scatter_add_rows(hidden_states[:0], none, hidden_states.new_zeros(0, dtype=gate_dtype), t)
     ids = top_k_index.reshape(-1).long()
-    # A sentinel (or, unchecked, negative) id: computed by expert E-1 with weight 0, so the
-    # row is finite and adds nothing. Vectors of S only: cheaper than masking rows later.
+    # A sentinel (or, unchecked, negative) slot: a row of expert E-1 that is zero going in
+    # and zeroed coming out (torch.where: an inf or NaN of that expert's can't leak, in
+    # forward or backward), with weight 0 (a NaN weight there is never read).
     valid = (ids >= 0) & (ids < e)
     ids = torch.where(valid, ids, e - 1)
     weights = torch.where(valid, top_k_weights.reshape(-1), 0)
     expert_of_row, perm = torch.sort(ids, stable=True)
     offs = torch.searchsorted(expert_of_row, torch.arange(e, device=ids.device), right=True).int()
     token_of_row = perm // k
-    up = grouped_linear(gather_rows(hidden_states, token_of_row), gate_up_proj, offs, gate_up_bias,
-                        expert_of_row, transposed)
+    real = valid[perm].unsqueeze(-1)
+    x = torch.where(real, gather_rows(hidden_states, token_of_row), 0)
+    up = grouped_linear(x, gate_up_proj, offs, gate_up_bias, expert_of_row, transposed)
     act = apply_gate(up, activation, gated, interleaved, alpha, limit)
     down = grouped_linear(act, down_proj, offs, down_bias, expert_of_row, transposed)
-    # Half-precision rows are weighted in fp32, as transformers' fp32 routing weights are.
-    gates = weights[perm]
-    gates = gates.float() if down.dtype in (torch.float16, torch.bfloat16) else gates.to(down.dtype)
-    return torch.ops.opreg.scatter_combine(down, token_of_row, gates, t)
+    down = torch.where(real, down, 0)
+    return _scatter_add_rows(down, token_of_row, weights[perm].to(gate_dtype), t)
 
 
 def _grouped_impl(*args: Any) -> torch.Tensor:
@@ -308,9 +493,14 @@ def _define() -> None:
 
     registry.define_op(NAME, SCHEMA, reference, fake=fake)
     registry.add_impl(NAME, registry.Impl("grouped", NAME, ("cpu", "cuda"), priority=100, fn=_grouped_impl))
+    try:  # the fused Triton forward (CUDA); it lists itself as unavailable without triton or a GPU
+        from ..backends.triton import moe_experts as fused
+    except ImportError:
+        return
+    fused.register()
 
 
 _define()
 
-__all__ = ["ACTIVATIONS", "GPT_OSS", "NAME", "apply_gate", "check", "check_ids", "gather_rows", "grouped",
-           "grouped_linear", "reference", "unsupported", "uses_grouped_mm"]
+__all__ = ["ACTIVATIONS", "GPT_OSS", "NAME", "apply_gate", "check", "check_ids", "checked_ids", "gather_rows",
+           "grouped", "grouped_linear", "reference", "unsupported", "uses_grouped_mm"]
