@@ -139,7 +139,8 @@ def test_sentinel_slots_contribute_nothing():
 
 def test_listed_with_its_implementations():
     rows = {r["impl"]: r for r in opreg.implementations("moe_experts")}
-    assert set(rows) == {"grouped", "reference"}
+    assert set(rows) == {"grouped", "reference", "triton"}
+    assert rows["triton"]["devices"] == "cuda"
     assert rows["grouped"]["available"] and rows["grouped"]["devices"] == "cpu,cuda"
     OP(*make(4, 2, 8, 4, 3, torch.float32, "cpu"))
     assert opreg.bound("moe_experts", "cpu") == "grouped"

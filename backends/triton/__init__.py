@@ -1,0 +1,1 @@
+"""Triton kernels (``opreg.backends.triton``): imported on demand, never needed by the core."""

@@ -1,0 +1,550 @@
+"""Fused Triton forward of ``moe_experts`` (see :mod:`opreg.ops.moe_experts` for the meaning).
+
+Four steps, all on the device, no host sync (CUDA-graph capturable), every launch on the
+current stream (Triton launches on torch's current stream of the current device):
+
+1. **Routing** (:func:`align_block_size`: one stable ``torch.sort`` of the ids and two
+   small kernels): the S = T*k (token, slot) pairs, pair = t*k + j, sorted by expert
+   (stable), each expert's segment padded to BLOCK_M.
+   Ids outside [0, E) (the expert-parallel sentinel >= E; negative ids, the caller's error)
+   never enter the work list. Buffers have static worst-case sizes, so no size is read back.
+2. **GEMM1** (:func:`_moe_gemm` with ``GATHER``): hidden_states rows read through the sorted
+   pair ids (token = pair // k; no gathered copy) times gate_up_proj[e] (+ bias), the gate
+   in the epilogue (two accumulators when gated), fp32 accumulation; writes the activation
+   (padded sorted rows, I) in hidden_states' dtype.
+3. **GEMM2** (:func:`_moe_gemm` with ``ROUTED``): activation rows times down_proj[e] (+ bias),
+   times the pair's routing weight in fp32, stored at the pair's row of a (S, H) buffer:
+   every row is written by one program, so no atomics.
+4. **Combine** (:func:`_combine_kernel`): out[t] = sum over j = 0..k-1 in that order, fp32,
+   of the pair rows whose id is in [0, E) (a NaN weight in a sentinel slot adds nothing).
+   Same bits every run.
+
+Block sizes come from ``moe_experts_configs.json`` (:func:`pick_config`), keyed by GEMM,
+rows-per-expert bucket, N, K and dtype, so a tuning run can rewrite the data alone.
+
+float16, bfloat16 and float32 (fp32 GEMMs in IEEE fp32, not TF32); other dtypes (float64)
+and degenerate sizes run the op's ``grouped`` path (:func:`why_not_fused` says why, logged
+once). Gradients are the op's (the reference's); this is a forward kernel.
+
+Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU
+tensors: that is how ``tests/test_moe_triton.py`` checks them without a GPU (float32 and
+float16 only: the interpreter's bfloat16 is wrong).
+"""
+import functools
+import json
+import logging
+import math
+import os
+from typing import Any, Optional
+
+import torch
+
+from opreg import registry
+from opreg._log import log_once
+from opreg.ops import moe_experts as M
+
+try:
+    import triton
+    import triton.language as tl
+    _NO_TRITON: Optional[str] = None
+except ImportError as _e:  # the op still imports; the implementation lists itself as unavailable
+    triton = None
+    _NO_TRITON = f"triton is not installed ({_e})"
+
+    class tl:  # type: ignore[no-redef]  # just enough for the kernel signatures below
+        constexpr = object
+
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_experts_configs.json")
+
+# Activation ids shared by the kernels and the launcher (tl.constexpr ACT).
+ACT_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4, "sigmoid": 5, M.GPT_OSS: 6}
+_IDENTITY = -1  # GEMM2: no activation
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+__all__ = ["ACT_IDS", "CONFIG_FILE", "TritonImpl", "align_block_size", "fused_experts_forward",
+           "moe_experts_triton", "pick_config", "register", "why_not_fused"]
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@_jit
+def _act(x, ACT: tl.constexpr):
+    """The ungated activation (fp32 in, fp32 out); ids as in ACT_IDS."""
+    if ACT == 0:  # silu
+        y = x * tl.sigmoid(x)
+    elif ACT == 1:  # gelu, erf form (F.gelu's default)
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACT == 2:  # gelu, tanh form: 0.5x(1 + tanh(u)) == x * sigmoid(2u), no tanh needed
+        y = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+    elif ACT == 3:  # relu
+        y = tl.maximum(x, 0.0)
+    elif ACT == 4:  # relu2
+        r = tl.maximum(x, 0.0)
+        y = r * r
+    elif ACT == 5:  # sigmoid
+        y = tl.sigmoid(x)
+    else:  # _IDENTITY
+        y = x
+    return y
+
+
+@_jit
+def _gate(acc0, acc1, alpha, limit, GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """apply_gate on fp32 tiles: ``act(acc0)``, or gated with acc0 = gate, acc1 = up."""
+    if GATED:
+        gate = acc0
+        up = acc1
+        if HAS_LIMIT:  # apply_gate's clamps: gate <= limit, |up| <= limit
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        if ACT == 6:  # gpt_oss
+            y = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+        else:
+            y = _act(gate, ACT) * up
+    else:
+        y = _act(acc0, ACT)
+    return y
+
+
+@_jit
+def _tile(block_expert_ptr, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
+    """This program's (M block, N block) in GROUP_M-swizzled order (consecutive programs
+    walk down GROUP_M row blocks of one column tile, so the expert's weight tile is reused
+    from L2), and the M block's expert (-1: past the last padded row)."""
+    pid = tl.program_id(0)
+    group = GROUP_M * num_n_blocks
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    expert = tl.load(block_expert_ptr + pid_m)
+    return pid_m, pid_n, expert
+
+
+@_jit
+def _moe_gemm(
+    a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pair_ids_ptr, block_expert_ptr,
+    num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
+    stride_am, stride_ak,
+    stride_we, stride_wn, stride_wk,
+    stride_be, stride_bn,
+    stride_rt, stride_rk,
+    stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GATHER: tl.constexpr, ROUTED: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One (BLOCK_M sorted rows) x (BLOCK_N output columns) tile of an expert's GEMM.
+
+    GEMM1 (GATHER, not ROUTED): A = hidden_states (T, K), row = pair // top_k; W = gate_up
+    seen as (E, 2N or N, K) through strides; out = activation (padded rows, N), row = the
+    sorted row. GEMM2 (ROUTED, not GATHER): A = activation (padded rows, K), row = the sorted
+    row; W = down seen as (E, N, K); out = (S, N) pair buffer, row = pair, scaled by the
+    routing weight. Either layout of either weight is just strides (stride_wn, stride_wk).
+    """
+    pid_m, pid_n, expert = _tile(block_expert_ptr, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if expert < 0:
+        return  # past the padded work list: nothing to compute, nothing to write
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # < num_m_blocks * BLOCK_M: the buffer's size
+    pair = tl.load(pair_ids_ptr + rows)
+    row_ok = pair < num_pairs  # padding rows hold the sentinel num_pairs
+    if GATHER:
+        a_row = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+    else:
+        a_row = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    # Weight columns of the two halves: gate = cols, up = cols + N, or even/odd if interleaved.
+    if INTERLEAVED:
+        wcol0 = 2 * cols
+        wcol1 = 2 * cols + 1
+    else:
+        wcol0 = cols
+        wcol1 = cols + N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :] * stride_ak
+    w_base = w_ptr + expert.to(tl.int64) * stride_we  # int64: E * N * K may pass 2**31
+    w0_ptrs = w_base + ks[:, None] * stride_wk + wcol0[None, :] * stride_wn
+    w1_ptrs = w_base + ks[:, None] * stride_wk + wcol1[None, :] * stride_wn
+    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the up half; unused unless GATED
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = ks < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w0 = tl.load(w0_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc0 = tl.dot(a, w0, acc0, input_precision=DOT_PRECISION)
+        if GATED:
+            w1 = tl.load(w1_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc1 = tl.dot(a, w1, acc1, input_precision=DOT_PRECISION)
+            w1_ptrs += BLOCK_K * stride_wk
+        a_ptrs += BLOCK_K * stride_ak
+        w0_ptrs += BLOCK_K * stride_wk
+
+    if HAS_BIAS:
+        b_base = bias_ptr + expert.to(tl.int64) * stride_be
+        acc0 += tl.load(b_base + wcol0 * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc1 += tl.load(b_base + wcol1 * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y = _gate(acc0, acc1, alpha, limit, GATED, ACT, HAS_LIMIT)
+
+    if ROUTED:
+        # The routing weight in fp32 (transformers' routing weights are fp32), then one
+        # rounding to the buffer's dtype; the row is the pair's own, written once.
+        p = tl.where(row_ok, pair, 0)
+        rw = tl.load(route_w_ptr + (p // top_k).to(tl.int64) * stride_rt + (p % top_k) * stride_rk,
+                     mask=row_ok, other=0.0).to(tl.float32)
+        y = y * rw[:, None]
+        out_row = p.to(tl.int64)
+    else:
+        out_row = rows.to(tl.int64)
+    # Padding rows are not stored (GEMM2 masks them on load, so they are never read).
+    out_ptrs = out_ptr + out_row[:, None] * stride_om + cols[None, :] * stride_on
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@_jit
+def _combine_kernel(
+    pair_ptr, ids_ptr, out_ptr, H, top_k, num_experts,
+    stride_pm, stride_ph, stride_it, stride_ik, stride_ot, stride_oh,
+    BLOCK_H: tl.constexpr,
+):
+    """out[t, cols] = sum over j = 0..top_k-1, in that order, in fp32, of pair row t*k + j,
+    for the slots whose expert id is in [0, E); a skipped slot's row is never read (it was
+    never written, and its weight may be NaN)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in range(0, top_k):
+        eid = tl.load(ids_ptr + t * stride_it + j * stride_ik)
+        use = (eid >= 0) & (eid < num_experts)
+        v = tl.load(pair_ptr + (t * top_k + j) * stride_pm + cols * stride_ph, mask=col_ok & use, other=0.0)
+        acc += v.to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def interpreting() -> bool:
+    """Do the kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1 at import)?"""
+    return triton is not None and type(_moe_gemm).__name__ == "InterpretedFunction"
+
+
+# ----------------------------------------------------------------------------- routing
+
+def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static worst case of padded M blocks: each of at most min(E, S) non-empty experts
+    wastes at most BLOCK_M - 1 rows, so sum ceil(c_e / BM) <= (S + min(E, S)(BM - 1)) / BM."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+MAX_EXPERTS = 8192  # the offsets kernel holds one lane per expert (E_PAD = next power of 2)
+
+
+@_jit
+def _lower_bound(sorted_ptr, n, steps, x):
+    """Per lane, the first index i in [0, n) with sorted[i] >= x (n if none): a vectorised
+    binary search; ``steps`` = n.bit_length() halvings close every interval. Every load
+    is in bounds (mid < hi <= n)."""
+    lo = tl.zeros(x.shape, dtype=tl.int32)
+    hi = lo + n
+    for _ in range(0, steps):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(sorted_ptr + mid, mask=active, other=0)
+        less = v < x
+        lo = tl.where(active & less, mid + 1, lo)
+        hi = tl.where(active & (v >= x), mid, hi)
+    return lo
+
+
+@_jit
+def _expert_offsets_kernel(sorted_ids_ptr, num_pairs, search_steps, num_experts, num_m_blocks,
+                           start_ptr, pstart_ptr, count_ptr, block_expert_ptr,
+                           BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_B: tl.constexpr):
+    """One program. From the ids sorted ascending (negative ids first, ids >= E last):
+    each expert's run start[e] and count[e] in the sorted order, its padded start
+    pstart[e] (runs padded to BLOCK_M, laid end to end), and each M block's expert
+    (-1 past the last padded row)."""
+    e = tl.arange(0, E_PAD)
+    real = e < num_experts
+    start = _lower_bound(sorted_ids_ptr, num_pairs, search_steps, e)
+    count = tl.where(real, _lower_bound(sorted_ids_ptr, num_pairs, search_steps, e + 1) - start, 0)
+    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pend = tl.cumsum(padded, 0)
+    tl.store(start_ptr + e, start, mask=real)
+    tl.store(pstart_ptr + e, pend - padded, mask=real)
+    tl.store(count_ptr + e, count, mask=real)
+    for b0 in range(0, num_m_blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        # the block's expert = how many experts' padded runs end at or before its first row
+        ended = tl.sum(((pend[None, :] <= (b * BLOCK_M)[:, None]) & real[None, :]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(ended < num_experts, ended, -1), mask=b < num_m_blocks)
+
+
+@_jit
+def _sorted_pairs_kernel(perm_ptr, block_expert_ptr, start_ptr, pstart_ptr, count_ptr, out_ptr,
+                         num_pairs, capacity, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """out[q] for q in this program's slice of [0, capacity): the pair at row q of the
+    padded, expert-sorted work list, or the sentinel num_pairs (padding, unused tail).
+    A gather (each q computed from the tables), so every entry is written once."""
+    q = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = q < capacity
+    ex = tl.load(block_expert_ptr + q // BLOCK_M, mask=ok, other=-1)
+    has = ok & (ex >= 0)
+    ex = tl.where(has, ex, 0)
+    j = q - tl.load(pstart_ptr + ex, mask=has, other=0)
+    real = has & (j < tl.load(count_ptr + ex, mask=has, other=0))
+    src = tl.load(start_ptr + ex, mask=real, other=0) + j
+    pair = tl.load(perm_ptr + src, mask=real, other=num_pairs)
+    tl.store(out_ptr + q, tl.where(real, pair, num_pairs).to(tl.int32), mask=ok)
+
+
+def align_block_size(top_k_index: torch.Tensor, num_experts: int,
+                     block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, k) expert ids -> ``sorted_pair_ids`` (num_blocks * block_m,) int32 and
+    ``block_expert`` (num_blocks,) int32, on the ids' device, without a host sync.
+
+    ``sorted_pair_ids`` lists the pairs (t*k + j) whose id is in [0, E), grouped by expert
+    in increasing pair order (a stable sort), each expert's run padded with the sentinel
+    S = T*k to a multiple of block_m; unused tail entries are S too. ``block_expert[b]`` is
+    the expert of rows [b*block_m, (b+1)*block_m), or -1 past the last padded row. Sizes
+    are static (:func:`num_blocks`), so this can be captured in a CUDA graph.
+
+    One stable sort of the raw ids (torch) and two small kernels: every launch costs host
+    time, and decode-sized calls are all launch overhead."""
+    t, k = top_k_index.shape
+    s = t * k
+    nb = num_blocks(s, num_experts, block_m)
+    dev = top_k_index.device
+    if nb == 0:
+        none = torch.empty((0,), dtype=torch.int32, device=dev)
+        return none, none.clone()
+    # Out-of-range ids sort before (negative: the caller's error) or after (>= E: another
+    # rank's expert) every expert's run, so no expert's run contains one.
+    sorted_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+    tables = torch.empty((3, num_experts), dtype=torch.int32, device=dev)
+    block_expert = torch.empty((nb,), dtype=torch.int32, device=dev)
+    sorted_pair_ids = torch.empty((nb * block_m,), dtype=torch.int32, device=dev)
+    e_pad = triton.next_power_of_2(num_experts)
+    _expert_offsets_kernel[(1,)](sorted_ids, s, s.bit_length(), num_experts, nb, tables[0], tables[1],
+                                 tables[2], block_expert, BLOCK_M=block_m, E_PAD=e_pad,
+                                 BLOCK_B=max(1, min(64, 8192 // e_pad)), num_warps=4)
+    block = 1024
+    _sorted_pairs_kernel[(triton.cdiv(nb * block_m, block),)](
+        perm, block_expert, tables[0], tables[1], tables[2], sorted_pair_ids, s, nb * block_m,
+        BLOCK_M=block_m, BLOCK=block, num_warps=4)
+    return sorted_pair_ids, block_expert
+
+
+# ----------------------------------------------------------------------------- configs
+
+@functools.lru_cache(maxsize=None)
+def _config_table(path: str = CONFIG_FILE) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _bucket(rows_per_expert: float, keys: list[str]) -> str:
+    bounds = sorted(float(k) for k in keys if k != "inf")
+    for b in bounds:
+        if rows_per_expert <= b:
+            return str(int(b))
+    return "inf"
+
+
+_SMEM_BUDGET = 200 * 1024  # bytes; H200 has 227 KB per block, leave room for the epilogue
+
+
+def _fit_smem(cfg: dict[str, int], itemsize: int, operands_b: int) -> dict[str, int]:
+    """Shrink num_stages, then BLOCK_K, until the pipelined A and B tiles fit in shared
+    memory (fp32 halves what bf16 defaults fit): a config must never fail to compile."""
+    cfg = dict(cfg)
+
+    def smem() -> int:
+        return cfg["num_stages"] * cfg["BLOCK_K"] * (cfg["BLOCK_M"] + operands_b * cfg["BLOCK_N"]) * itemsize
+
+    while smem() > _SMEM_BUDGET and cfg["num_stages"] > 2:
+        cfg["num_stages"] -= 1
+    while smem() > _SMEM_BUDGET and cfg["BLOCK_K"] > 16:
+        cfg["BLOCK_K"] //= 2
+    return cfg
+
+
+def pick_config(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.dtype,
+                block_m: Optional[int] = None, table: Optional[dict[str, Any]] = None) -> dict[str, int]:
+    """The block config of ``gemm`` ("gemm1": N = gate_up width, K = H; "gemm2": N = H,
+    K = I; "combine") for this rows-per-expert (S / E), shape and dtype: the table's tuned
+    entry for (dtype, N, K) if any, else its default for the bucket. ``block_m`` forces
+    BLOCK_M (gemm2 walks gemm1's padded rows)."""
+    table = table if table is not None else _config_table()
+    if gemm == "combine":
+        return dict(table["default"]["combine"])
+    default = table["default"][gemm]
+    bucket = _bucket(rows_per_expert, list(default))
+    dname = str(dtype).replace("torch.", "")
+    tuned = table.get("tuned", {}).get(dname, {}).get(f"N={n},K={k}", {}).get(gemm, {})
+    cfg = dict(tuned.get(_bucket(rows_per_expert, list(tuned)), default[bucket]) if tuned else default[bucket])
+    cfg.setdefault("BLOCK_M", block_m or 64)
+    if block_m is not None:
+        cfg["BLOCK_M"] = block_m
+    return _fit_smem(cfg, torch.empty((), dtype=dtype).element_size(), 2 if gemm == "gemm1" else 1)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+def _new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every float buffer the launcher fills (tests replace this with a NaN-filled one, so
+    an element a kernel forgets to write shows up)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _nk_strides(w: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
+    """(expert, output column, reduction) strides of a (E, out, in) weight, or of an
+    (E, in, out) one when ``transposed``: the kernels see both layouts as (E, N, K)."""
+    return (w.stride(0), w.stride(2), w.stride(1)) if transposed else (w.stride(0), w.stride(1), w.stride(2))
+
+
+@functools.lru_cache(maxsize=None)
+def _have_config_file() -> bool:
+    return os.path.exists(CONFIG_FILE)
+
+
+def why_not_fused(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  gate_up_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor], down_proj: torch.Tensor,
+                  down_bias: Optional[torch.Tensor], activation: str, gated: bool, transposed: bool,
+                  *rest: Any) -> Optional[str]:
+    """Why the fused kernels don't take these (checked) inputs, or None. The message names
+    no sizes, so logging it once per message is once per cause."""
+    if _NO_TRITON is not None:
+        return _NO_TRITON
+    if hidden_states.dtype not in _FUSED_DTYPES:
+        return f"hidden_states is {hidden_states.dtype}; the fused kernels take float16, bfloat16, float32"
+    if not hidden_states.is_cuda and not interpreting():
+        return f"hidden_states is on {hidden_states.device.type}, not CUDA"
+    if gate_up_proj.shape[0] == 0 or down_proj.shape[1 if transposed else 2] == 0:
+        return "no experts, or an intermediate size of 0"
+    if gate_up_proj.shape[0] > MAX_EXPERTS:
+        return f"more than {MAX_EXPERTS} experts"
+    if top_k_index.numel() >= 2**30:  # pair ids and padded rows are int32
+        return "2**30 or more (token, slot) pairs"
+    if not _have_config_file():  # an install without the package data: don't fail the call
+        return f"the block-size table {CONFIG_FILE} is missing"
+    return None
+
+
+def _device_ctx(x: torch.Tensor) -> Any:
+    # Triton launches on the *current* device's current stream: make it the tensors' device.
+    import contextlib
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                          gate_up_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor],
+                          down_proj: torch.Tensor, down_bias: Optional[torch.Tensor], activation: str,
+                          gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float,
+                          *, configs: Optional[dict[str, dict[str, int]]] = None) -> torch.Tensor:
+    """The op's forward with the fused kernels: (T, H) in hidden_states' dtype. Arguments as
+    the op's (checked by the caller; :func:`why_not_fused` must be None). ``configs``
+    overrides :func:`pick_config` ({"gemm1": ..., "gemm2": ..., "combine": ...}; gemm2's
+    BLOCK_M is gemm1's), for tests and tuning."""
+    x, ids, rw, w1, w2 = hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj
+    t, h = x.shape
+    k = ids.shape[1]
+    e = w1.shape[0]
+    n1 = w1.shape[2] if transposed else w1.shape[1]
+    i = n1 // 2 if gated else n1
+    s = t * k
+    if s == 0 or h == 0:
+        return x.new_zeros((t, h))  # no slot: an empty sum
+    picked = configs or {}
+    rows_per_expert = s / e
+    c1 = picked.get("gemm1") or pick_config("gemm1", rows_per_expert, n1, h, x.dtype)
+    bm = c1["BLOCK_M"]
+    c2 = dict(picked.get("gemm2") or pick_config("gemm2", rows_per_expert, h, i, x.dtype, block_m=bm))
+    c2["BLOCK_M"] = bm
+    cc = picked.get("combine") or pick_config("combine", rows_per_expert, h, k, x.dtype)
+    # fp32 stays fp32 (IEEE), as torch's default matmul is; half types ignore the setting.
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+
+    sorted_pair_ids, block_expert = align_block_size(ids, e, bm)
+    nb = block_expert.shape[0]
+    act = _new_buffer((nb * bm, i), x.dtype, x.device)
+    pairs = _new_buffer((s, h), x.dtype, x.device)
+    out = _new_buffer((t, h), x.dtype, x.device)
+    b1 = gate_up_bias if gate_up_bias is not None else w1  # a valid pointer, never read
+    b2 = down_bias if down_bias is not None else w2
+    finite = math.isfinite(limit)
+
+    def gemm(cfg: dict[str, int], **kw: Any) -> None:
+        grid = (nb * triton.cdiv(kw["n"], cfg["BLOCK_N"]),)
+        a, w, bias = kw["a"], kw["w"], kw["bias"]
+        sw = _nk_strides(w, transposed)
+        _moe_gemm[grid](
+            a, w, bias, rw, kw["out"], sorted_pair_ids, block_expert,
+            s, k, kw["n"], kw["k"], nb, float(alpha), float(limit) if finite else 0.0,
+            a.stride(0), a.stride(1), sw[0], sw[1], sw[2], bias.stride(0), bias.stride(-1),
+            rw.stride(0), rw.stride(1), kw["out"].stride(0), kw["out"].stride(1),
+            BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+            GATHER=kw["gather"], ROUTED=not kw["gather"], GATED=kw["gated"], INTERLEAVED=kw["interleaved"],
+            ACT=kw["act"], HAS_BIAS=kw["has_bias"], HAS_LIMIT=kw["has_limit"], DOT_PRECISION=precision,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    with _device_ctx(x):
+        gemm(c1, a=x, w=w1, bias=b1, out=act, n=i, k=h, gather=True, gated=gated,
+             interleaved=gated and interleaved, act=ACT_IDS[activation], has_bias=gate_up_bias is not None,
+             has_limit=gated and finite)
+        gemm(c2, a=act, w=w2, bias=b2, out=pairs, n=h, k=i, gather=False, gated=False, interleaved=False,
+             act=_IDENTITY, has_bias=down_bias is not None, has_limit=False)
+        bh = min(cc["BLOCK_H"], triton.next_power_of_2(h))
+        _combine_kernel[(t, triton.cdiv(h, bh))](
+            pairs, ids, out, h, k, e, pairs.stride(0), pairs.stride(1), ids.stride(0), ids.stride(1),
+            out.stride(0), out.stride(1), BLOCK_H=bh, num_warps=cc["num_warps"])
+    return out
+
+
+# ----------------------------------------------------------------------------- registration
+
+class TritonImpl(registry.Impl):
+    """An :class:`opreg.registry.Impl` that says why it can't run: no triton, torch without
+    CUDA, no CUDA device, or a GPU older than sm80 (``python -m opreg list`` shows it)."""
+
+    def unavailable(self, device: Optional[str] = None) -> Optional[str]:
+        return super().unavailable(device) or _why_not_here()
+
+
+def _why_not_here() -> Optional[str]:
+    if _NO_TRITON is not None:
+        return _NO_TRITON
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return "torch was built without CUDA"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if torch.version.cuda is not None and torch.cuda.get_device_capability() < (8, 0):
+        return "needs a GPU of compute capability 8.0 or newer"
+    return None
+
+
+def moe_experts_triton(*args: Any) -> torch.Tensor:
+    """The ``triton`` implementation's kernel (the op's positional arguments): the fused
+    kernels, or the ``grouped`` path for inputs they don't take (logged once per cause)."""
+    M.check(*args)
+    # Negative ids raise as in the op's other paths: always off CUDA, on CUDA only when
+    # asked (the check synchronises); unchecked, they contribute nothing.
+    if args[1].device.type != "cuda" or os.environ.get("OPREG_CHECK_INDICES") == "1":
+        M.check_ids(args[1])
+    why = why_not_fused(*args)
+    with torch.no_grad():  # the op's autograd is its own (the reference's): record nothing
+        if why is not None:
+            log_once((M.NAME, "triton", why), logging.INFO,
+                     "opreg: moe_experts/triton runs the grouped path: %s", why)
+            return M.grouped(*args)
+        return fused_experts_forward(*args)
+
+
+def register() -> None:
+    """Add the ``triton`` implementation of moe_experts (CUDA, priority 110: above
+    ``grouped``). Idempotent."""
+    if "triton" in registry.lookup(M.NAME).impls:
+        return
+    registry.add_impl(M.NAME, TritonImpl("triton", M.NAME, ("cuda",), priority=110, fn=moe_experts_triton))

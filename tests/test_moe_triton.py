@@ -1,0 +1,424 @@
+"""moe_experts' fused Triton forward (backends/triton/moe_experts.py).
+
+Without a GPU the kernels run under Triton's interpreter on CPU tensors. The interpreter is
+chosen when ``@triton.jit`` runs (at the kernels' import, in triton 3.6 and 3.8 alike), so
+the interpreted cases run in ONE child process started with ``TRITON_INTERPRET=1`` (this
+file run as a script): the pytest process and every other test file keep compiled kernels.
+Each case is one pytest test reading the child's verdict. float32 and float16 only (the
+interpreter's bfloat16 is wrong); bfloat16 runs on the GPU (``cuda``-marked tests).
+
+Also in process: the config table, availability and the fallback to ``grouped``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import zlib
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # run as the interpreter child: `python tests/test_moe_triton.py`
+    sys.path.insert(0, HERE)
+
+from test_moe_experts import FAMILIES, make, sub  # noqa: E402
+
+import opreg  # noqa: E402
+from opreg import registry  # noqa: E402
+from opreg.ops import moe_experts as M  # noqa: E402
+from opreg.testing import OpTestSuite, Sample, assert_matches  # noqa: E402
+
+try:
+    from opreg.backends.triton import moe_experts as TM
+except ImportError:  # pragma: no cover - the package itself imports without triton
+    TM = None
+
+HAVE_TRITON = TM is not None and TM.triton is not None
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+GATES = ["silu", "gelu", "gelu_tanh", "relu", "relu2", "sigmoid"]
+
+# Small blocks so that small shapes still have several M, N and K blocks, ragged edges and a
+# GROUP_M swizzle with a partial last group.
+SMALL = {"gemm1": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2),
+         "gemm2": dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=3, num_warps=4, num_stages=2),
+         "combine": dict(BLOCK_H=32, num_warps=4)}
+
+
+# ------------------------------------------------------------------ interpreted cases
+
+def _gate_cases() -> dict[str, dict]:
+    """Every gate x {gated, not} x {transposed, not}; interleaved, biases and the limit vary
+    along (each seen both ways)."""
+    cases, n = {}, 0
+    kinds = [(g, True) for g in GATES] + [(g, False) for g in GATES] + [(M.GPT_OSS, True)]
+    for act, gated in kinds:
+        for transposed in (False, True):
+            n += 1
+            opts = dict(activation=act, gated=gated, transposed=transposed, bias=n % 4 in (0, 1),
+                        interleaved=gated and (n // 2) % 2 == 1)
+            if act == M.GPT_OSS:
+                opts.update(alpha=1.702, limit=1.5, gain=4.0)
+            elif act == "silu" and transposed:
+                opts.update(limit=0.7, gain=4.0)
+            # fp32 on all; fp16 on a quarter (every layout and gate family once) and gpt_oss
+            dtypes = ["float32", "float16"] if n % 4 == 1 or act == M.GPT_OSS else ["float32"]
+            name = f"{act} {'gated' if gated else 'ungated'}{' transposed' if transposed else ''}"
+            cases[name] = dict(dims=(6, 2, 40, 24, 3), opts=opts, dtypes=dtypes)
+    return cases
+
+
+CASES: dict[str, dict] = {
+    **_gate_cases(),
+    # ragged H, I (not multiples of any block), several blocks in M, N and K, swizzle groups
+    "ragged small blocks": dict(dims=(9, 3, 40, 24, 3), opts=dict(bias=True), configs=SMALL, dtypes=["float32"]),
+    "ragged gpt_oss small blocks": dict(dims=(21, 2, 50, 18, 3), configs=SMALL, opts=dict(
+        activation=M.GPT_OSS, transposed=True, interleaved=True, bias=True, alpha=1.702, limit=1.0, gain=3.0)),
+    "default configs, more rows": dict(dims=(64, 2, 48, 32, 4), opts={}, dtypes=["float32"]),
+    "sentinels": dict(dims=(10, 2, 16, 8, 4), opts=dict(sentinels=6)),
+    "sentinel NaN weight, negative id": dict(dims=(10, 3, 24, 16, 4), opts=dict(sentinels=4), special="nan"),
+    "all slots sentinel": dict(dims=(5, 2, 16, 8, 4), opts={}, special="all_out"),
+    "empty experts": dict(dims=(6, 2, 16, 8, 8), opts={}, special="skip_expert"),
+    "T=1": dict(dims=(1, 2, 24, 16, 4), opts=dict(bias=True)),
+    "k=1": dict(dims=(7, 1, 24, 16, 4), opts=dict(activation="gelu", interleaved=True)),
+    "T=0": dict(dims=(0, 2, 16, 8, 4), opts={}),
+    "int32 ids, strided inputs": dict(dims=(8, 4, 24, 16, 8), opts=dict(idx_dtype=torch.int32),
+                                      special="strided"),
+    "mixtral family": dict(dims=FAMILIES["mixtral silu"][0], opts=FAMILIES["mixtral silu"][1]),
+}
+for _c in CASES.values():
+    _c.setdefault("dtypes", ["float32", "float16"])
+CASE_IDS = [f"{name}/{dt}" for name, c in CASES.items() for dt in c["dtypes"]]
+# (t, k, E, BLOCK_M) of the routing checks (ids drawn from [-2, E + 3): negative ids and
+# sentinels both left out)
+ROUTING = {"routing 13x2 E4 bm16": (13, 2, 4, 16), "routing 1x8 E128 bm16": (1, 8, 128, 16),
+           "routing 40x3 E5 bm4": (40, 3, 5, 4), "routing 0x2 E4": (0, 2, 4, 16),
+           "routing 7x1 E1": (7, 1, 1, 16), "routing 300x2 E3 bm16": (300, 2, 3, 16)}
+ALL_IDS = CASE_IDS + list(ROUTING)
+
+
+def _special(args: tuple, special: str | None) -> tuple[tuple, tuple]:
+    """(the args to run, the args whose reference is the expected output)."""
+    e = args[3].shape[0]
+    if special == "nan":
+        # Sentinel slots get NaN weights and one id is negative: neither may contribute
+        # (nor read out of bounds); expected = those slots' weights zeroed, ids made valid.
+        ids, w = args[1].clone(), args[2].clone()
+        ids[-1, 0] = -3
+        out = (ids < 0) | (ids >= e)
+        w[out] = float("nan")
+        ref = sub(args, top_k_index=torch.where(out, 0, ids), top_k_weights=torch.where(out, 0, w))
+        return sub(args, top_k_index=ids, top_k_weights=w), ref
+    if special == "all_out":
+        ids = args[1] + e  # every slot on another rank
+        return sub(args, top_k_index=ids), sub(args, top_k_weights=torch.zeros_like(args[2]))
+    if special == "skip_expert":
+        ids = args[1].clone()
+        ids[ids == 2] = 5  # expert 2 gets nothing; 5 gets more
+        a = sub(args, top_k_index=ids)
+        return a, a
+    if special == "strided":
+        x = args[0]
+        xs = x.t().contiguous().t()  # column-major views
+        ws = args[2].t().contiguous().t()
+        assert not xs.is_contiguous() and not ws.is_contiguous()
+        a = sub(args, hidden_states=xs, top_k_weights=ws)
+        return a, a
+    return args, args
+
+
+def _nan_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
+    """One case: fresh random inputs, NaN-filled buffers, output vs the float64 reference,
+    inputs untouched, and a second run bit-identical."""
+    name, dname = case_id.rsplit("/", 1)
+    c = CASES[name]
+    dtype = getattr(torch, dname)
+    torch.manual_seed(seed ^ zlib.crc32(case_id.encode()))
+    args, ref_args = _special(make(*c["dims"], dtype, device, **c["opts"]), c.get("special"))
+    want = M.reference(*tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                              for a in ref_args))
+    inputs = [a for a in args if isinstance(a, torch.Tensor)]
+    before = [a.clone() for a in inputs]
+    assert TM.why_not_fused(*args) is None
+    got = TM.fused_experts_forward(*args, configs=c.get("configs"))
+    assert_matches(got, want, dtype)
+    for b, a in zip(before, inputs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg="an input was modified")
+    if device != "cpu":  # (the interpreter is deterministic: save its time)
+        assert torch.equal(got, TM.fused_experts_forward(*args, configs=c.get("configs"))), "two runs differ"
+
+
+def _check_routing(ids: torch.Tensor, e: int, bm: int) -> None:
+    """align_block_size against a plain-Python model of the padded, expert-sorted list."""
+    sorted_ids, block_expert = TM.align_block_size(ids, e, bm)
+    s = ids.numel()
+    flat = ids.reshape(-1).tolist()
+    nb = TM.num_blocks(s, e, bm)
+    assert sorted_ids.dtype == block_expert.dtype == torch.int32
+    assert sorted_ids.shape == (nb * bm,) and block_expert.shape == (nb,)
+    want = []  # the valid pairs by expert, each run in increasing pair order, padded
+    for x in range(e):
+        run = [p for p in range(s) if flat[p] == x]
+        want += run + [s] * (-len(run) % bm)
+    got = sorted_ids.tolist()
+    assert got[:len(want)] == want and all(v == s for v in got[len(want):]), (got, want)
+    used = len(want) // bm
+    for b in range(nb):
+        blk = [p for p in got[b * bm:(b + 1) * bm] if p < s]
+        if b >= used:
+            assert block_expert[b] == -1
+        else:
+            assert blk and all(flat[p] == block_expert[b] for p in blk)
+
+
+def run_routing(name: str, seed: int, device: str = "cpu") -> None:
+    t, k, e, bm = ROUTING[name]
+    torch.manual_seed(seed ^ zlib.crc32(name.encode()))
+    ids = torch.randint(-2, e + 3, (t, k), device=device)
+    _check_routing(ids, e, bm)
+    _check_routing(ids.int(), e, bm)
+
+
+def _fix_old_interpreter() -> None:
+    """Triton 3.6's interpreter turns a runtime scalar (a 1-element array) into a loop bound
+    with ``int(array)``, which numpy >= 2.5 refuses ("only 0-dimensional arrays can be
+    converted to Python scalars"); 3.8 squeezes first. Give 3.6 the 3.8 behaviour."""
+    import numpy as np
+    try:
+        int(np.zeros(1, dtype=np.int32))
+        return
+    except TypeError:
+        pass
+    from triton.runtime import interpreter
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, *args, **kwargs):
+        patch(tensor, *args, **kwargs)
+        tensor.__index__ = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
+
+    interpreter._patch_lang_tensor = patched
+
+
+def _child_main() -> None:
+    """The interpreter child: every case, one JSON verdict per case on the last line."""
+    assert TM.interpreting(), "TRITON_INTERPRET=1 must be set before the kernels are imported"
+    _fix_old_interpreter()
+    TM._new_buffer = _nan_buffer  # every buffer starts NaN: an unwritten element fails
+    seed = int(os.environ.get("OPREG_TEST_SEED", "0"))
+    verdicts = {}
+    for case_id in ALL_IDS:
+        try:
+            t0 = time.perf_counter()
+            (run_routing if case_id in ROUTING else run_case)(case_id, seed)
+            print(f"{case_id}: {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+            verdicts[case_id] = "ok"
+        except Exception as e:  # noqa: BLE001 - reported per case by the parent
+            verdicts[case_id] = f"{type(e).__name__}: {e}"[:2000]
+    print("VERDICTS " + json.dumps(verdicts))
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str]:
+    """Run the child once per module; its verdicts by case id."""
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    seed = getattr(sys.modules.get("conftest"), "SEED", 0)
+    env = dict(os.environ, TRITON_INTERPRET="1", OPREG_TEST_SEED=str(seed))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERDICTS ")]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"interpreter child failed (rc {proc.returncode}, seed {seed}):\n"
+                    f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("VERDICTS "):])
+
+
+@needs_triton
+@pytest.mark.xdist_group("triton_interpreter")  # one worker runs the child (--dist loadgroup)
+@pytest.mark.parametrize("case_id", ALL_IDS)
+def test_interpreted(case_id: str, interpreted: dict[str, str]) -> None:
+    assert interpreted.get(case_id) == "ok", interpreted.get(case_id, "not run")
+
+
+# ------------------------------------------------------------------ in process
+
+def _check_routing(ids: torch.Tensor, e: int, bm: int) -> None:
+    sorted_ids, block_expert = TM.align_block_size(ids, e, bm)
+    s = ids.numel()
+    flat = ids.reshape(-1).tolist()
+    nb = TM.num_blocks(s, e, bm)
+    assert sorted_ids.dtype == block_expert.dtype == torch.int32
+    assert sorted_ids.shape == (nb * bm,) and block_expert.shape == (nb,)
+    want = []  # the valid pairs by expert, each run in increasing pair order, padded
+    for x in range(e):
+        run = [p for p in range(s) if flat[p] == x]
+        want += run + [s] * (-len(run) % bm)
+    got = sorted_ids.tolist()
+    assert got[:len(want)] == want and all(v == s for v in got[len(want):])
+    used = len(want) // bm
+    for b in range(nb):
+        blk = [p for p in got[b * bm:(b + 1) * bm] if p < s]
+        if b >= used:
+            assert block_expert[b] == -1
+        else:
+            assert blk and all(flat[p] == block_expert[b] for p in blk)
+
+
+@needs_triton
+def test_config_table() -> None:
+    table = {"default": {"gemm1": {"16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4,
+                                              num_stages=4),
+                                   "inf": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8,
+                                               num_stages=4)},
+                         "gemm2": {"inf": dict(BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)},
+                         "combine": {"BLOCK_H": 512, "num_warps": 4}},
+             "tuned": {"bfloat16": {"N=256,K=128": {"gemm1": {"inf": dict(
+                 BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=2)}}}}}
+    assert TM.pick_config("gemm1", 2.0, 512, 512, torch.bfloat16, table=table)["BLOCK_M"] == 16
+    assert TM.pick_config("gemm1", 17.0, 512, 512, torch.bfloat16, table=table)["BLOCK_M"] == 128
+    assert TM.pick_config("gemm1", 99.0, 256, 128, torch.bfloat16, table=table)["BLOCK_N"] == 32  # tuned
+    assert TM.pick_config("gemm1", 99.0, 256, 128, torch.float16, table=table)["BLOCK_N"] == 128
+    c2 = TM.pick_config("gemm2", 99.0, 128, 128, torch.bfloat16, block_m=64, table=table)
+    assert c2["BLOCK_M"] == 64
+    f32 = TM.pick_config("gemm1", 999.0, 512, 512, torch.float32, table=table)  # shrunk to fit
+    assert f32["num_stages"] * f32["BLOCK_K"] * (128 + 2 * 128) * 4 <= TM._SMEM_BUDGET
+    # the shipped file parses and covers every bucket of both GEMMs
+    for gemm in ("gemm1", "gemm2"):
+        for rows in (1, 30, 200, 5000):
+            assert TM.pick_config(gemm, rows, 1536, 2048, torch.bfloat16, block_m=16)["BLOCK_N"] > 0
+
+
+@needs_triton
+def test_listed_and_unavailable_without_cuda() -> None:
+    TM.register()
+    try:
+        rows = {r["impl"]: r for r in opreg.implementations("moe_experts")}
+        assert rows["triton"]["devices"] == "cuda" and rows["triton"]["priority"] == 110
+        if torch.cuda.is_available():
+            assert rows["triton"]["available"], rows["triton"]["why_not"]
+        else:
+            assert not rows["triton"]["available"]
+            assert "CUDA" in rows["triton"]["why_not"] or "triton" in rows["triton"]["why_not"]
+    finally:
+        if not torch.cuda.is_available():  # leave the registry as this process found it
+            registry.remove_impl("moe_experts", "triton")
+
+
+@needs_triton
+def test_float64_runs_grouped(caplog: pytest.LogCaptureFixture) -> None:
+    args = make(6, 2, 16, 8, 4, torch.float64, "cpu", bias=True)
+    assert "float64" in TM.why_not_fused(*args)
+    with caplog.at_level("INFO", logger="opreg"):
+        got = TM.moe_experts_triton(*args)
+        TM.moe_experts_triton(*args)
+    assert torch.equal(got, M.grouped(*args))
+    assert sum("grouped path" in r.getMessage() for r in caplog.records) <= 1  # once per process
+
+
+@needs_triton
+def test_bad_input_raises_like_the_op() -> None:
+    args = make(6, 2, 8, 4, 3, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="down_proj"):
+        TM.moe_experts_triton(*sub(args, down_proj=args[5][:, :, :-1]))
+    with pytest.raises(ValueError, match="activation"):
+        TM.moe_experts_triton(*sub(args, activation="tanh"))
+
+
+# ------------------------------------------------------------------ CUDA
+
+needs_cuda = pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+CUDA_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _suite(samples=None) -> OpTestSuite:
+    from test_moe_experts import sample_inputs, BAD, make as mk
+    TM.register()
+    return OpTestSuite("moe_experts", samples or sample_inputs, bad=BAD, bad_context=opreg.check_indices,
+                       bad_sample=lambda device: mk(6, 2, 8, 4, 3, torch.float32, device))
+
+
+def _bigger(device: str, dtype: torch.dtype, requires_grad: bool = False):
+    """Shapes that reach every config bucket, with the families' layouts."""
+    for name, dims in (("decode", (4, 8, 256, 128, 64)), ("prefill", (512, 4, 256, 192, 16)),
+                       ("many rows", (2048, 2, 128, 96, 8))):
+        for fam in ("mixtral silu", "gpt_oss biases", "relu2 ungated"):
+            yield Sample(make(*dims, dtype, device, **FAMILIES[fam][1], sentinels=3), f"{name} {fam}")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+def test_cuda_correct(dtype: torch.dtype) -> None:
+    _suite().check_correctness("cuda", dtype, impl="triton")
+    _suite(_bigger).check_correctness("cuda", dtype, impl="triton")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("case_id", [c.replace("float32", "bfloat16") for c in CASE_IDS if c.endswith("float32")])
+def test_cuda_cases(case_id: str) -> None:
+    """The interpreted cases, compiled, in bfloat16 (the interpreter can't do bfloat16;
+    float32 and float16 compiled: test_cuda_correct)."""
+    old = TM._new_buffer
+    TM._new_buffer = _nan_buffer
+    try:
+        run_case(case_id, 0, "cuda")
+    finally:
+        TM._new_buffer = old
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("name", list(ROUTING))
+def test_cuda_routing(name: str) -> None:
+    run_routing(name, 0, "cuda")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+def test_cuda_deterministic(dtype: torch.dtype) -> None:
+    _suite(_bigger).check_deterministic("cuda", dtype, impl="triton")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+def test_cuda_graphs(dtype: torch.dtype) -> None:
+    suite = _suite()
+    assert suite.default_impl("cuda") == "triton"
+    suite.check_cuda_graphs(dtype)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_bad_input() -> None:
+    _suite().check_bad_input("cuda", impl="triton")
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_listed_and_bound() -> None:
+    TM.register()
+    rows = {r["impl"]: r for r in opreg.implementations("moe_experts")}
+    assert rows["triton"]["available"], rows["triton"]["why_not"]
+    torch.ops.opreg.moe_experts(*make(4, 2, 16, 8, 4, torch.bfloat16, "cuda"))
+    assert opreg.bound("moe_experts", "cuda") == "triton"
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_float64_falls_back() -> None:
+    args = make(6, 2, 16, 8, 4, torch.float64, "cuda")
+    assert torch.equal(TM.moe_experts_triton(*args), M.grouped(*args))
+
+
+if __name__ == "__main__":
+    _child_main()
