@@ -3,8 +3,10 @@
 #   STAGE=tests bash bench/device_run.sh   install, cold build (timed), warm first call, every test
 #   STAGE=bench bash bench/device_run.sh   the shape sweep, the backend models, the MoE block
 #   (default: both). Logs and JSON land in $OUT (default /tmp/opreg-out).
-# TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 8) runs it with xdist;
-# FIRST_CALL=0 skips the first-call timing.
+# TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
+# 16 cores) runs it with xdist; FIRST_CALL=0 skips the first-call timing.
+# Sized for one 10-minute device call: install + cold build ~1 min, the suite <= 5 min, the
+# benchmarks each under a timeout (BENCH_S, default 150 s for the three together).
 set -uo pipefail
 OUT=${OUT:-/tmp/opreg-out}
 STAGE=${STAGE:-all}
@@ -18,14 +20,18 @@ if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
   /usr/bin/time -f "cold build of every library: %e s wall" python3 -m opreg build 2>&1 | tee "$OUT/build.log"
   python3 -m opreg build 2>&1 | tail -4                       # warm: every library "cached"
   [ "${FIRST_CALL:-1}" = 1 ] && python3 bench/first_call.py --device cuda --runs 5 2>&1 | tee "$OUT/first_call.log"
-  W=${PYTEST_WORKERS:-8}
-  XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n $W" || echo "")
-  python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider $XDIST -rfE 2>&1 | tee "$OUT/tests.log" | tail -25
+  W=${PYTEST_WORKERS:-14}
+  XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n $W --dist loadgroup" || echo "-p no:xdist")
+  /usr/bin/time -f "the test suite: %e s wall" python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider $XDIST \
+    -rfE --durations=25 2>&1 | tee "$OUT/tests.log" | tail -45
 fi
 
 if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then
   python3 -m opreg build >/dev/null 2>&1
-  [ -f bench/sweep.py ] && timeout 330 python3 bench/sweep.py --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -40
-  timeout 150 python3 bench/backend_models.py --json "$OUT/backend_models.json" 2>&1 | tee "$OUT/backend_models.log" | tail -12
-  timeout 200 python3 bench/bench_moe_block.py 2>&1 | tee "$OUT/moe_block.log" | tail -20
+  B=${BENCH_S:-150}
+  timeout $((B / 3 + 15)) python3 bench/sweep.py --budget-s $((B / 3)) --json "$OUT/sweep.json" 2>&1 \
+    | tee "$OUT/sweep.log" | tail -40
+  timeout $((B / 3)) python3 bench/backend_models.py --json "$OUT/backend_models.json" 2>&1 \
+    | tee "$OUT/backend_models.log" | tail -12
+  timeout $((B / 3)) python3 bench/bench_moe_block.py --reps 20 2>&1 | tee "$OUT/moe_block.log" | tail -20
 fi

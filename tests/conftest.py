@@ -3,6 +3,7 @@ OPREG_TEST_SEED so a failure can be replayed), and the property tests' example c
 in the terminal summary."""
 from __future__ import annotations
 
+import collections
 import os
 import random
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,11 +30,30 @@ def _seed(request: pytest.FixtureRequest) -> None:
     torch.manual_seed(SEED ^ zlib.crc32(request.node.nodeid.encode()))
 
 
+_WORKER_EXAMPLES: collections.Counter[str] = collections.Counter()  # from xdist workers
+
+
+def _examples() -> collections.Counter[str]:
+    prop = sys.modules.get("test_property")
+    return collections.Counter(getattr(prop, "EXAMPLES", None) or {})
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # An xdist worker hands its counts to the controller, which prints the summary.
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["opreg_examples"] = dict(_examples())
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent without it
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    _WORKER_EXAMPLES.update(getattr(node, "workeroutput", {}).get("opreg_examples", {}))
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     # How many examples hypothesis ran (tests/test_property.py), for the record: a bounded
     # budget that silently ran nothing would otherwise look like a pass.
-    prop = sys.modules.get("test_property")
-    counts = getattr(prop, "EXAMPLES", None)
+    counts = _examples() + _WORKER_EXAMPLES
     if counts:
         terminalreporter.write_sep("-", f"opreg property tests: {sum(counts.values())} examples")
         for name, n in sorted(counts.items()):
