@@ -22,8 +22,10 @@ if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
   [ "${FIRST_CALL:-1}" = 1 ] && python3 bench/first_call.py --device cuda --runs 5 2>&1 | tee "$OUT/first_call.log"
   W=${PYTEST_WORKERS:-14}
   XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n $W --dist loadgroup" || echo "-p no:xdist")
-  /usr/bin/time -f "the test suite: %e s wall" python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider $XDIST \
-    -rfE --durations=25 2>&1 | tee "$OUT/tests.log" | tail -45
+  # -v: each result is in $OUT/tests.log as it happens (a run cut by the call's limit still
+  # names its failures); the terminal gets the failures, the slowest tests and the summary.
+  /usr/bin/time -f "the test suite: %e s wall" python3 -m pytest ${TESTS:-tests} -v -p no:cacheprovider $XDIST \
+    -rfE --durations=25 2>&1 | tee "$OUT/tests.log" | grep -E "FAILED|ERROR|s (call|setup)|passed|failed|wall"
 fi
 
 if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then

@@ -307,7 +307,9 @@ def _all_rowwise(callables: Iterable[Any]) -> bool:
     return True
 
 
-@torch.compiler.disable
+# torch._disable_dynamo is torch.compiler.disable imported on first call: the decorator
+# itself imports torch._dynamo, 2 s of every `import opreg` (half of it) on the 2-core box.
+@torch._disable_dynamo
 def grouped_experts(s: Any, final: Any, mask: Any, body: Callable[..., Any], skip: Any,
                     checks: Callable[[Any], tuple[Any, ...]], *origin: Any, unpack: str, form: str,
                     token: int, skip_empty: bool, cast: bool) -> torch.Tensor | None:
