@@ -1,6 +1,6 @@
 """pytest-benchmark: cat_linear against eager and Inductor.
 
-    pytest bench/bench_cat_linear.py --benchmark-group-by=param:case
+    pytest -n 0 bench/bench_cat_linear.py --benchmark-group-by=param:case
 
 Each case is timed for ``F.linear(torch.cat(parts, -1), W, b)`` eagerly and under
 ``torch.compile`` (Inductor), and for every opreg implementation available here,

@@ -1,6 +1,6 @@
 """pytest-benchmark: transformers' sparse-MoE blocks, HF's experts implementations vs opreg.
 
-    pytest bench/bench_moe_block.py --benchmark-group-by=param:config,param:mode
+    pytest -n 0 bench/bench_moe_block.py --benchmark-group-by=param:config,param:mode
     python bench/bench_moe_block.py [--tokens 4096] [--reps 50]   # the table (H200: bf16)
 
 Variants, each on the same block weights and input: ``hf_eager`` (the per-expert loop),

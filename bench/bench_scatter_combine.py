@@ -1,6 +1,6 @@
 """pytest-benchmark: scatter_combine against eager and Inductor.
 
-    pytest bench/bench_scatter_combine.py --benchmark-group-by=param:case
+    pytest -n 0 bench/bench_scatter_combine.py --benchmark-group-by=param:case
 
 Each case is timed for: the eager spelling users write (``index_add_``), opreg's
 reference, ``torch.compile`` (Inductor) of the eager spelling, and every opreg

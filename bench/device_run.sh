@@ -21,7 +21,7 @@ if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
   python3 -m opreg build 2>&1 | tail -4                       # warm: every library "cached"
   [ "${FIRST_CALL:-1}" = 1 ] && python3 bench/first_call.py --device cuda --runs 5 2>&1 | tee "$OUT/first_call.log"
   W=${PYTEST_WORKERS:-14}
-  XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n $W --dist loadgroup" || echo "-p no:xdist")
+  XDIST="-n $W"  # pytest-xdist is on the device image (pyproject's addopts ask for it)
   # -v: each result is in $OUT/tests.log as it happens (a run cut by the call's limit still
   # names its failures); the terminal gets the failures, the slowest tests and the summary.
   /usr/bin/time -f "the test suite: %e s wall" python3 -m pytest ${TESTS:-tests} -v -p no:cacheprovider $XDIST \

@@ -2,12 +2,18 @@
 comparisons with per-dtype tolerances and output poisoning."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Callable
+
+import filelock
 import pytest
 import torch
 
 from opreg.testing import TOL, assert_matches, map_tensors, poison
 
-__all__ = ["DEVICES", "FLOAT_DTYPES", "TOL", "assert_matches", "poison", "set_requires_grad", "skip_without"]
+__all__ = ["DEVICES", "FLOAT_DTYPES", "TOL", "assert_matches", "once_per_run", "poison", "set_requires_grad",
+           "skip_without"]
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -22,3 +28,19 @@ def set_requires_grad(args: tuple, flag: bool) -> tuple:
     """``args`` with every floating tensor (in lists too) made a leaf requiring grad if
     ``flag``: what a ``sample_inputs(..., requires_grad=True)`` returns."""
     return map_tensors(lambda t: t.requires_grad_(flag) if t.is_floating_point() else t, args)
+
+
+def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """A folder ``make(folder)`` filled once per test run, shared by every pytest-xdist
+    worker (their base temp folders share a parent): a costly child run (the Triton
+    interpreter, a distributed launch) happens once, wherever its tests were scheduled. A
+    ``make`` that raises leaves nothing behind, so the next worker tries again."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # workers: <base>/popen-gwN
+    folder = shared / f"once-{name}"
+    with filelock.FileLock(str(folder) + ".lock"):
+        if not (folder / ".done").exists():
+            folder.mkdir(exist_ok=True)
+            make(folder)
+            (folder / ".done").touch()
+    return folder

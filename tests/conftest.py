@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-SEED = int(os.environ.get("OPREG_TEST_SEED", random.randrange(2**31)))
+# In the environment, so that pytest-xdist's workers (started after this) draw the same one.
+SEED = int(os.environ.setdefault("OPREG_TEST_SEED", str(random.randrange(2**31))))
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -302,7 +302,8 @@ def test_python_fallback():
     if FALLBACK:
         pytest.skip("already the fallback")
     env = {**os.environ, "OPREG_TEST_AUTOGRAD": "python"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",
+    # -n 0: one process (the caller is already one of -n auto's workers).
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-m", "not cuda",
            "-k", "not test_python_fallback", __file__]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False,
                          cwd=Path(__file__).parent)

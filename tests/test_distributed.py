@@ -17,7 +17,6 @@ the launch has a hard deadline, after which the workers are killed and the tests
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from typing import Any
 
@@ -26,7 +25,9 @@ import torch
 import torch.multiprocessing as mp
 
 import _dist_worker as w
+from _util import once_per_run
 
+pytestmark = pytest.mark.xdist_group("distributed")  # mostly one worker (the launch runs once anyway)
 DEADLINE_S = 180   # the launch takes ~15 s; a hung collective times out in the workers at 60 s
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -66,17 +67,19 @@ def device(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def results(device: str) -> list[dict[str, Any]]:
-    """Per rank: scenario -> what the worker recorded (or {"error": traceback})."""
-    with tempfile.TemporaryDirectory(prefix="opreg_dist_") as out_dir:
+def results(device: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Per rank: scenario -> what the worker recorded (or {"error": traceback}). One launch
+    per device and test run, whichever xdist workers run the scenarios' tests."""
+    def launch(folder: Any) -> None:
         try:
-            _launch(out_dir, device)
+            _launch(str(folder), device)
         except mp.ProcessRaisedException as e:
             if "address already in use" not in str(e).lower():
                 raise
-            _launch(out_dir, device)   # the free port was taken between probing and binding: retry once
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
-                for r in range(w.WORLD)]
+            _launch(str(folder), device)   # the free port was taken between probing and binding: retry once
+
+    out_dir = once_per_run(tmp_path_factory, f"distributed-{device}", launch)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(w.WORLD)]
 
 
 @pytest.fixture(scope="module")

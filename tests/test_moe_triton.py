@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import zlib
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # run as the interpreter child: `python tests/test_moe_triton.py`
     sys.path.insert(0, HERE)
 
+from _util import once_per_run  # noqa: E402
 from test_moe_experts import FAMILIES, make, sub  # noqa: E402
 
 import opreg  # noqa: E402
@@ -225,23 +227,28 @@ def _child_main() -> None:
 
 
 @pytest.fixture(scope="module")
-def interpreted() -> dict[str, str]:
-    """Run the child once per module; its verdicts by case id."""
+def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Run the child once per test run (once across xdist workers); its verdicts by case id."""
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
     seed = getattr(sys.modules.get("conftest"), "SEED", 0)
-    env = dict(os.environ, TRITON_INTERPRET="1", OPREG_TEST_SEED=str(seed))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERDICTS ")]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"interpreter child failed (rc {proc.returncode}, seed {seed}):\n"
-                    f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("VERDICTS "):])
+
+    def run_child(folder: Any) -> None:
+        env = dict(os.environ, TRITON_INTERPRET="1", OPREG_TEST_SEED=str(seed))
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True,
+                              text=True, timeout=600)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERDICTS ")]
+        if proc.returncode != 0 or not lines:
+            pytest.fail(f"interpreter child failed (rc {proc.returncode}, seed {seed}):\n"
+                        f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        (folder / "verdicts.json").write_text(lines[-1][len("VERDICTS "):])
+
+    folder = once_per_run(tmp_path_factory, "triton-interpreter", run_child)
+    return json.loads((folder / "verdicts.json").read_text())
 
 
 @needs_triton
-@pytest.mark.xdist_group("triton_interpreter")  # one worker runs the child (--dist loadgroup)
+@pytest.mark.xdist_group("triton_interpreter")  # mostly one worker (the child runs once anyway)
 @pytest.mark.parametrize("case_id", ALL_IDS)
 def test_interpreted(case_id: str, interpreted: dict[str, str]) -> None:
     assert interpreted.get(case_id) == "ok", interpreted.get(case_id, "not run")
