@@ -256,28 +256,6 @@ def test_interpreted(case_id: str, interpreted: dict[str, str]) -> None:
 
 # ------------------------------------------------------------------ in process
 
-def _check_routing(ids: torch.Tensor, e: int, bm: int) -> None:
-    sorted_ids, block_expert = TM.align_block_size(ids, e, bm)
-    s = ids.numel()
-    flat = ids.reshape(-1).tolist()
-    nb = TM.num_blocks(s, e, bm)
-    assert sorted_ids.dtype == block_expert.dtype == torch.int32
-    assert sorted_ids.shape == (nb * bm,) and block_expert.shape == (nb,)
-    want = []  # the valid pairs by expert, each run in increasing pair order, padded
-    for x in range(e):
-        run = [p for p in range(s) if flat[p] == x]
-        want += run + [s] * (-len(run) % bm)
-    got = sorted_ids.tolist()
-    assert got[:len(want)] == want and all(v == s for v in got[len(want):])
-    used = len(want) // bm
-    for b in range(nb):
-        blk = [p for p in got[b * bm:(b + 1) * bm] if p < s]
-        if b >= used:
-            assert block_expert[b] == -1
-        else:
-            assert blk and all(flat[p] == block_expert[b] for p in blk)
-
-
 @needs_triton
 def test_config_table() -> None:
     table = {"default": {"gemm1": {"16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4,
