@@ -531,7 +531,7 @@ def moe_experts_triton(*args: Any) -> torch.Tensor:
     M.check(*args)
     # Negative ids raise as in the op's other paths: always off CUDA, on CUDA only when
     # asked (the check synchronises); unchecked, they contribute nothing.
-    if args[1].device.type != "cuda" or os.environ.get("OPREG_CHECK_INDICES") == "1":
+    if M.checks_ids_here(args[1]):
         M.check_ids(args[1])
     why = why_not_fused(*args)
     with torch.no_grad():  # the op's autograd is its own (the reference's): record nothing

@@ -221,8 +221,9 @@ def checked_ids(top_k_index: torch.Tensor) -> torch.Tensor:
     return top_k_index
 
 
-def _checks_ids_here(t: torch.Tensor) -> bool:
-    # CUDA: only when asked (a check synchronises); traced or not, via checked_ids.
+def checks_ids_here(t: torch.Tensor) -> bool:
+    """Whether an implementation checks expert id values for ``t``'s device: always off
+    CUDA; on CUDA only under ``opreg.check_indices()`` (the check synchronises)."""
     return t.device.type != "cuda" or os.environ.get("OPREG_CHECK_INDICES") == "1"
 
 
@@ -454,7 +455,7 @@ def grouped(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     """The op from grouped GEMMs and scatter_combine; differentiable (module docstring)."""
     check(hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias,
           activation, gated, transposed, interleaved, alpha, limit)
-    if _checks_ids_here(top_k_index):
+    if checks_ids_here(top_k_index):
         top_k_index = checked_ids(top_k_index)
     (t, k), e = top_k_index.shape, gate_up_proj.shape[0]
     # Half-precision rows are weighted in fp32, as transformers' fp32 routing weights are.
@@ -502,5 +503,5 @@ def _define() -> None:
 
 _define()
 
-__all__ = ["ACTIVATIONS", "GPT_OSS", "NAME", "apply_gate", "check", "check_ids", "checked_ids", "gather_rows",
-           "grouped", "grouped_linear", "reference", "unsupported", "uses_grouped_mm"]
+__all__ = ["ACTIVATIONS", "GPT_OSS", "NAME", "apply_gate", "check", "check_ids", "checked_ids", "checks_ids_here",
+           "gather_rows", "grouped", "grouped_linear", "reference", "unsupported", "uses_grouped_mm"]
