@@ -87,6 +87,64 @@ def eager64(x, idx, w, w1, b1, w2, b2, activation, gated, transposed, interleave
     return slots if per_slot else out
 
 
+
+def rounding_bound(x, idx, w, w1, b1, w2, b2, activation, gated, transposed, interleaved, alpha, limit,
+                   *, dtype: torch.dtype) -> torch.Tensor:
+    """(T, H) elementwise bound on how far two half-precision runs of the layer (an
+    implementation, and ``eager64``'s rounded model) may differ: a first-order forward error
+    analysis in float64 from the magnitudes of the terms (Higham, ch. 3), so a cancellation
+    is accounted for, not hidden under a normwise tolerance. Each stored value may round
+    twice (a GEMM, then its bias) in the implementation and once in the model:
+    - up-projection ``h``: ``dh = 1.5 eps (|x| |W1| + |b1|)``;
+    - gate: its largest change over the box ``h +- dh`` (its corners: the gate is
+      elementwise in (gate, up) pairs), plus ``4 eps |a|`` for the roundings inside it;
+      the box covers a rounded pre-activation that crosses a clamp and gpt_oss's ``up + 1``;
+    - expert output ``y``: ``|W2| da + 1.5 eps (|a| |W2| + |b2|)``;
+    - the weighted combine: ``|w| dy + 2 eps |w y|`` per slot.
+    Measured over 72,000 runs of random half-precision cases drawn like ``cases()``'s (the
+    reference and the grouped kernel): the largest error 0.42 of its bound."""
+    eps = torch.finfo(dtype).eps
+    d = lambda v: None if v is None else v.double()  # noqa: E731
+    x, w, w1, b1, w2, b2 = d(x), d(w), d(w1), d(b1), d(w2), d(b2)
+    lin = lambda v, m, b: (v @ m if transposed else v @ m.T) + (0 if b is None else b)  # noqa: E731
+    mag = lambda v, m, b: lin(v.abs(), m.abs(), None if b is None else b.abs())  # noqa: E731
+    gate = lambda v: M.apply_gate(v, activation, gated, interleaved, alpha, limit)  # noqa: E731
+    bound = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        tok, slot = torch.where(idx == e)
+        if tok.numel() == 0:
+            continue
+        b1e, b2e = None if b1 is None else b1[e], None if b2 is None else b2[e]
+        h = lin(x[tok], w1[e], b1e)
+        dh = 1.5 * eps * mag(x[tok], w1[e], b1e)
+        a = gate(h)
+        n = h.shape[-1]
+        first = (torch.arange(n) % 2 == 0) if interleaved else (torch.arange(n) < n // 2)
+        corners = []
+        for s1 in (-1.0, 1.0):
+            for s2 in (-1.0, 1.0):
+                sign = torch.where(first, s1, s2).to(h) if gated else torch.full((n,), s1, dtype=h.dtype)
+                corners.append((gate(h + sign * dh) - a).abs())
+        da = torch.stack(corners).amax(0) + 4 * eps * a.abs()
+        y = lin(a, w2[e], b2e)
+        dy = (da @ w2[e].abs() if transposed else da @ w2[e].abs().T) + 1.5 * eps * mag(a, w2[e], b2e)
+        ws = w[tok, slot, None].abs()
+        bound = bound.index_add(0, tok, ws * (dy + 2 * eps * y.abs()))
+    return bound
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, dtype: torch.dtype) -> None:
+    """``got`` (dtype) finite and within ``bound`` of ``want``, element by element."""
+    assert got.dtype == dtype and got.shape == want.shape, (got.dtype, got.shape, want.shape)
+    g = got.detach().double()
+    assert bool(torch.isfinite(g).all()), "non-finite output (unwritten element?)"
+    over = (g - want).abs() - bound
+    if g.numel() and float(over.max()) > 0:
+        j = int(over.flatten().argmax())
+        raise AssertionError(f"{dtype}: element {j} off by {float((g - want).abs().flatten()[j]):.3g}, "
+                             f"bound {float(bound.flatten()[j]):.3g}")
+
+
 # ------------------------------------------------------------------ 1. one semantics
 
 def _overflowing_unused_expert(dtype=torch.float16) -> list:
@@ -389,9 +447,15 @@ def test_property_every_path_agrees_with_float64(a):
     rounding = dtype if half else None
     want = eager64(*a, rounding=rounding)
     assert bool(torch.isfinite(want).all())
+    # Half precision: every element within the first-order rounding bound (at these sizes,
+    # 4 to 16 terms a sum, a 1-ulp difference in where a run rounds does not average out
+    # under a normwise tolerance: 17 of 36,000 correct runs exceeded it, CI saw one).
+    bound = rounding_bound(*a, dtype=dtype) if half else None
+    close = (lambda got: assert_within(got, want, bound, dtype)) if half else (  # noqa: E731
+        lambda got: assert_matches(got, want, dtype))
     for name, fn in (("reference", M.reference), ("grouped", M.grouped), ("op", OP)):
         try:
-            assert_matches(fn(*a), want, dtype)
+            close(fn(*a))
         except AssertionError as err:
             raise AssertionError(f"{name}: {err}") from None
     if a[0].shape[0] == 0:
@@ -401,7 +465,7 @@ def test_property_every_path_agrees_with_float64(a):
     _, g64 = grads_of(lambda *b: eager64(*b, rounding=rounding), a64, cot)
     for name, fn in (("op autograd", OP), ("grouped autograd", M.grouped)):
         out, g = grads_of(fn, a, cot.to(dtype))
-        assert_matches(out, want, dtype)
+        close(out)
         for j, (x, r) in enumerate(zip(g, g64)):
             try:
                 if j == 1:
