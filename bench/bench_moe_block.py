@@ -90,15 +90,20 @@ def step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, mode: str)
     return fwd_bwd
 
 
-def check(block: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
+def check(block: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+          mode: str = "fwd") -> float:
     """Normwise error of ``fn`` against HF eager in float64. In float32 it must be within
     tolerance; in bf16 it is reported, not asserted: bf16 router logits flip near-tied top-k
     choices, so even HF's own bf16 block is ~2 % off float64 (H200, 2026-12-01), and the
-    experts' accuracy is tested with a fixed routing (tests/test_transformers.py)."""
+    experts' accuracy is tested with a fixed routing (tests/test_transformers.py). ``mode``:
+    the grad mode of the call checked, the one then timed (a compiled ``fn`` compiles once
+    per grad mode: checking the other one compiled a graph never timed, 14 s on the CPU)."""
     ref = copy.deepcopy(block).double()
     ref.experts.config._experts_implementation = "eager"
+    with torch.set_grad_enabled(mode != "fwd"):
+        got = fn(x if mode == "fwd" else x.detach().requires_grad_()).detach()
     with torch.no_grad():
-        got, want = fn(x), ref(x.double())
+        want = ref(x.double())
         if x.dtype != torch.bfloat16:
             assert_matches(got, want, x.dtype)
         return float((got.double() - want).norm() / want.norm())
@@ -119,7 +124,7 @@ def test_moe_block(benchmark, config, var, mode):
     block, x = inputs(config, 64 if cpu else 4096, cpu)
     torch._dynamo.reset()
     fn = variant(block, var)
-    check(block, fn, x)
+    check(block, fn, x, mode)
     call = step(fn, x, mode)
     call()  # compile / plan outside the timing
     benchmark.extra_info.update(config=config, device=DEVICE, torch=torch.__version__,

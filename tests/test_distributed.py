@@ -27,7 +27,6 @@ import torch.multiprocessing as mp
 import _dist_worker as w
 from _util import once_per_run
 
-pytestmark = pytest.mark.xdist_group("distributed")  # mostly one worker (the launch runs once anyway)
 DEADLINE_S = 180   # the launch takes ~15 s; a hung collective times out in the workers at 60 s
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 

@@ -248,7 +248,6 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @needs_triton
-@pytest.mark.xdist_group("triton_interpreter")  # mostly one worker (the child runs once anyway)
 @pytest.mark.parametrize("case_id", ALL_IDS)
 def test_interpreted(case_id: str, interpreted: dict[str, str]) -> None:
     assert interpreted.get(case_id) == "ok", interpreted.get(case_id, "not run")

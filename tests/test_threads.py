@@ -25,11 +25,11 @@ import torch
 
 # REPEATS processes, PARALLEL at a time, each racing ROUNDS + 1 first uses. The old
 # binding failed about 1 first use in 6 to 1 in 30; a race costs milliseconds and a process
-# seconds (import torch, load the libraries: 14 s on 2 busy cores, 62 s of the H200 run for
-# 24 processes), so the chances come from rounds: 4 x 62 = 248 first uses miss a 1-in-30
-# race with probability (29/30)**248 < 0.03 % (24 x 5 = 120 before: 1.7 %), and 4 processes
-# still each load the built-in libraries under racing threads, all at once.
-THREADS, ROUNDS, REPEATS, PARALLEL = 6, 61, 4, 4
+# seconds (import torch, load the libraries: ~4 s of CPU each; 62 s of the H200 run for 24
+# processes), so the chances come from rounds: 2 x 124 = 248 first uses miss a 1-in-30
+# race with probability (29/30)**248 < 0.03 % (24 x 5 = 120 before: 1.7 %), and 2 processes
+# still load the built-in libraries under racing threads at the same time.
+THREADS, ROUNDS, REPEATS, PARALLEL = 6, 123, 2, 2
 JOIN_S = 600  # a thread not done by then is deadlocked (a cold build takes ~60 s)
 
 
