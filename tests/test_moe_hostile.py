@@ -87,7 +87,6 @@ def eager64(x, idx, w, w1, b1, w2, b2, activation, gated, transposed, interleave
     return slots if per_slot else out
 
 
-
 def rounding_bound(x, idx, w, w1, b1, w2, b2, activation, gated, transposed, interleaved, alpha, limit,
                    *, dtype: torch.dtype) -> torch.Tensor:
     """(T, H) elementwise bound on how far two half-precision runs of the layer (an
