@@ -340,7 +340,7 @@ def _compile_and_load(plan: _Plan, verbose: bool) -> Path:
     ext, out = plan.ext, plan.library.parent
     hashed = [f"-DOPREG_HEADERS_HASH={_source_hash(ext)}"]
     names = ", ".join(s.name for s in plan.sources)
-    estimate = "CUDA: ~1 min on 2 cores" if ext.cuda else "~30 s on 2 cores"
+    estimate = "CUDA: ~35 s on 2 cores" if ext.cuda else "~30 s on 2 cores"
     with _toolchain.using_cpp_extension(plan.env, ext.cuda) as cpp_extension, \
             _toolchain.progress(f"{ext.name} [{names}] into {out}", estimate):
         # A second load() of one name in a process only reloads what it loaded before:

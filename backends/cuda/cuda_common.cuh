@@ -11,6 +11,12 @@
 
 #include <cstdint>
 
+// The floating types every kernel is built for, as the host dispatches them
+// (AT_DISPATCH_FLOATING_TYPES_AND2(kHalf, kBFloat16)): OPREG_FOR_FLOAT_TYPES(M, FN)
+// expands to M(FN, T) for each T; the kernel files' explicit instantiations use it,
+// so the list is written once.
+#define OPREG_FOR_FLOAT_TYPES(M, FN) M(FN, float) M(FN, double) M(FN, c10::Half) M(FN, c10::BFloat16)
+
 namespace opreg {
 namespace cuda {
 

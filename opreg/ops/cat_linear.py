@@ -26,10 +26,9 @@ SCHEMA = "(Tensor[] parts, Tensor weight, Tensor? bias) -> Tensor"
 # kernel is short. The pattern emits it only up to this many multiply-adds (rows *
 # in-features * out-features) because its CUDA GEMM path used to build the matrix with
 # movedim + reshape, 9-14 % slower than the list form's at::cat (H200, bench/RESULTS.md).
-# It now runs the list form's kernels (at::cat(x.unbind(d), -1) + cuBLAS), and which
-# path runs is the cost model's choice in backends/cuda/cat_linear.cu, not a size limit,
-# so this cap can go once bench/sweep.py shows cat_linear_stacked within 3 % of eager
-# at GEMM sizes (its cat_linear_stacked/stacked/* rows with B 1024/8192).
+# It now runs the list form's kernels (at::cat(x.unbind(d), -1) + cuBLAS), so this cap
+# can go once bench/sweep.py shows cat_linear_stacked within 3 % of eager at GEMM sizes
+# (its cat_linear_stacked/stacked/* rows with B 1024/8192).
 STACKED_MAX_MACS = 1 << 24
 
 
