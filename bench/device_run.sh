@@ -25,7 +25,7 @@ if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
   # -v: each result is in $OUT/tests.log as it happens (a run cut by the call's limit still
   # names its failures); the terminal gets the failures, the slowest tests and the summary.
   /usr/bin/time -f "the test suite: %e s wall" python3 -m pytest ${TESTS:-tests} -v -p no:cacheprovider $XDIST \
-    -rfE --durations=25 2>&1 | tee "$OUT/tests.log" | grep -E "FAILED|ERROR|s (call|setup)|passed|failed|wall"
+    -rfE --durations=25 --junitxml "$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log" | grep -E "FAILED|ERROR|s (call|setup)|passed|failed|wall"
 fi
 
 if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then

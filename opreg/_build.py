@@ -283,8 +283,6 @@ def _load_or_build(plan: _Plan, verbose: bool) -> tuple[Path, str]:
             return _repair(plan, verbose), "rebuilt"
     before = _cache.snapshot(lib.parent, plan.inputs())
     _cache.discard(lib.parent)
-    with contextlib.suppress(FileNotFoundError):
-        (lib.parent / "lock").unlink()  # cpp_extension < 2.12 waits forever on a leftover one
     old = _cache.signature(lib)
     try:
         path = _compile_and_load(plan, verbose)
@@ -347,6 +345,11 @@ def _compile_and_load(plan: _Plan, verbose: bool) -> Path:
         # forget it, so that a repair really rebuilds.
         versions = getattr(cpp_extension, "JIT_EXTENSION_VERSIONER", None)
         getattr(versions, "entries", {}).pop(ext.name, None)
+        # cpp_extension < 2.12 waits forever on a leftover ``lock`` file (its holder was
+        # killed); every path here (first build, rebuild, repair) holds _exclusive, so no
+        # other opreg process is building into ``out`` and the file is stale.
+        with contextlib.suppress(FileNotFoundError):
+            (out / "lock").unlink()
         try:
             path = cpp_extension.load(
                 name=ext.name,

@@ -33,9 +33,14 @@ TESTS = Path(__file__).resolve().parent
 FIX = "OPREG_CACHE_DIR"
 HOST = [e for e in _build.extensions() if not e.cuda]
 
+# A child that rebuilds a library takes 5-20 s (2 cores; the H200 box under 14 xdist
+# workers). Past this it is hung: it exits printing every thread's stack.
+HANG_S = 180
+
 # The child: (preamble), then list -> call scatter_combine -> list, recording warnings.
 CHILD = r'''
-import json, sys, warnings
+import faulthandler, json, sys, warnings
+faulthandler.dump_traceback_later({hang_s}, exit=True)  # a hang fails with its stack, not a timeout
 sys.path.insert(0, {tests!r})
 warnings.simplefilter("always")
 with warnings.catch_warnings(record=True) as caught:
@@ -62,11 +67,11 @@ print(json.dumps({{"before": before, "after": after, "bound": opreg.bound("scatt
 def run_child(tmp_path: Path, cache: Path, preamble: str = "", env: dict[str, str] | None = None,
               drop_dac: bool = False) -> tuple[dict, subprocess.CompletedProcess[str]]:
     result = tmp_path / f"result-{uuid.uuid4().hex[:8]}.pt"
-    code = CHILD.format(tests=str(TESTS), seed=int(torch.randint(0, 2**31, ())),
+    code = CHILD.format(tests=str(TESTS), seed=int(torch.randint(0, 2**31, ())), hang_s=HANG_S,
                         result=str(result), preamble=textwrap.indent(preamble or "pass", "    "))
     full_env = {**os.environ, "OPREG_CACHE_DIR": str(cache), **(env or {})}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=600, env=full_env, preexec_fn=_drop_dac if drop_dac else None)
+                          timeout=HANG_S + 60, env=full_env, preexec_fn=_drop_dac if drop_dac else None)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     r = torch.load(result)
@@ -253,10 +258,10 @@ def test_build_killed_half_way_blocks_and_poisons_nothing(tmp_path, built):
             os.kill(os.getpid(), signal.SIGKILL)
         ce.load = killed
     """)
-    code = CHILD.format(tests=str(TESTS), seed=0, result=str(tmp_path / "x.pt"),
+    code = CHILD.format(tests=str(TESTS), seed=0, result=str(tmp_path / "x.pt"), hang_s=HANG_S,
                         preamble=textwrap.indent(dies, "    "))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OPREG_CACHE_DIR": str(cache)})
+                          timeout=HANG_S + 60, env={**os.environ, "OPREG_CACHE_DIR": str(cache)})
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert not (out / _cache.STAMP).exists()
     t0 = time.monotonic()
