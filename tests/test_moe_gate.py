@@ -170,6 +170,30 @@ def test_swap_act_fn_under_compile():
     assert OPREG not in same_as_eager_compiled(fast, m, call)
 
 
+@pytest.mark.parametrize("cls", [MixtralExperts, GptOssExperts])
+def test_training_under_inductor_fullgraph(cls):
+    """Training through experts_implementation="opreg" under torch.compile(fullgraph=True),
+    Inductor. Off bf16 ``_grouped_mm`` the differentiable grouped path reads group sizes on the
+    host, which Inductor could not lower (GuardOnDataDependentSymNode); traced, the op runs
+    as one node instead, its backward an op of its own: output and every gradient HF eager's."""
+    torch._dynamo.reset()
+    m = experts(cls, dtype=torch.float32)
+    ref = eager_twin(m).double()
+    x, ids, w = inputs(torch.float32)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    out, ops = ops_run(lambda: torch.compile(m, fullgraph=True)(x, ids, w))
+    assert OPREG in ops
+    xd, wd = (t.detach().double().requires_grad_(True) for t in (x, w))
+    want = ref(xd, ids, wd)
+    assert_matches(out, want.detach(), torch.float32)
+    cot = torch.randn_like(want)
+    got_g = torch.autograd.grad(out, (x, w, *m.parameters()), cot.float())
+    want_g = torch.autograd.grad(want, (xd, wd, *ref.parameters()), cot)
+    for g, v in zip(got_g, want_g, strict=True):
+        assert_matches(g, v, torch.float32)
+
+
 # ------------------------------------------------------------------ what can't be proved falls back
 
 def test_clamped_lambda_falls_back():

@@ -151,8 +151,21 @@ def _forward(module: nn.Module, call: tuple[Any, ...], kwargs: dict[str, Any], f
                bool(getattr(module, "is_transposed", False)), plan.interleaved, plan.alpha, plan.limit)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, top_k_weights, w1, b1, w2, b2))
-    out = spec.grouped(*op_args) if needs_grad else torch.ops.opreg.moe_experts(*op_args)
-    return out.to(hidden_states.dtype)
+    return _experts(op_args, needs_grad).to(hidden_states.dtype)
+
+
+def _experts(op_args: tuple[Any, ...], needs_grad: bool) -> torch.Tensor:
+    """Without gradients: the op. Training: the differentiable grouped path (its backward is
+    grouped GEMMs too), except where tracing it would leave data-dependent sizes in the graph
+    (one GEMM per expert after a host read: off bf16 ``_grouped_mm``), which Inductor can't
+    lower (GuardOnDataDependentSymNode) and Dynamo without fullgraph splits at every
+    projection: there the op itself, one node whose backward is an op of its own."""
+    if not needs_grad:
+        return torch.ops.opreg.moe_experts(*op_args)
+    x, w1, w2, transposed = op_args[0], op_args[3], op_args[5], op_args[9]
+    if torch.compiler.is_compiling() and not spec.grouped_traces_whole(x, w1, w2, transposed):
+        return torch.ops.opreg.moe_experts(*op_args)
+    return spec.grouped(*op_args)
 
 
 # ----------------------------------------------------------------------------- opreg.optimize

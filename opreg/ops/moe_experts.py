@@ -422,6 +422,16 @@ def uses_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
             and _sm90_or_newer(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
+def grouped_traces_whole(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                         transposed: bool) -> bool:
+    """Do both of :func:`grouped`'s projections run on ``torch._grouped_mm``? Then it has no
+    host read and traces with no data-dependent size; else each projection reads the group
+    sizes on the host (one GEMM per expert)."""
+    w1 = gate_up_proj if transposed else gate_up_proj.transpose(-2, -1)  # (E, H, N)
+    w2 = down_proj if transposed else down_proj.transpose(-2, -1)        # (E, I, H)
+    return uses_grouped_mm(x, w1) and uses_grouped_mm(x.new_empty(0, w2.shape[-2]), w2)
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, b: Optional[torch.Tensor],
                    expert_of_row: torch.Tensor, transposed: bool) -> torch.Tensor:
     """Rows of ``x`` (S, K) sorted by expert, group e = rows [offs[e-1], offs[e]), times
@@ -504,4 +514,4 @@ def _define() -> None:
 _define()
 
 __all__ = ["ACTIVATIONS", "GPT_OSS", "NAME", "apply_gate", "check", "check_ids", "checked_ids", "checks_ids_here",
-           "gather_rows", "grouped", "grouped_linear", "reference", "unsupported", "uses_grouped_mm"]
+           "gather_rows", "grouped", "grouped_linear", "grouped_traces_whole", "reference", "unsupported", "uses_grouped_mm"]
