@@ -514,4 +514,5 @@ def _define() -> None:
 _define()
 
 __all__ = ["ACTIVATIONS", "GPT_OSS", "NAME", "apply_gate", "check", "check_ids", "checked_ids", "checks_ids_here",
-           "gather_rows", "grouped", "grouped_linear", "grouped_traces_whole", "reference", "unsupported", "uses_grouped_mm"]
+           "gather_rows", "grouped", "grouped_linear", "grouped_traces_whole", "reference", "unsupported",
+           "uses_grouped_mm"]
