@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
+import _fresh as fresh
 from _util import DEVICES, assert_matches, poison, skip_without
 from torch.func import jvp, vmap
 
@@ -303,8 +302,7 @@ def test_python_fallback():
         pytest.skip("already the fallback")
     env = {**os.environ, "OPREG_TEST_AUTOGRAD": "python"}
     # -n 0: one process (the caller is already one of -n auto's workers).
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-m", "not cuda",
+    cmd = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-m", "not cuda",
            "-k", "not test_python_fallback", __file__]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False,
-                         cwd=Path(__file__).parent)
+    out = fresh.run(cmd, timeout=600, env=env, cwd=Path(__file__).parent)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]

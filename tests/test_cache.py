@@ -27,6 +27,7 @@ from torch.utils import cpp_extension
 
 from opreg import _build, _cache
 
+import _fresh as fresh
 from _util import assert_matches
 
 TESTS = Path(__file__).resolve().parent
@@ -70,8 +71,11 @@ def run_child(tmp_path: Path, cache: Path, preamble: str = "", env: dict[str, st
     code = CHILD.format(tests=str(TESTS), seed=int(torch.randint(0, 2**31, ())), hang_s=HANG_S,
                         result=str(result), preamble=textwrap.indent(preamble or "pass", "    "))
     full_env = {**os.environ, "OPREG_CACHE_DIR": str(cache), **(env or {})}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=HANG_S + 60, env=full_env, preexec_fn=_drop_dac if drop_dac else None)
+    if drop_dac:  # a real exec: the capabilities are recomputed there from the bounding set
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=HANG_S + 60, env=full_env, preexec_fn=_drop_dac)
+    else:
+        proc = fresh.run(["-c", code], timeout=HANG_S + 60, env=full_env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     r = torch.load(result)
@@ -260,8 +264,7 @@ def test_build_killed_half_way_blocks_and_poisons_nothing(tmp_path, built):
     """)
     code = CHILD.format(tests=str(TESTS), seed=0, result=str(tmp_path / "x.pt"), hang_s=HANG_S,
                         preamble=textwrap.indent(dies, "    "))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=HANG_S + 60, env={**os.environ, "OPREG_CACHE_DIR": str(cache)})
+    proc = fresh.run(["-c", code], timeout=HANG_S + 60, env={**os.environ, "OPREG_CACHE_DIR": str(cache)})
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert not (out / _cache.STAMP).exists()
     t0 = time.monotonic()

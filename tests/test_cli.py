@@ -5,16 +5,16 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from opreg import _build
 
+import _fresh as fresh
+
 
 def opreg_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "opreg", *args], capture_output=True,
-                          text=True, timeout=900, env={**os.environ, **env})
+    return fresh.run(["-m", "opreg", *args], timeout=900, env={**os.environ, **env})
 
 
 def test_list():

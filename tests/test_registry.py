@@ -4,8 +4,6 @@ from __future__ import annotations
 import itertools
 import os
 import stat
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 import opreg
 from opreg import _build, registry
 
+import _fresh as fresh
 from _util import assert_matches
 
 SC = torch.ops.opreg.scatter_combine.default
@@ -210,7 +209,7 @@ def test_stale_lock_does_not_hang():
     SC(*sc_inputs())  # make sure the library is built
     (_build.build_dir(_build.CPU) / "lock").write_text("")
     code = "import opreg._build as b; b.build(b.CPU); print('ok')"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = fresh.run(["-c", code], timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 
@@ -281,6 +280,5 @@ assert opreg.autograd_kind("scatter_combine") == opreg.autograd_kind("cat_linear
 print("ok")
 """
     env = {**os.environ, "CXX": "/bin/false", "OPREG_CACHE_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, env=env)
+    out = fresh.run(["-c", code], timeout=300, env=env)
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr[-3000:]

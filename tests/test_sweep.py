@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import _fresh as fresh
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = ROOT / "bench" / "sweep.py"
@@ -31,8 +32,7 @@ def groups(sweep) -> list[str]:
 
 def test_cli_end_to_end(tmp_path, sweep):
     out = tmp_path / "sweep.json"
-    p = subprocess.run([sys.executable, str(SWEEP), "--device", "cpu", "--json", str(out)],
-                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+    p = fresh.run([str(SWEEP), "--device", "cpu", "--json", str(out)], timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     text = p.stdout
     for g in groups(sweep):

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import _fresh as fresh
+
 # REPEATS processes, PARALLEL at a time, each racing ROUNDS + 1 first uses. The old
 # binding failed about 1 first use in 6 to 1 in 30; a race costs milliseconds and a process
 # seconds (import torch, load the libraries: ~4 s of CPU each; 62 s of the H200 run for 24
@@ -142,14 +144,11 @@ def worker(device: str, n_threads: int, rounds: int) -> dict:
 
 # ---------------------------------------------------------------------------- tests
 
-def _spawn(device: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, __file__, "worker", device, str(THREADS), str(ROUNDS)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, **(env or {})})
+def _spawn(device: str, env: dict[str, str] | None = None) -> fresh.Popen:
+    return fresh.Popen([__file__, "worker", device, str(THREADS), str(ROUNDS)], env={**os.environ, **(env or {})})
 
 
-def _check(proc: subprocess.Popen, timeout: float) -> dict:
+def _check(proc: fresh.Popen, timeout: float) -> dict:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
