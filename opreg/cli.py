@@ -1,4 +1,4 @@
-"""``python -m opreg {list,build,demo}``: what exists, build it, see it work."""
+"""``python -m opreg {list,build,demo,explain,tune}``: what exists, build it, see it work, tune it."""
 from __future__ import annotations
 
 import argparse
@@ -158,9 +158,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--device", help="cpu or cuda (default: cuda if present)")
     e = sub.add_parser("explain", help="show what the opreg backend rewrites in a model")
     e.add_argument("rest", nargs=argparse.REMAINDER)
+    t = sub.add_parser("tune", help="choose an op's fused-kernel block configs on this GPU (--help after the op)")
+    t.add_argument("op", choices=["moe_experts"])
+    t.add_argument("rest", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     if args.cmd == "explain":
         from opreg import explain
 
         return explain.main(args.rest)
+    if args.cmd == "tune":
+        from opreg.backends.triton import tune
+
+        return tune.main(args.rest)
     return {"list": cmd_list, "build": cmd_build, "demo": cmd_demo}[args.cmd](args)

@@ -384,7 +384,8 @@ def pick_config(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.
     bucket = _bucket(rows_per_expert, list(default))
     dname = str(dtype).replace("torch.", "")
     tuned = table.get("tuned", {}).get(dname, {}).get(f"N={n},K={k}", {}).get(gemm, {})
-    cfg = dict(tuned.get(_bucket(rows_per_expert, list(tuned)), default[bucket]) if tuned else default[bucket])
+    # The default's buckets for both: a shape tuned at 256 rows per expert says nothing of decode.
+    cfg = dict(tuned.get(bucket, default[bucket]))
     cfg.setdefault("BLOCK_M", block_m or 64)
     if block_m is not None:
         cfg["BLOCK_M"] = block_m

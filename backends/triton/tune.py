@@ -1,0 +1,181 @@
+"""``python -m opreg tune moe_experts``: choose the fused MoE kernels' block configs on this GPU.
+
+For each expert shape (E experts, hidden H, intermediate I, top-k) and token count T, on
+random bf16 inputs (uniform routing, SiLU-gated, transformers' layout), it times the whole
+fused forward (:func:`moe_experts.fused_experts_forward`) with each candidate config:
+first GEMM1's (which also fixes BLOCK_M, the padded row block both GEMMs walk) with GEMM2
+at its default, then GEMM2's with GEMM1's best. Coordinate descent, not the full product:
+11 x 7 candidates would be 77 compiles per shape, this is 18. The winners go into the table
+``moe_experts_configs.json`` under ``tuned[dtype]["N=<n>,K=<k>"][gemm][bucket]`` (the
+bucket of T * k / E rows per expert), which :func:`moe_experts.pick_config` reads; a
+config that does not beat the default by more than the timing noise (2 %) is not written.
+
+It is bounded: ``--budget-s`` stops it starting new candidates (what it found is still
+written), and it runs only when asked -- a user's first call never tunes. On the CPU under
+``TRITON_INTERPRET=1`` it runs (tiny shapes, for the tests); the times mean nothing there.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import moe_experts as fused
+
+# name: (experts, hidden, intermediate, top-k): the configs of issue 18's table.
+SHAPES = {"mixtral": (8, 2048, 4096, 2), "qwen3_moe": (128, 2048, 768, 8), "olmoe": (64, 2048, 1024, 8)}
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages); the defaults' "inf" entries
+# among them. Large-M tiles for many rows per expert, 16/32-row tiles for decode.
+GEMM1 = [(64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (64, 128, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3),
+         (128, 64, 64, 8, 4, 4), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3),
+         (128, 128, 128, 8, 8, 3), (16, 64, 128, 1, 4, 4), (32, 128, 64, 8, 4, 4)]
+# (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
+GEMM2 = [(64, 64, 8, 4, 4), (128, 64, 8, 4, 4), (128, 64, 8, 8, 4), (256, 64, 8, 8, 4), (256, 64, 8, 8, 3),
+         (128, 128, 8, 8, 3), (256, 128, 8, 8, 3)]
+NOISE = 0.02
+# Normwise error of the winner against the grouped path (same inputs, same dtype): both
+# round to the dtype, so about its epsilon times a small factor.
+MAX_ERROR = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}
+
+
+def _gemm1(c: tuple[int, ...]) -> dict[str, int]:
+    return dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"), c))
+
+
+def _gemm2(c: tuple[int, ...]) -> dict[str, int]:
+    return dict(zip(("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"), c))
+
+
+def time_us(fn: Callable[[], Any], reps: int) -> float:
+    """Median of ``reps`` calls after 3 warm-ups: CUDA events on the GPU, the wall clock
+    elsewhere (the interpreter: a run that says nothing of speed)."""
+    for _ in range(3):
+        fn()
+    cuda = torch.cuda.is_available() and not fused.interpreting()
+    if not cuda:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    torch.cuda.synchronize()
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
+
+
+def inputs(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, device: str) -> tuple[Any, ...]:
+    """The op's arguments: random rows, uniform top-k routing, SiLU-gated experts."""
+    x = torch.randn(t, h, device=device, dtype=dtype)
+    ids = torch.rand(t, e, device=device).topk(k, dim=-1).indices
+    rw = torch.rand(t, k, device=device, dtype=torch.float32).softmax(-1).to(dtype)
+    w1 = torch.randn(e, 2 * i, h, device=device, dtype=dtype) * h ** -0.5
+    w2 = torch.randn(e, h, i, device=device, dtype=dtype) * i ** -0.5
+    return (x, ids, rw, w1, None, w2, None, "silu", True, False, False, 1.702, float("inf"))
+
+
+def tune_shape(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, device: str, reps: int,
+               deadline: float, gemm1: list[tuple[int, ...]] = GEMM1,
+               gemm2: list[tuple[int, ...]] = GEMM2) -> dict[str, Any]:
+    """Time the candidates for one shape; returns {"default_us", "best_us", "gemm1", "gemm2",
+    "rows_per_expert", "error"}: the winner's normwise error against the grouped path."""
+    args = inputs(e, h, i, k, t, dtype, device)
+    rpe = t * k / e
+
+    def run(c1: Optional[dict[str, int]], c2: Optional[dict[str, int]]) -> float:
+        configs = {name: c for name, c in (("gemm1", c1), ("gemm2", c2)) if c is not None}
+        return time_us(lambda: fused.fused_experts_forward(*args, configs=configs), reps)
+
+    default_us = run(None, None)
+    d1 = fused.pick_config("gemm1", rpe, 2 * i, h, dtype)
+    best1, best1_us = d1, default_us
+    for c in gemm1:
+        if time.monotonic() > deadline:
+            break
+        us = run(_gemm1(c), None)
+        if us < best1_us:
+            best1, best1_us = _gemm1(c), us
+    d2 = fused.pick_config("gemm2", rpe, h, i, dtype, block_m=best1["BLOCK_M"])
+    best2, best_us = d2, best1_us
+    for c in gemm2:
+        if time.monotonic() > deadline:
+            break
+        us = run(best1, {**_gemm2(c), "BLOCK_M": best1["BLOCK_M"]})
+        if us < best_us:
+            best2, best_us = {**_gemm2(c), "BLOCK_M": best1["BLOCK_M"]}, us
+    got = fused.fused_experts_forward(*args, configs={"gemm1": best1, "gemm2": best2}).double()
+    want = fused.M.grouped(*args).double()
+    error = float((got - want).norm() / want.norm().clamp_min(1e-30))
+    best2 = {key: v for key, v in best2.items() if key != "BLOCK_M"}  # gemm2 runs with gemm1's
+    return {"default_us": default_us, "best_us": best_us, "gemm1": best1, "gemm2": best2, "rows_per_expert": rpe,
+            "error": error}
+
+
+def record(table: dict[str, Any], e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype,
+           found: dict[str, Any]) -> bool:
+    """Write ``found`` into ``table["tuned"]`` if it beats the default by more than NOISE
+    and computes what the grouped path does (a config is never kept on speed alone)."""
+    if found["best_us"] > found["default_us"] * (1 - NOISE) or not found["error"] <= MAX_ERROR[dtype]:
+        return False
+    dname = str(dtype).replace("torch.", "")
+    rpe = found["rows_per_expert"]
+    for gemm, n, kk in (("gemm1", 2 * i, h), ("gemm2", h, i)):
+        bucket = fused._bucket(rpe, list(table["default"][gemm]))
+        entry = table.setdefault("tuned", {}).setdefault(dname, {}).setdefault(f"N={n},K={kk}", {})
+        entry.setdefault(gemm, {})[bucket] = found[gemm]
+    return True
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m opreg tune moe_experts", description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default=",".join(SHAPES),
+                   help=f"names ({', '.join(SHAPES)}) or E:H:I:k, comma-separated")
+    p.add_argument("--tokens", default="4096", help="token counts, comma-separated")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--budget-s", type=float, default=600.0, help="start no candidate after this")
+    p.add_argument("--max-candidates", type=int, default=None, help="the first N of each list (tests)")
+    p.add_argument("--out", default=fused.CONFIG_FILE, help="the table to update (default: the package's)")
+    a = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not fused.interpreting() else "cpu"
+    if device == "cpu" and not fused.interpreting():
+        p.error("tuning needs a CUDA GPU (or TRITON_INTERPRET=1, for tests: its times mean nothing)")
+    dtype = getattr(torch, a.dtype)
+    shapes = [SHAPES[s] if s in SHAPES else tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
+    if fused._NO_TRITON is not None:
+        p.error(fused._NO_TRITON)
+    with open(a.out if os.path.exists(a.out) else fused.CONFIG_FILE) as f:  # update it, or start from ours
+        table = json.load(f)
+    deadline = time.monotonic() + a.budget_s
+    print(f"tuning moe_experts ({a.dtype}) on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
+          f"{len(GEMM1)} GEMM1 and {len(GEMM2)} GEMM2 candidates per shape, budget {a.budget_s:.0f} s", flush=True)
+    for (e, h, i, k) in shapes:
+        for t in (int(v) for v in a.tokens.split(",")):
+            found = tune_shape(e, h, i, k, t, dtype, device, a.reps, deadline,
+                               GEMM1[:a.max_candidates], GEMM2[:a.max_candidates])
+            kept = record(table, e, h, i, k, t, dtype, found)
+            print(f"E={e} H={h} I={i} k={k} T={t}: default {found['default_us']:.0f} us, "
+                  f"best {found['best_us']:.0f} us ({found['default_us'] / found['best_us']:.2f}x) "
+                  f"error {found['error']:.1e}; gemm1={found['gemm1']} gemm2={found['gemm2']}: "
+                  f"{'written' if kept else 'default kept'}",
+                  flush=True)
+    table["tuned_on"] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
+                         "torch": torch.__version__, "triton": getattr(fused.triton, "__version__", None),
+                         "date": datetime.date.today().isoformat()}
+    with open(a.out, "w") as f:
+        json.dump(table, f, indent=2)
+        f.write("\n")
+    print(f"wrote {a.out}")
+    return 0

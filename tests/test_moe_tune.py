@@ -1,0 +1,78 @@
+"""``python -m opreg tune moe_experts`` (backends/triton/tune.py): what it keeps, what
+pick_config then reads, and a whole run under Triton's interpreter (tiny shape, float32: its
+times mean nothing there, the plumbing does)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import _fresh as fresh
+from opreg.backends.triton import moe_experts as TM
+from opreg.backends.triton import tune
+
+needs_triton = pytest.mark.skipif(TM.triton is None, reason="triton is not installed")
+
+
+def _table() -> dict:
+    with open(TM.CONFIG_FILE) as f:
+        return json.load(f)
+
+
+def _found(default_us: float, best_us: float, error: float) -> dict:
+    return {"default_us": default_us, "best_us": best_us, "rows_per_expert": 256.0, "error": error,
+            "gemm1": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+            "gemm2": dict(BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)}
+
+
+@pytest.mark.parametrize("best_us, error, kept", [
+    (90.0, 1e-3, True),            # faster and right: written
+    (99.0, 1e-3, False),           # within the noise: the default stays
+    (90.0, 5e-2, False),           # faster but off the grouped path: never kept
+    (90.0, float("nan"), False)])
+def test_record_keeps_only_a_faster_right_config(best_us, error, kept):
+    e, h, i, k, t = 128, 2048, 768, 8, 4096
+    table = _table()
+    found = _found(100.0, best_us, error)
+    assert tune.record(table, e, h, i, k, t, torch.bfloat16, found) is kept
+    got1 = TM.pick_config("gemm1", t * k / e, 2 * i, h, torch.bfloat16, table=table)
+    got2 = TM.pick_config("gemm2", t * k / e, h, i, torch.bfloat16, block_m=got1["BLOCK_M"], table=table)
+    default1 = TM.pick_config("gemm1", t * k / e, 2 * i, h, torch.bfloat16, table=_table())
+    assert (got1 == found["gemm1"]) is kept and (got1 == default1) is not kept
+    assert ({key: v for key, v in got2.items() if key != "BLOCK_M"} == found["gemm2"]) is kept
+    # another shape, or another bucket of this one, keeps its default
+    assert TM.pick_config("gemm1", 4.0, 2 * i, h, torch.bfloat16, table=table) == \
+        TM.pick_config("gemm1", 4.0, 2 * i, h, torch.bfloat16, table=_table())
+
+
+def test_needs_a_gpu_or_the_interpreter(capsys):
+    if torch.cuda.is_available() or TM.interpreting():
+        pytest.skip("there is a GPU (or the interpreter) here")
+    with pytest.raises(SystemExit) as exc:
+        tune.main(["--shapes", "4:32:16:2"])
+    assert exc.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@needs_triton
+def test_a_run_under_the_interpreter(tmp_path):
+    out = tmp_path / "configs.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = fresh.run(["-m", "opreg", "tune", "moe_experts", "--shapes", "4:32:16:2", "--tokens", "8",
+                     "--reps", "1", "--max-candidates", "2", "--dtype", "float32", "--out", str(out)],
+                    env=env, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "E=4 H=32 I=16 k=2 T=8: default" in run.stdout and f"wrote {out}" in run.stdout
+    table = json.loads(out.read_text())
+    assert table["tuned_on"]["device"] == "cpu (interpreter)"
+    assert table["default"] == _table()["default"]  # only "tuned" changes
+    written = [(shape, gemm, bucket, cfg) for shape, gemms in table["tuned"].get("float32", {}).items()
+               for gemm, buckets in gemms.items() for bucket, cfg in buckets.items()]
+    assert written or "default kept" in run.stdout, run.stdout
+    for shape, gemm, bucket, cfg in written:  # what pick_config now returns for that shape
+        n, k = (int(v.split("=")[1]) for v in shape.split(","))
+        rpe = float(bucket) if bucket != "inf" else 1e9
+        got = TM.pick_config(gemm, rpe, n, k, torch.float32, block_m=cfg.get("BLOCK_M"), table=table)
+        assert all(got[key] == v for key, v in cfg.items() if key != "num_stages"), (cfg, got)
+        assert got["num_stages"] <= cfg["num_stages"]  # shrunk only to fit shared memory
