@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import time
@@ -94,9 +95,20 @@ def tune_shape(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, devic
     args = inputs(e, h, i, k, t, dtype, device)
     rpe = t * k / e
 
+    itemsize = torch.empty((), dtype=dtype).element_size()
+
     def run(c1: Optional[dict[str, int]], c2: Optional[dict[str, int]]) -> float:
+        """The forward's time with these configs; inf for one whose pipelined tiles do not
+        fit in shared memory (pick_config would shrink it into another candidate)."""
         configs = {name: c for name, c in (("gemm1", c1), ("gemm2", c2)) if c is not None}
-        return time_us(lambda: fused.fused_experts_forward(*args, configs=configs), reps)
+        for name, c in configs.items():
+            c = {**c, "BLOCK_M": c.get("BLOCK_M", (c1 or {}).get("BLOCK_M", 64))}
+            if fused._fit_smem(c, itemsize, 2 if name == "gemm1" else 1) != c:
+                return math.inf
+        try:
+            return time_us(lambda: fused.fused_experts_forward(*args, configs=configs), reps)
+        except fused.triton.runtime.errors.OutOfResources:  # registers or shared memory after all
+            return math.inf
 
     default_us = run(None, None)
     d1 = fused.pick_config("gemm1", rpe, 2 * i, h, dtype)
