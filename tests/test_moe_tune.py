@@ -65,6 +65,7 @@ def test_a_whole_run(tmp_path):
                     env=env, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "E=4 H=32 I=16 k=2 T=8: default" in run.stdout and f"wrote {out}" in run.stdout
+    assert "4 of 4 candidates tried" in run.stdout  # the budget (600 s) is not spent on a build
     table = json.loads(out.read_text())
     assert table["tuned_on"]["device"] == (torch.cuda.get_device_name() if torch.cuda.is_available()
                                            else "cpu (interpreter)")

@@ -113,9 +113,11 @@ def tune_shape(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, devic
     default_us = run(None, None)
     d1 = fused.pick_config("gemm1", rpe, 2 * i, h, dtype)
     best1, best1_us = d1, default_us
+    tried = 0
     for c in gemm1:
         if time.monotonic() > deadline:
             break
+        tried += 1
         us = run(_gemm1(c), None)
         if us < best1_us:
             best1, best1_us = _gemm1(c), us
@@ -124,6 +126,7 @@ def tune_shape(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, devic
     for c in gemm2:
         if time.monotonic() > deadline:
             break
+        tried += 1
         us = run(best1, {**_gemm2(c), "BLOCK_M": best1["BLOCK_M"]})
         if us < best_us:
             best2, best_us = {**_gemm2(c), "BLOCK_M": best1["BLOCK_M"]}, us
@@ -132,7 +135,7 @@ def tune_shape(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, devic
     error = float((got - want).norm() / want.norm().clamp_min(1e-30))
     best2 = {key: v for key, v in best2.items() if key != "BLOCK_M"}  # gemm2 runs with gemm1's
     return {"default_us": default_us, "best_us": best_us, "gemm1": best1, "gemm2": best2, "rows_per_expert": rpe,
-            "error": error}
+            "error": error, "tried": tried, "of": len(gemm1) + len(gemm2)}
 
 
 def record(table: dict[str, Any], e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype,
@@ -170,6 +173,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(fused._NO_TRITON)
     with open(a.out if os.path.exists(a.out) else fused.CONFIG_FILE) as f:  # update it, or start from ours
         table = json.load(f)
+    # The first op call may build opreg's kernel libraries (~40 s): not out of the budget.
+    fused.M.grouped(*inputs(2, 8, 8, 1, 4, dtype, device))
     deadline = time.monotonic() + a.budget_s
     print(f"tuning moe_experts ({a.dtype}) on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
           f"{len(GEMM1)} GEMM1 and {len(GEMM2)} GEMM2 candidates per shape, budget {a.budget_s:.0f} s", flush=True)
@@ -180,7 +185,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             kept = record(table, e, h, i, k, t, dtype, found)
             print(f"E={e} H={h} I={i} k={k} T={t}: default {found['default_us']:.0f} us, "
                   f"best {found['best_us']:.0f} us ({found['default_us'] / found['best_us']:.2f}x) "
-                  f"error {found['error']:.1e}; gemm1={found['gemm1']} gemm2={found['gemm2']}: "
+                  f"error {found['error']:.1e}, {found['tried']} of {found['of']} candidates tried; "
+                  f"gemm1={found['gemm1']} gemm2={found['gemm2']}: "
                   f"{'written' if kept else 'default kept'}",
                   flush=True)
     table["tuned_on"] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
