@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
-import time
 from typing import Callable
 
 import pytest
@@ -29,6 +27,7 @@ transformers = pytest.importorskip("transformers") if "pytest" in sys.modules el
 import opreg  # noqa: E402
 import opreg.integrations.transformers  # noqa: E402,F401  (registers "opreg")
 from opreg.testing import TOL, assert_matches  # noqa: E402
+from opreg.testing.timing import median_us  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # name: (config class, block class path, hidden, expert ffn, experts, top-k)
@@ -138,27 +137,6 @@ def test_moe_block(benchmark, config, var, mode):
     benchmark(timed)
 
 
-def median_us(call: Callable[[], None], reps: int) -> float:
-    """Median of ``reps`` back-to-back calls (CUDA events on the GPU)."""
-    for _ in range(3):
-        call()
-    if DEVICE != "cuda":
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(times)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    torch.cuda.synchronize()
-    for start, end in events:
-        start.record()
-        call()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4096)
@@ -177,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         errs = {v: check(block, fn, x) for v, fn in fns.items()}
         print(f"| {config} | error vs float64 | " + " | ".join(f"{errs[v]:.2e}" for v in VARIANTS) + " |")
         for mode in MODES:
-            us = {v: median_us(step(fn, x, mode), a.reps) for v, fn in fns.items()}
+            us = {v: median_us(step(fn, x, mode), a.reps, DEVICE == "cuda") for v, fn in fns.items()}
             base = us["hf_grouped_mm_inductor"]
             cells = [f"{us[v]:.0f} ({base / us[v]:.2f}x)" for v in VARIANTS]
             print(f"| {config} | {mode} | " + " | ".join(cells) + " |", flush=True)

@@ -21,11 +21,12 @@ import datetime
 import json
 import math
 import os
-import statistics
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
+
+from opreg.testing.timing import median_us
 
 from . import moe_experts as fused
 
@@ -52,29 +53,6 @@ def _gemm1(c: tuple[int, ...]) -> dict[str, int]:
 
 def _gemm2(c: tuple[int, ...]) -> dict[str, int]:
     return dict(zip(("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"), c))
-
-
-def time_us(fn: Callable[[], Any], reps: int) -> float:
-    """Median of ``reps`` calls after 3 warm-ups: CUDA events on the GPU, the wall clock
-    elsewhere (the interpreter: a run that says nothing of speed)."""
-    for _ in range(3):
-        fn()
-    cuda = torch.cuda.is_available() and not fused.interpreting()
-    if not cuda:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(times)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    torch.cuda.synchronize()
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
 
 
 def inputs(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, device: str) -> tuple[Any, ...]:
@@ -106,7 +84,8 @@ def tune_shape(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, devic
             if fused._fit_smem(c, itemsize, 2 if name == "gemm1" else 1) != c:
                 return math.inf
         try:
-            return time_us(lambda: fused.fused_experts_forward(*args, configs=configs), reps)
+            return median_us(lambda: fused.fused_experts_forward(*args, configs=configs), reps,
+                             device == "cuda")
         except fused.triton.runtime.errors.OutOfResources:  # registers or shared memory after all
             return math.inf
 

@@ -1,0 +1,31 @@
+"""The median time of back-to-back calls, as the benchmarks and ``opreg tune`` take it."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+
+def median_us(call: Callable[[], Any], reps: int, cuda: bool) -> float:
+    """Median of ``reps`` back-to-back calls after 3 warm-ups, in µs: CUDA events around
+    each call where ``cuda`` (the GPU's time, launches queued back to back), the wall clock
+    elsewhere."""
+    for _ in range(3):
+        call()
+    if not cuda:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    torch.cuda.synchronize()
+    for start, end in events:
+        start.record()
+        call()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
