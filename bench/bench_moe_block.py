@@ -1,11 +1,12 @@
 """pytest-benchmark: transformers' sparse-MoE blocks, HF's experts implementations vs opreg.
 
     pytest -n 0 bench/bench_moe_block.py --benchmark-group-by=param:config,param:mode
-    python bench/bench_moe_block.py [--tokens 4096] [--reps 50]   # the table (H200: bf16)
+    python bench/bench_moe_block.py [--tokens 1,64,512,4096,16384] [--reps 50]   # the table (H200: bf16)
 
 Variants, each on the same block weights and input: ``hf_eager`` (the per-expert loop),
 ``hf_grouped_mm`` (transformers' default), ``hf_grouped_mm_inductor`` (that under
-``torch.compile``), ``opreg`` (``experts_implementation="opreg"``) and
+``torch.compile``), ``opreg`` (``experts_implementation="opreg"``), ``opreg_inductor`` (that
+under ``torch.compile``) and
 ``grouped_mm_backend_opreg`` (the grouped_mm block under ``torch.compile(backend="opreg")``) and
 ``hf_eager_optimize`` (the eager-loop block under ``opreg.optimize``: its loop rewritten);
 modes ``fwd`` and ``fwd+bwd``. Every variant's output is first checked against HF eager in
@@ -37,8 +38,11 @@ CONFIGS = {
     "olmoe": ("OlmoeConfig", "olmoe.modeling_olmoe.OlmoeSparseMoeBlock", 2048, 1024, 64, 8),
 }
 CPU_SIZES = (64, 32, 8, 2)  # hidden, ffn, experts (at most the config's), top-k; T = 64
-VARIANTS = ["hf_eager", "hf_grouped_mm", "hf_grouped_mm_inductor", "opreg", "grouped_mm_backend_opreg",
-            "hf_eager_optimize"]
+VARIANTS = ["hf_eager", "hf_grouped_mm", "hf_grouped_mm_inductor", "opreg", "opreg_inductor",
+            "grouped_mm_backend_opreg", "hf_eager_optimize"]
+# The H200's bf16 matrix rate measured on random data (8192^3 products through PyTorch: 769-798
+# TFLOP/s, the device notes' KINDS.md): the floor a block's expert GEMMs can't beat.
+PEAK_TFLOPS = 790.0
 MODES = ["fwd", "fwd+bwd"]
 
 
@@ -61,10 +65,11 @@ def make_block(name: str, dtype: torch.dtype, device: str, cpu: bool) -> torch.n
 
 def variant(block: torch.nn.Module, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """A copy of ``block`` running as ``name`` says."""
-    impl = {"hf_eager": "eager", "hf_eager_optimize": "eager", "opreg": "opreg"}.get(name, "grouped_mm")
+    impl = {"hf_eager": "eager", "hf_eager_optimize": "eager", "opreg": "opreg",
+            "opreg_inductor": "opreg"}.get(name, "grouped_mm")
     b = copy.deepcopy(block)
     b.experts.config._experts_implementation = impl
-    if name == "hf_grouped_mm_inductor":
+    if name in ("hf_grouped_mm_inductor", "opreg_inductor"):
         return torch.compile(b)
     if name == "grouped_mm_backend_opreg":
         return torch.compile(b, backend="opreg")
@@ -137,28 +142,47 @@ def test_moe_block(benchmark, config, var, mode):
     benchmark(timed)
 
 
+def expert_flops(config: str, tokens: int, mode: str, cpu: bool) -> float:
+    """The experts' GEMM FLOPs (gated: up 2I wide, down I): forward 2 T k H 3I; backward
+    twice that (the input and weight gradients)."""
+    _, _, h, ffn, _, k = CONFIGS[config]
+    if cpu:
+        h, ffn, _, k = CPU_SIZES
+    fwd = 2.0 * tokens * k * h * 3 * ffn
+    return fwd if mode == "fwd" else 3 * fwd
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--tokens", default="4096", help="token counts, comma-separated (issue 18: 1,64,512,4096,16384)")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--configs", nargs="*", default=list(CONFIGS))
+    p.add_argument("--variants", nargs="*", default=[v for v in VARIANTS if v != "hf_eager"],
+                   help="default: all but hf_eager (the per-expert loop: 0.02-0.3x, 0.2 s a call at T 4096)")
     a = p.parse_args(argv)
     cpu = DEVICE == "cpu"
+    variants = [v for v in VARIANTS if v in a.variants]
+    if "hf_grouped_mm_inductor" not in variants:
+        p.error("the ratios are against hf_grouped_mm_inductor: keep it among --variants")
     print(f"device {torch.cuda.get_device_name() if not cpu else 'cpu'}, torch {torch.__version__}, "
-          f"transformers {transformers.__version__}, T={a.tokens}, {'float32 tiny' if cpu else 'bf16'}, "
-          f"median of {a.reps} back-to-back calls, us (ratio = hf_grouped_mm_inductor / variant)")
-    print("| config | mode | " + " | ".join(VARIANTS) + " |")
-    print("|---|---|" + "---|" * len(VARIANTS))
+          f"transformers {transformers.__version__}, {'float32 tiny' if cpu else 'bf16'}, median of {a.reps} "
+          f"back-to-back calls, us (ratio = hf_grouped_mm_inductor / variant; TF/s of the experts' GEMMs; "
+          f"floor = those FLOPs at {PEAK_TFLOPS:.0f} TF/s)")
+    print("| config | T | mode | " + " | ".join(variants) + " | floor |")
+    print("|---|---|---|" + "---|" * (len(variants) + 1))
     for config in a.configs:
-        block, x = inputs(config, a.tokens, cpu)
-        fns = {v: variant(block, v) for v in VARIANTS}
-        errs = {v: check(block, fn, x) for v, fn in fns.items()}
-        print(f"| {config} | error vs float64 | " + " | ".join(f"{errs[v]:.2e}" for v in VARIANTS) + " |")
-        for mode in MODES:
-            us = {v: median_us(step(fn, x, mode), a.reps, DEVICE == "cuda") for v, fn in fns.items()}
-            base = us["hf_grouped_mm_inductor"]
-            cells = [f"{us[v]:.0f} ({base / us[v]:.2f}x)" for v in VARIANTS]
-            print(f"| {config} | {mode} | " + " | ".join(cells) + " |", flush=True)
+        for tokens in (int(t) for t in a.tokens.split(",")):
+            block, x = inputs(config, tokens, cpu)
+            fns = {v: variant(block, v) for v in variants}
+            errs = {v: check(block, fn, x) for v, fn in fns.items()}
+            print(f"| {config} | {tokens} | error vs float64 | " + " | ".join(f"{errs[v]:.2e}" for v in variants)
+                  + " | |")
+            for mode in MODES:
+                us = {v: median_us(step(fn, x, mode), a.reps, DEVICE == "cuda") for v, fn in fns.items()}
+                base, flops = us["hf_grouped_mm_inductor"], expert_flops(config, tokens, mode, cpu)
+                cells = [f"{us[v]:.0f} ({base / us[v]:.2f}x, {flops / us[v] / 1e6:.0f} TF/s)" for v in variants]
+                floor = flops / (PEAK_TFLOPS * 1e6)
+                print(f"| {config} | {tokens} | {mode} | " + " | ".join(cells) + f" | {floor:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
