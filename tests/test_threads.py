@@ -28,7 +28,8 @@ import _fresh as fresh
 # REPEATS processes, PARALLEL at a time, each racing ROUNDS + 1 first uses. The old
 # binding failed about 1 first use in 6 to 1 in 30; a race costs milliseconds and a process
 # seconds (import torch, load the libraries: ~4 s of CPU each; 62 s of the H200 run for 24
-# processes), so the chances come from rounds: 2 x 124 = 248 first uses miss a 1-in-30
+# processes; forked from tests/_fresh.py's server, which has imported torch, ~1 s), so the
+# chances come from rounds: 2 x 124 = 248 first uses miss a 1-in-30
 # race with probability (29/30)**248 < 0.03 % (24 x 5 = 120 before: 1.7 %), and 2 processes
 # still load the built-in libraries under racing threads at the same time.
 THREADS, ROUNDS, REPEATS, PARALLEL = 6, 123, 2, 2
