@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import zlib
@@ -26,6 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # run as the interpreter child: `python tests/test_moe_triton.py`
     sys.path.insert(0, HERE)
 
+import _fresh as fresh  # noqa: E402
 from _util import once_per_run  # noqa: E402
 from test_moe_experts import FAMILIES, make, sub  # noqa: E402
 
@@ -235,8 +235,9 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
     def run_child(folder: Any) -> None:
         env = dict(os.environ, TRITON_INTERPRET="1", OPREG_TEST_SEED=str(seed))
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True,
-                              text=True, timeout=600)
+        # forked from a process that has imported torch, not triton: the interpreter is still
+        # chosen at the kernels' import in the child
+        proc = fresh.run([os.path.abspath(__file__)], env=env, timeout=600)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERDICTS ")]
         if proc.returncode != 0 or not lines:
             pytest.fail(f"interpreter child failed (rc {proc.returncode}, seed {seed}):\n"
