@@ -173,6 +173,10 @@ def main(argv: list[str] | None = None) -> None:
     for config in a.configs:
         for tokens in (int(t) for t in a.tokens.split(",")):
             block, x = inputs(config, tokens, cpu)
+            # Dynamo's cache is per code object (the block's forward), shared by every T and
+            # config: without a reset the compiled variants hit the recompile limit (8) and
+            # silently run eager (the H200 run of 2026-12-01 at T = 16384 did).
+            torch._dynamo.reset()
             fns = {v: variant(block, v) for v in variants}
             errs = {v: check(block, fn, x) for v, fn in fns.items()}
             print(f"| {config} | {tokens} | error vs float64 | " + " | ".join(f"{errs[v]:.2e}" for v in variants)

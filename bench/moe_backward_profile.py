@@ -1,0 +1,83 @@
+"""The fused MoE backward on one GPU: where its time goes, and which block configs help.
+
+    python bench/moe_backward_profile.py [--tokens 4096] [--configs mixtral qwen3_moe]
+
+Per config (bf16, uniform routing, transformers' layout): forward+backward of the grouped
+path (torch autograd over ``torch._grouped_mm``) and of the fused kernels
+(``FusedExperts``), each timed alone (CUDA events, median); the fused backward's kernels by
+device time (torch.profiler); then each backward GEMM's candidate configs, one at a time
+with the others at their defaults (the time of the whole forward+backward).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import opreg  # noqa: F401
+from opreg.backends.triton import moe_experts as fused
+from opreg.backends.triton import moe_experts_backward as B
+from opreg.backends.triton import tune
+from opreg.ops import moe_experts as M
+from opreg.testing.timing import median_us
+
+SHAPES = tune.SHAPES
+CANDIDATES = {
+    "wgrad": [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+              for m, n, k, w, s in [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 128, 64, 4, 4),
+                                    (128, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 64, 64, 4, 4)]],
+    "dgrad2": [dict(BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
+               for n, k, w, s in [(64, 64, 8, 4), (128, 64, 8, 3), (64, 128, 8, 3), (32, 64, 4, 4)]],
+    "dgrad1": [dict(BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
+               for n, k, w, s in [(128, 64, 8, 4), (256, 64, 8, 3), (128, 64, 4, 4)]],
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="4096")
+    p.add_argument("--configs", nargs="*", default=["mixtral", "qwen3_moe"])
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--no-tune", action="store_true")
+    a = p.parse_args()
+    for name in a.configs:
+        e, h, i, k = SHAPES[name]
+        for t in (int(v) for v in a.tokens.split(",")):
+            args = list(tune.inputs(e, h, i, k, t, torch.bfloat16, "cuda"))
+            for j in (0, 2, 3, 5):
+                args[j] = args[j].detach().requires_grad_()
+            leaves = [args[j] for j in (0, 2, 3, 5)]
+            cot = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+
+            def step(fn, **kw):
+                def run() -> None:
+                    torch.autograd.grad(fn(*args, **kw), leaves, cot)
+                return run
+
+            fwd_only = median_us(lambda: fused.fused_experts_forward(*[x.detach() if isinstance(x, torch.Tensor)
+                                                                        else x for x in args]), a.reps, True)
+            grouped = median_us(step(M.grouped), a.reps, True)
+            base = median_us(step(lambda *x: B.FusedExperts.apply(*x)), a.reps, True)
+            print(f"\n{name} T={t}: grouped fwd+bwd {grouped:.0f} us; fused fwd {fwd_only:.0f} us, "
+                  f"fused fwd+bwd {base:.0f} us", flush=True)
+            from torch.profiler import ProfilerActivity, profile
+            step(lambda *x: B.FusedExperts.apply(*x))()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step(lambda *x: B.FusedExperts.apply(*x))()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=40))
+            if a.no_tune:
+                continue
+            for gemm, cands in CANDIDATES.items():
+                for c in cands:
+                    try:
+                        us = median_us(step(lambda *x, c=c, g=gemm: B.FusedExperts.apply(*x, {g: c})), a.reps, True)
+                    except Exception as ex:  # noqa: BLE001 - out of resources: report and go on
+                        print(f"  {gemm} {c}: {type(ex).__name__}", flush=True)
+                        continue
+                    print(f"  {gemm} {c}: fwd+bwd {us:.0f} us ({base / us:.2f}x)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

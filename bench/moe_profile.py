@@ -1,0 +1,95 @@
+"""Where a MoE block's time goes with ``experts_implementation="opreg"`` (CUDA).
+
+    python bench/moe_profile.py [--tokens 4096] [--configs mixtral qwen3_moe olmoe]
+
+Per config and T, bf16, in one process:
+
+* ``op, uniform``: the fused forward alone on uniform random routing (what ``opreg tune`` times);
+* ``op, block's routing``: the same op on the block's own router output;
+* ``block``: the whole block (router + experts), no grad;
+* for each: the GPU time (CUDA events, median of back-to-back calls) and the host time to
+  enqueue one call (wall clock of a batch of calls, no sync inside; a call whose host time
+  exceeds its GPU time is launch-bound, and events then measure the host);
+* the block's kernels by device time (torch.profiler, one call), and the routing's balance
+  (rows of the busiest expert / the mean).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import opreg  # noqa: F401
+import opreg.integrations.transformers  # noqa: F401
+from opreg.backends.triton import moe_experts as fused
+from opreg.backends.triton import tune
+from opreg.testing.timing import median_us
+
+import bench_moe_block as bb
+
+
+def host_us(call, reps: int = 20) -> float:
+    """Host time to enqueue one call: a batch of ``reps`` calls without a sync inside."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        call()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / reps * 1e6
+
+
+def router(block: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's top-k ids and weights for ``x`` (T, H), as its forward computes them."""
+    gate = block.gate
+    out = gate(x)
+    # transformers' routers return (logits, weights, ids) or logits (older blocks)
+    if isinstance(out, tuple):
+        return out[2], out[1]
+    probs = out.float().softmax(-1)
+    w, ids = probs.topk(block.top_k if hasattr(block, "top_k") else 2, dim=-1)
+    return ids, (w / w.sum(-1, keepdim=True)).to(x.dtype)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="4096")
+    p.add_argument("--configs", nargs="*", default=list(bb.CONFIGS))
+    p.add_argument("--reps", type=int, default=20)
+    a = p.parse_args()
+    for config in a.configs:
+        _, _, h, ffn, e, k = bb.CONFIGS[config]
+        for t in (int(v) for v in a.tokens.split(",")):
+            args = tune.inputs(e, h, ffn, k, t, torch.bfloat16, "cuda")
+            block, x = bb.inputs(config, t, False)
+            block.experts.config._experts_implementation = "opreg"
+            x2 = x.reshape(-1, h)
+            with torch.no_grad():
+                ids, rw = router(block, x2)
+            ex = block.experts
+            w1, w2 = ex.gate_up_proj, ex.down_proj
+            real = (args[0],) + (ids, rw.to(torch.bfloat16), w1.detach(), None, w2.detach(), None) + args[7:]
+            counts = torch.bincount(ids.reshape(-1), minlength=e).float()
+            rows = {"op, uniform": lambda: fused.fused_experts_forward(*args),
+                    "op, block's routing": lambda: fused.fused_experts_forward(*real),
+                    "op through torch.ops": lambda: torch.ops.opreg.moe_experts(*real),
+                    "block": lambda: block(x)}
+            print(f"\n{config} T={t}: busiest expert {counts.max().item():.0f} rows, mean {counts.mean().item():.0f}; "
+                  f"w1 {tuple(w1.shape)} stride {w1.stride()}, transposed? see config")
+            with torch.no_grad():
+                for name, call in rows.items():
+                    print(f"  {name:24s} GPU {median_us(call, a.reps, True):8.0f} us   host {host_us(call):8.0f} us")
+                from torch.profiler import ProfilerActivity, profile
+                block(x)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                    block(x)
+                    torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
