@@ -24,7 +24,9 @@ rows-per-expert bucket, N, K and dtype, so a tuning run can rewrite the data alo
 
 float16, bfloat16 and float32 (fp32 GEMMs in IEEE fp32, not TF32); other dtypes (float64)
 and degenerate sizes run the op's ``grouped`` path (:func:`why_not_fused` says why, logged
-once). Gradients are the op's (the reference's); this is a forward kernel.
+once). The op's gradients are its reference's; ``fused_experts_forward(..., save=True)``
+also keeps what the fused backward (:mod:`.moe_experts_backward`, GEMM1's pre-activation
+included) needs, for training through ``FusedExperts``.
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU
 tensors: that is how ``tests/test_moe_triton.py`` checks them without a GPU (float32 and
@@ -35,7 +37,7 @@ import json
 import logging
 import math
 import os
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -63,8 +65,9 @@ ACT_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4, "sigmoid
 _IDENTITY = -1  # GEMM2: no activation
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-__all__ = ["ACT_IDS", "CONFIG_FILE", "TritonImpl", "align_block_size", "fused_experts_forward",
-           "moe_experts_triton", "pick_config", "register", "why_not_fused"]
+__all__ = ["ACT_IDS", "CONFIG_FILE", "Saved", "TritonImpl", "align_block_size", "fused_experts_forward",
+           "moe_experts_triton", "pick_config", "register", "routing_tables",
+           "why_not_fused"]
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -124,25 +127,58 @@ def _tile(block_expert_ptr, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
 
 
 @_jit
+def _mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_ok, stride_wn, stride_wk, K,
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+         DOT_PRECISION: tl.constexpr):
+    """The main loop of a routed GEMM tile: acc0[m, n] = sum over k of A[a_row[m], k] *
+    W[wcol0[n], k] (and acc1 with wcol1 when GATED), fp32; rows not ``row_ok`` and columns
+    not ``col_ok`` load zeros. W is seen through (stride_wn, stride_wk) from ``w_base``, the
+    expert's slice. Shared by the forward GEMMs and the backward's (inlined: one loop)."""
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :] * stride_ak
+    w0_ptrs = w_base + ks[:, None] * stride_wk + wcol0[None, :] * stride_wn
+    w1_ptrs = w_base + ks[:, None] * stride_wk + wcol1[None, :] * stride_wn
+    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the up half; unused unless GATED
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = ks < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w0 = tl.load(w0_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc0 = tl.dot(a, w0, acc0, input_precision=DOT_PRECISION)
+        if GATED:
+            w1 = tl.load(w1_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc1 = tl.dot(a, w1, acc1, input_precision=DOT_PRECISION)
+            w1_ptrs += BLOCK_K * stride_wk
+        a_ptrs += BLOCK_K * stride_ak
+        w0_ptrs += BLOCK_K * stride_wk
+    return acc0, acc1
+
+
+@_jit
 def _moe_gemm(
-    a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pair_ids_ptr, block_expert_ptr,
+    a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
     num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
     stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
     stride_be, stride_bn,
     stride_rt, stride_rk,
     stride_om, stride_on,
+    stride_pm, stride_pn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    GATHER: tl.constexpr, ROUTED: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
-    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GATHER: tl.constexpr, ROUTED: tl.constexpr, SCALED: tl.constexpr, GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    SAVE_PRE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One (BLOCK_M sorted rows) x (BLOCK_N output columns) tile of an expert's GEMM.
 
     GEMM1 (GATHER, not ROUTED): A = hidden_states (T, K), row = pair // top_k; W = gate_up
     seen as (E, 2N or N, K) through strides; out = activation (padded rows, N), row = the
-    sorted row. GEMM2 (ROUTED, not GATHER): A = activation (padded rows, K), row = the sorted
-    row; W = down seen as (E, N, K); out = (S, N) pair buffer, row = pair, scaled by the
-    routing weight. Either layout of either weight is just strides (stride_wn, stride_wk).
+    sorted row; with SAVE_PRE also the pre-activation (after the bias, before the gate) into
+    ``pre`` (padded rows, 2N or N) in gate_up's column order, for the backward. GEMM2
+    (ROUTED and SCALED, not GATHER): A = activation (padded rows, K), row = the sorted row;
+    W = down seen as (E, N, K); out = (S, N) pair buffer, row = pair, scaled by the routing
+    weight. ROUTED without SCALED: the backward's dgrad of GEMM1 (no routing weight). Either
+    layout of either weight is just strides (stride_wn, stride_wk).
     """
     pid_m, pid_n, expert = _tile(block_expert_ptr, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if expert < 0:
@@ -163,39 +199,31 @@ def _moe_gemm(
     else:
         wcol0 = cols
         wcol1 = cols + N
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :] * stride_ak
     w_base = w_ptr + expert.to(tl.int64) * stride_we  # int64: E * N * K may pass 2**31
-    w0_ptrs = w_base + ks[:, None] * stride_wk + wcol0[None, :] * stride_wn
-    w1_ptrs = w_base + ks[:, None] * stride_wk + wcol1[None, :] * stride_wn
-    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the up half; unused unless GATED
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k_ok = ks < K - kb * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w0 = tl.load(w0_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc0 = tl.dot(a, w0, acc0, input_precision=DOT_PRECISION)
-        if GATED:
-            w1 = tl.load(w1_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc1 = tl.dot(a, w1, acc1, input_precision=DOT_PRECISION)
-            w1_ptrs += BLOCK_K * stride_wk
-        a_ptrs += BLOCK_K * stride_ak
-        w0_ptrs += BLOCK_K * stride_wk
+    acc0, acc1 = _mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_ok,
+                      stride_wn, stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, GATED, DOT_PRECISION)
 
     if HAS_BIAS:
         b_base = bias_ptr + expert.to(tl.int64) * stride_be
         acc0 += tl.load(b_base + wcol0 * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc1 += tl.load(b_base + wcol1 * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if SAVE_PRE:  # the backward's input to the gate's derivative: no recompute of this GEMM
+        pre_mask = row_ok[:, None] & col_ok[None, :]
+        pre_rows = pre_ptr + rows.to(tl.int64)[:, None] * stride_pm
+        tl.store(pre_rows + wcol0[None, :] * stride_pn, acc0.to(pre_ptr.dtype.element_ty), mask=pre_mask)
+        if GATED:
+            tl.store(pre_rows + wcol1[None, :] * stride_pn, acc1.to(pre_ptr.dtype.element_ty), mask=pre_mask)
     y = _gate(acc0, acc1, alpha, limit, GATED, ACT, HAS_LIMIT)
 
     if ROUTED:
-        # The routing weight in fp32 (transformers' routing weights are fp32), then one
-        # rounding to the buffer's dtype; the row is the pair's own, written once.
         p = tl.where(row_ok, pair, 0)
-        rw = tl.load(route_w_ptr + (p // top_k).to(tl.int64) * stride_rt + (p % top_k) * stride_rk,
-                     mask=row_ok, other=0.0).to(tl.float32)
-        y = y * rw[:, None]
+        if SCALED:
+            # The routing weight in fp32 (transformers' routing weights are fp32), then one
+            # rounding to the buffer's dtype; the row is the pair's own, written once.
+            rw = tl.load(route_w_ptr + (p // top_k).to(tl.int64) * stride_rt + (p % top_k) * stride_rk,
+                         mask=row_ok, other=0.0).to(tl.float32)
+            y = y * rw[:, None]
         out_row = p.to(tl.int64)
     else:
         out_row = rows.to(tl.int64)
@@ -300,15 +328,19 @@ def _sorted_pairs_kernel(perm_ptr, block_expert_ptr, start_ptr, pstart_ptr, coun
     tl.store(out_ptr + q, tl.where(real, pair, num_pairs).to(tl.int32), mask=ok)
 
 
-def align_block_size(top_k_index: torch.Tensor, num_experts: int,
-                     block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T, k) expert ids -> ``sorted_pair_ids`` (num_blocks * block_m,) int32 and
-    ``block_expert`` (num_blocks,) int32, on the ids' device, without a host sync.
+def routing_tables(top_k_index: torch.Tensor, num_experts: int,
+                   block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(T, k) expert ids -> ``sorted_pair_ids`` (num_blocks * block_m,) int32,
+    ``block_expert`` (num_blocks,) int32 and ``tables`` (3, E) int32, on the ids' device,
+    without a host sync.
 
     ``sorted_pair_ids`` lists the pairs (t*k + j) whose id is in [0, E), grouped by expert
     in increasing pair order (a stable sort), each expert's run padded with the sentinel
     S = T*k to a multiple of block_m; unused tail entries are S too. ``block_expert[b]`` is
-    the expert of rows [b*block_m, (b+1)*block_m), or -1 past the last padded row. Sizes
+    the expert of rows [b*block_m, (b+1)*block_m), or -1 past the last padded row.
+    ``tables`` = each expert's run start in the sorted ids, its padded start (its first row
+    in ``sorted_pair_ids``) and its count (the backward's weight gradients walk an expert's
+    rows [padded start, padded start + count): all real pairs). Sizes
     are static (:func:`num_blocks`), so this can be captured in a CUDA graph.
 
     One stable sort of the raw ids (torch) and two small kernels: every launch costs host
@@ -319,7 +351,7 @@ def align_block_size(top_k_index: torch.Tensor, num_experts: int,
     dev = top_k_index.device
     if nb == 0:
         none = torch.empty((0,), dtype=torch.int32, device=dev)
-        return none, none.clone()
+        return none, none.clone(), torch.zeros((3, num_experts), dtype=torch.int32, device=dev)
     # Out-of-range ids sort before (negative: the caller's error) or after (>= E: another
     # rank's expert) every expert's run, so no expert's run contains one.
     sorted_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
@@ -334,7 +366,15 @@ def align_block_size(top_k_index: torch.Tensor, num_experts: int,
     _sorted_pairs_kernel[(triton.cdiv(nb * block_m, block),)](
         perm, block_expert, tables[0], tables[1], tables[2], sorted_pair_ids, s, nb * block_m,
         BLOCK_M=block_m, BLOCK=block, num_warps=4)
+    return sorted_pair_ids, block_expert, tables
+
+
+def align_block_size(top_k_index: torch.Tensor, num_experts: int,
+                     block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sorted_pair_ids`` and ``block_expert`` of :func:`routing_tables`."""
+    sorted_pair_ids, block_expert, _ = routing_tables(top_k_index, num_experts, block_m)
     return sorted_pair_ids, block_expert
+
 
 
 # ----------------------------------------------------------------------------- configs
@@ -374,7 +414,8 @@ def _fit_smem(cfg: dict[str, int], itemsize: int, operands_b: int) -> dict[str, 
 def pick_config(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.dtype,
                 block_m: Optional[int] = None, table: Optional[dict[str, Any]] = None) -> dict[str, int]:
     """The block config of ``gemm`` ("gemm1": N = gate_up width, K = H; "gemm2": N = H,
-    K = I; "combine") for this rows-per-expert (S / E), shape and dtype: the table's tuned
+    K = I; "combine"; the backward's "dgrad2", "dgrad1", "wgrad") for this rows-per-expert
+    (S / E), shape and dtype: the table's tuned
     entry for (dtype, N, K) if any, else its default for the bucket. ``block_m`` forces
     BLOCK_M (gemm2 walks gemm1's padded rows)."""
     table = table if table is not None else _config_table()
@@ -440,15 +481,82 @@ def _device_ctx(x: torch.Tensor) -> Any:
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
+class Saved(NamedTuple):
+    """What :func:`fused_experts_forward` keeps for the backward (``save=True``): the
+    routing (``sorted_pair_ids`` (R,), ``block_expert`` (R / BLOCK_M,), ``tables`` (3, E):
+    run start, padded start, count; int32), GEMM1's output ``act`` (R, I) in hidden_states'
+    dtype and its pre-activation ``pre`` (R, N) float32 (:data:`PRE_DTYPE`) in
+    gate_up_proj's column order (R = the padded rows; padding rows unwritten), and the
+    block configs used."""
+
+    sorted_pair_ids: torch.Tensor
+    block_expert: torch.Tensor
+    tables: torch.Tensor
+    act: torch.Tensor
+    pre: torch.Tensor
+    configs: dict[str, dict[str, int]]
+
+
+# The saved pre-activation is float32 whatever the input dtype: the forward's own accumulators,
+# so the backward evaluates the gate's derivative at exactly the values the forward's gate
+# saw. Rounded to bfloat16 (2**-9 relative) it would (a) flip a clamp's derivative between 0
+# and 1 for a value within one rounding of the limit (a whole element of the gradient wrong),
+# and (b) carry the rounding into d top_k_weights = dout . expert(x), a dot over H that can
+# cancel: in the float16 interpreter tests, 1 seed in 40 of the T=1 case missed the float16
+# tolerance that way (0 of 40 with float32). Cost: 4 bytes per padded row and gate_up column,
+# twice a half-precision copy's.
+PRE_DTYPE = torch.float32
+
+
+def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int],
+                bias: Optional[torch.Tensor], rw: torch.Tensor, out: torch.Tensor, pre: Optional[torch.Tensor],
+                sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, top_k: int, n: int, k: int,
+                gather: bool, routed: bool, scaled: bool = False, gated: bool = False, interleaved: bool = False,
+                act: int = _IDENTITY, alpha: float = 1.0, limit: float = math.inf) -> None:
+    """One :func:`_moe_gemm` launch over the padded rows (``cfg["BLOCK_M"]`` = the routing's
+    BLOCK_M). ``w_strides``: W seen as (E, N, K); ``bias``/``pre`` None: none."""
+    nb = block_expert.shape[0]
+    grid = (nb * triton.cdiv(n, cfg["BLOCK_N"]),)
+    finite = gated and math.isfinite(limit)
+    b = bias if bias is not None else w  # a valid pointer, never read
+    p = pre if pre is not None else out  # likewise, never written
+    # fp32 stays fp32 (IEEE), as torch's default matmul is; half types ignore the setting.
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    _moe_gemm[grid](
+        a, w, b, rw, out, p, sorted_pair_ids, block_expert,
+        rw.shape[0] * top_k, top_k, n, k, nb, float(alpha), float(limit) if finite else 0.0,
+        a.stride(0), a.stride(1), w_strides[0], w_strides[1], w_strides[2], b.stride(0), b.stride(-1),
+        rw.stride(0), rw.stride(1), out.stride(0), out.stride(1), p.stride(0), p.stride(1),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        GATHER=gather, ROUTED=routed, SCALED=scaled, GATED=gated, INTERLEAVED=gated and interleaved,
+        ACT=act, HAS_BIAS=bias is not None, HAS_LIMIT=finite, SAVE_PRE=pre is not None,
+        DOT_PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def combine(pairs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_experts: int,
+            cfg: dict[str, int]) -> None:
+    """out[t] = the sum over t's slots with an id in [0, E) of pair rows t*k + j, in slot
+    order, fp32 (:func:`_combine_kernel`); a token with none gets 0."""
+    t, h = out.shape
+    bh = min(cfg["BLOCK_H"], triton.next_power_of_2(h))
+    _combine_kernel[(t, triton.cdiv(h, bh))](
+        pairs, ids, out, h, ids.shape[1], num_experts, pairs.stride(0), pairs.stride(1), ids.stride(0),
+        ids.stride(1), out.stride(0), out.stride(1), BLOCK_H=bh, num_warps=cfg["num_warps"])
+
+
 def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                           gate_up_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor],
                           down_proj: torch.Tensor, down_bias: Optional[torch.Tensor], activation: str,
                           gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float,
-                          *, configs: Optional[dict[str, dict[str, int]]] = None) -> torch.Tensor:
+                          *, configs: Optional[dict[str, dict[str, int]]] = None,
+                          save: bool = False) -> Any:
     """The op's forward with the fused kernels: (T, H) in hidden_states' dtype. Arguments as
     the op's (checked by the caller; :func:`why_not_fused` must be None). ``configs``
     overrides :func:`pick_config` ({"gemm1": ..., "gemm2": ..., "combine": ...}; gemm2's
-    BLOCK_M is gemm1's), for tests and tuning."""
+    BLOCK_M is gemm1's), for tests and tuning. ``save``: returns ``(out, saved)``, with
+    ``saved`` the :class:`Saved` the backward
+    (:func:`opreg.backends.triton.moe_experts_backward.fused_experts_backward`) reads, or
+    None when there is no slot (every gradient is then zero)."""
     x, ids, rw, w1, w2 = hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj
     t, h = x.shape
     k = ids.shape[1]
@@ -457,7 +565,8 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     i = n1 // 2 if gated else n1
     s = t * k
     if s == 0 or h == 0:
-        return x.new_zeros((t, h))  # no slot: an empty sum
+        out0 = x.new_zeros((t, h))  # no slot: an empty sum
+        return (out0, None) if save else out0
     picked = configs or {}
     rows_per_expert = s / e
     c1 = picked.get("gemm1") or pick_config("gemm1", rows_per_expert, n1, h, x.dtype)
@@ -465,43 +574,26 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     c2 = dict(picked.get("gemm2") or pick_config("gemm2", rows_per_expert, h, i, x.dtype, block_m=bm))
     c2["BLOCK_M"] = bm
     cc = picked.get("combine") or pick_config("combine", rows_per_expert, h, k, x.dtype)
-    # fp32 stays fp32 (IEEE), as torch's default matmul is; half types ignore the setting.
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
 
-    sorted_pair_ids, block_expert = align_block_size(ids, e, bm)
+    sorted_pair_ids, block_expert, tables = routing_tables(ids, e, bm)
     nb = block_expert.shape[0]
     act = _new_buffer((nb * bm, i), x.dtype, x.device)
+    pre = _new_buffer((nb * bm, n1), PRE_DTYPE, x.device) if save else None
     pairs = _new_buffer((s, h), x.dtype, x.device)
     out = _new_buffer((t, h), x.dtype, x.device)
-    b1 = gate_up_bias if gate_up_bias is not None else w1  # a valid pointer, never read
-    b2 = down_bias if down_bias is not None else w2
-    finite = math.isfinite(limit)
-
-    def gemm(cfg: dict[str, int], **kw: Any) -> None:
-        grid = (nb * triton.cdiv(kw["n"], cfg["BLOCK_N"]),)
-        a, w, bias = kw["a"], kw["w"], kw["bias"]
-        sw = _nk_strides(w, transposed)
-        _moe_gemm[grid](
-            a, w, bias, rw, kw["out"], sorted_pair_ids, block_expert,
-            s, k, kw["n"], kw["k"], nb, float(alpha), float(limit) if finite else 0.0,
-            a.stride(0), a.stride(1), sw[0], sw[1], sw[2], bias.stride(0), bias.stride(-1),
-            rw.stride(0), rw.stride(1), kw["out"].stride(0), kw["out"].stride(1),
-            BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-            GATHER=kw["gather"], ROUTED=not kw["gather"], GATED=kw["gated"], INTERLEAVED=kw["interleaved"],
-            ACT=kw["act"], HAS_BIAS=kw["has_bias"], HAS_LIMIT=kw["has_limit"], DOT_PRECISION=precision,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    routing = dict(rw=rw, sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k)
 
     with _device_ctx(x):
-        gemm(c1, a=x, w=w1, bias=b1, out=act, n=i, k=h, gather=True, gated=gated,
-             interleaved=gated and interleaved, act=ACT_IDS[activation], has_bias=gate_up_bias is not None,
-             has_limit=gated and finite)
-        gemm(c2, a=act, w=w2, bias=b2, out=pairs, n=h, k=i, gather=False, gated=False, interleaved=False,
-             act=_IDENTITY, has_bias=down_bias is not None, has_limit=False)
-        bh = min(cc["BLOCK_H"], triton.next_power_of_2(h))
-        _combine_kernel[(t, triton.cdiv(h, bh))](
-            pairs, ids, out, h, k, e, pairs.stride(0), pairs.stride(1), ids.stride(0), ids.stride(1),
-            out.stride(0), out.stride(1), BLOCK_H=bh, num_warps=cc["num_warps"])
-    return out
+        launch_gemm(c1, a=x, w=w1, w_strides=_nk_strides(w1, transposed), bias=gate_up_bias, out=act, pre=pre,
+                    n=i, k=h, gather=True, routed=False, gated=gated, interleaved=interleaved,
+                    act=ACT_IDS[activation], alpha=alpha, limit=limit, **routing)
+        launch_gemm(c2, a=act, w=w2, w_strides=_nk_strides(w2, transposed), bias=down_bias, out=pairs, pre=None,
+                    n=h, k=i, gather=False, routed=True, scaled=True, **routing)
+        combine(pairs, ids, out, e, cc)
+    if not save:
+        return out
+    return out, Saved(sorted_pair_ids, block_expert, tables, act, pre,
+                      {"gemm1": dict(c1), "gemm2": c2, "combine": dict(cc)})
 
 
 # ----------------------------------------------------------------------------- registration

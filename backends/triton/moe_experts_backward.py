@@ -1,0 +1,461 @@
+"""Fused Triton backward of ``moe_experts`` (the forward: :mod:`.moe_experts`; the meaning:
+:mod:`opreg.ops.moe_experts`).
+
+The forward with ``save=True`` keeps the routing (the padded, expert-sorted pair list and
+each expert's padded start and count), GEMM1's output ``act`` and its pre-activation
+``pre``; the backward recomputes no GEMM. With dout = the output's gradient (T, H), per
+padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
+
+1. **dgrad of GEMM2** (:func:`_dgrad_act_kernel`, grid = M blocks x I blocks like the
+   forward's): g[r] = dout[t] @ down_proj[e] (dout rows gathered through the pair ids),
+   then in the epilogue the gate's backward on ``pre``: d_pre[r] (gate_up_proj's column
+   order) from dact = rw * g, and per row and I block the partial sum of g * gate(pre)
+   for d top_k_weights into a (S, I blocks) fp32 buffer at the pair's row.
+2. **d top_k_weights** (:func:`_route_grad_kernel`): each valid slot's partials summed in
+   block order, plus dout[t] . down_bias[e]; 0 at a slot whose id is outside [0, E).
+3. **dgrad of GEMM1** (the forward's ``_moe_gemm``, ROUTED without the routing weight):
+   d_pre[r] @ gate_up_proj[e] at the pair's row of a (S, H) buffer, then the forward's
+   combine: d hidden_states[t] = the sum of t's valid slots in slot order, fp32.
+4. **wgrad** (:func:`_moe_wgrad`, grid = output tiles x E): out[e][m, n] = sum over e's
+   rows of L[r, m] * R[r, n], each operand read directly or gathered through pair ->
+   token, L optionally times rw; written through the weight's own strides, so either
+   layout comes out as the weight's. d down_proj[e] = (rw * dout[t])^T act, d
+   gate_up_proj[e] = d_pre^T x[t]; the bias gradients are the column sums of L, fused
+   (the programs of the first N tile). An expert with no rows writes exact zeros.
+
+Deterministic (every sum in a fixed order, no atomics), fp32 accumulation, fp32 GEMMs in
+IEEE fp32; every launch on the current stream, no host sync, static buffer sizes (CUDA-graph
+capturable). Padding rows and sentinel slots are never read (a NaN routing weight there
+reaches no gradient). Kernels run under ``TRITON_INTERPRET=1`` as the forward's do
+(``tests/test_moe_triton_backward.py``).
+
+**Not the op's training path yet**: :func:`fused_experts` / :class:`FusedExperts` are
+called explicitly. On the H200 (2026-12-01, bf16, T = 4096, ``bench/moe_backward_profile.py``)
+the fused forward+backward is slower than the grouped path's torch autograd (Mixtral 4111
+vs 2880 us, Qwen3-MoE 4014 vs 3623): the weight gradients run at ~210 TF/s (1.96 ms of
+the 4.1 ms; no split over an expert's rows, pointer loads) and GEMM2's dgrad at ~230 TF/s
+(605 us). Training keeps the grouped path until these beat it.
+"""
+import functools
+import math
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from opreg.backends.triton import moe_experts as F
+from opreg.backends.triton.moe_experts import _IDENTITY, _act, _jit, _mma, _tile, tl, triton
+
+__all__ = ["FusedExperts", "clamp_ties", "fused_experts", "fused_experts_backward"]
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@_jit
+def _act_grad(x, ACT: tl.constexpr):
+    """d act(x) / dx (fp32), ids as in ACT_IDS; relu's at 0 is 0, as torch's."""
+    if ACT == 0:  # silu: s + x s (1 - s)
+        s = tl.sigmoid(x)
+        d = s * (1.0 + x * (1.0 - s))
+    elif ACT == 1:  # gelu (erf): Phi(x) + x phi(x)
+        d = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+    elif ACT == 2:  # gelu (tanh) = x sigmoid(2u), u = c (x + 0.044715 x^3)
+        s = tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+        d = s + x * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * x * x)
+    elif ACT == 3:  # relu
+        d = tl.where(x > 0.0, 1.0, 0.0)
+    elif ACT == 4:  # relu2
+        d = 2.0 * tl.maximum(x, 0.0)
+    else:  # sigmoid
+        s = tl.sigmoid(x)
+        d = s * (1.0 - s)
+    return d
+
+
+@_jit
+def _gate_grad(p0, p1, dy, alpha, limit, GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr,
+               GATE_TIE: tl.constexpr, UP_LO_TIE: tl.constexpr, UP_HI_TIE: tl.constexpr):
+    """The gate's backward on fp32 tiles: (d p0, d p1, y) for the pre-activation (p0 = gate
+    half, p1 = up half when GATED; else p0 alone) and dy = dL/dy. Where a clamp clips, the
+    derivative is 0 (a ``where``, so a NaN or inf there does not leak); at a tie (a value
+    exactly at the limit) it is what torch's clamp backward gives (``*_TIE``: 1 or 0,
+    :func:`clamp_ties`)."""
+    if GATED:
+        gate = p0
+        up = p1
+        if HAS_LIMIT:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        if ACT == 6:  # gpt_oss: (up + 1) * gate * sigmoid(alpha * gate)
+            s = tl.sigmoid(gate * alpha)
+            glu = gate * s
+            y = (up + 1.0) * glu
+            d_up = dy * glu
+            d_gate = dy * (up + 1.0) * (s + alpha * glu * (1.0 - s))
+        else:
+            a = _act(gate, ACT)
+            y = a * up
+            d_up = dy * a
+            d_gate = dy * up * _act_grad(gate, ACT)
+        if HAS_LIMIT:
+            if GATE_TIE:
+                pass_gate = p0 <= limit
+            else:
+                pass_gate = p0 < limit
+            if UP_LO_TIE:
+                pass_lo = p1 >= -limit
+            else:
+                pass_lo = p1 > -limit
+            if UP_HI_TIE:
+                pass_hi = p1 <= limit
+            else:
+                pass_hi = p1 < limit
+            d_gate = tl.where(pass_gate, d_gate, 0.0)
+            d_up = tl.where(pass_lo & pass_hi, d_up, 0.0)
+    else:
+        y = _act(p0, ACT)
+        d_gate = dy * _act_grad(p0, ACT)
+        d_up = d_gate  # unused
+    return d_gate, d_up, y
+
+
+@_jit
+def _dgrad_act_kernel(
+    dout_ptr, w_ptr, pre_ptr, route_w_ptr, dpre_ptr, part_ptr, pair_ids_ptr, block_expert_ptr,
+    num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
+    stride_dt, stride_dh,
+    stride_we, stride_wn, stride_wk,
+    stride_pm, stride_pn,
+    stride_rt, stride_rk,
+    stride_gm, stride_gn,
+    stride_qm, stride_qn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    GATE_TIE: tl.constexpr, UP_LO_TIE: tl.constexpr, UP_HI_TIE: tl.constexpr,
+    WRITE_DPRE: tl.constexpr, ROUTE_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One (BLOCK_M padded rows) x (BLOCK_N of the I columns) tile of GEMM2's dgrad:
+    g = dout[token] @ down[e] (W = down seen as (E, I, H): N = I, K = H), then the gate's
+    backward: d_pre (padded rows, N or 2N, gate_up's column order) from rw * g and ``pre``;
+    and part[pair, pid_n] = sum over the tile's columns of g * gate(pre) (d top_k_weights'
+    partial sum). Padding rows: nothing read, nothing written."""
+    pid_m, pid_n, expert = _tile(block_expert_ptr, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ids_ptr + rows)
+    row_ok = pair < num_pairs
+    p = tl.where(row_ok, pair, 0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    g, _unused = _mma(dout_ptr, (p // top_k).to(tl.int64), row_ok, stride_dt, stride_dh, w_base, cols, cols,
+                      col_ok, stride_wn, stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_PRECISION)
+
+    if INTERLEAVED:
+        pcol0 = 2 * cols
+        pcol1 = 2 * cols + 1
+    else:
+        pcol0 = cols
+        pcol1 = cols + N
+    mask = row_ok[:, None] & col_ok[None, :]
+    pre_rows = pre_ptr + rows.to(tl.int64)[:, None] * stride_pm
+    p0 = tl.load(pre_rows + pcol0[None, :] * stride_pn, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        p1 = tl.load(pre_rows + pcol1[None, :] * stride_pn, mask=mask, other=0.0).to(tl.float32)
+    else:
+        p1 = p0
+    rw = tl.load(route_w_ptr + (p // top_k).to(tl.int64) * stride_rt + (p % top_k) * stride_rk,
+                 mask=row_ok, other=0.0).to(tl.float32)
+    d0, d1, y = _gate_grad(p0, p1, g * rw[:, None], alpha, limit, GATED, ACT, HAS_LIMIT,
+                           GATE_TIE, UP_LO_TIE, UP_HI_TIE)
+    if WRITE_DPRE:
+        d_rows = dpre_ptr + rows.to(tl.int64)[:, None] * stride_gm
+        tl.store(d_rows + pcol0[None, :] * stride_gn, d0.to(dpre_ptr.dtype.element_ty), mask=mask)
+        if GATED:
+            tl.store(d_rows + pcol1[None, :] * stride_gn, d1.to(dpre_ptr.dtype.element_ty), mask=mask)
+    if ROUTE_GRAD:
+        part = tl.sum(tl.where(mask, g * y, 0.0), axis=1)
+        tl.store(part_ptr + p.to(tl.int64) * stride_qm + pid_n * stride_qn, part, mask=row_ok)
+
+
+@_jit
+def _route_grad_kernel(
+    part_ptr, dout_ptr, bias_ptr, ids_ptr, out_ptr, num_pairs, top_k, num_experts, H, num_parts,
+    stride_qm, stride_qn, stride_dt, stride_dh, stride_be, stride_bh, stride_it, stride_ik,
+    stride_ot, stride_ok,
+    BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """d top_k_weights for BLOCK_P pairs: the partial sums in block order, plus
+    dout[t] . down_bias[e] (fp32, in H order); 0 where the slot's id is outside [0, E)
+    (its partials were never written)."""
+    pr = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    ok = pr < num_pairs
+    t = (pr // top_k).to(tl.int64)
+    j = pr % top_k
+    eid = tl.load(ids_ptr + t * stride_it + j * stride_ik, mask=ok, other=-1)
+    use = ok & (eid >= 0) & (eid < num_experts)
+    acc = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for q in range(num_parts):
+        acc += tl.load(part_ptr + pr.to(tl.int64) * stride_qm + q * stride_qn, mask=use, other=0.0)
+    if HAS_BIAS:
+        e = tl.where(use, eid, 0).to(tl.int64)
+        hs = tl.arange(0, BLOCK_H)
+        for h0 in range(0, H, BLOCK_H):
+            h_ok = use[:, None] & (h0 + hs < H)[None, :]
+            d = tl.load(dout_ptr + t[:, None] * stride_dt + (h0 + hs)[None, :] * stride_dh, mask=h_ok, other=0.0)
+            b = tl.load(bias_ptr + e[:, None] * stride_be + (h0 + hs)[None, :] * stride_bh, mask=h_ok, other=0.0)
+            acc += tl.sum(d.to(tl.float32) * b.to(tl.float32), axis=1)
+    tl.store(out_ptr + t * stride_ot + j * stride_ok, tl.where(use, acc, 0.0).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@_jit
+def _moe_wgrad(
+    l_ptr, r_ptr, route_w_ptr, out_ptr, bias_out_ptr, pair_ids_ptr, pstart_ptr, count_ptr,
+    top_k, M, N,
+    stride_lr, stride_lm, stride_rr, stride_rn, stride_rt, stride_rk,
+    stride_oe, stride_om, stride_on, stride_be, stride_bm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    L_GATHER: tl.constexpr, L_SCALED: tl.constexpr, R_GATHER: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """out[e][m, n] = sum over expert e's rows r (padded rows [pstart, pstart + count), all
+    real pairs, in order) of L[r, m] * R[r, n], fp32; an operand's row is r itself or,
+    GATHERed, the pair's token; L_SCALED: L times the pair's routing weight (fp32, then the
+    operand's dtype for the dot). BIAS_GRAD: bias_out[e][m] = sum over r of L[r, m] (the
+    scaled fp32 values), written by the programs of N tile 0. Grid: (M tiles x N tiles, E)."""
+    expert = tl.program_id(1)
+    if WEIGHT_GRAD:
+        num_n = tl.cdiv(N, BLOCK_N)
+    else:
+        num_n = 1
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    start = tl.load(pstart_ptr + expert)
+    count = tl.load(count_ptr + expert)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = ms < M
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < N
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    bsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for kb in range(tl.cdiv(count, BLOCK_K)):
+        k_ok = kb * BLOCK_K + ks < count
+        r = start + kb * BLOCK_K + ks
+        pair = tl.load(pair_ids_ptr + r, mask=k_ok, other=0)
+        tok = (pair // top_k).to(tl.int64)
+        if L_GATHER:
+            l_row = tok
+        else:
+            l_row = r.to(tl.int64)
+        lt = tl.load(l_ptr + l_row[None, :] * stride_lr + ms[:, None] * stride_lm,
+                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+        if L_SCALED:
+            w = tl.load(route_w_ptr + tok * stride_rt + (pair % top_k) * stride_rk, mask=k_ok, other=0.0)
+            l32 = lt.to(tl.float32) * w.to(tl.float32)[None, :]
+            lt = l32.to(l_ptr.dtype.element_ty)
+        else:
+            l32 = lt.to(tl.float32)
+        if BIAS_GRAD:
+            bsum += tl.sum(l32, axis=1)
+        if WEIGHT_GRAD:
+            if R_GATHER:
+                r_row = tok
+            else:
+                r_row = r.to(tl.int64)
+            rt = tl.load(r_ptr + r_row[:, None] * stride_rr + ns[None, :] * stride_rn,
+                         mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # (BLOCK_K, BLOCK_N)
+            acc = tl.dot(lt, rt, acc, input_precision=DOT_PRECISION)
+    e64 = expert.to(tl.int64)
+    if WEIGHT_GRAD:
+        o = out_ptr + e64 * stride_oe + ms[:, None] * stride_om + ns[None, :] * stride_on
+        tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if BIAS_GRAD:
+        tl.store(bias_out_ptr + e64 * stride_be + ms * stride_bm, bsum.to(bias_out_ptr.dtype.element_ty),
+                 mask=m_ok & (pid_n == 0))
+
+
+# ----------------------------------------------------------------------------- launcher
+
+@functools.cache
+def clamp_ties() -> tuple[bool, bool, bool]:
+    """Whether torch's clamp passes the gradient at a value exactly at its bound: for
+    ``clamp(max=l)`` at l (the gate's clamp), and ``clamp(min=-l, max=l)`` at -l and at l
+    (the up half's). torch changed this (1 through 2.1x's earlier releases, 0 later), so
+    the kernels ask the torch they run with, to match its autograd of ``apply_gate``."""
+    with torch.enable_grad():
+        g = torch.ones((), dtype=torch.float64, requires_grad=True)
+        (dg,) = torch.autograd.grad(g.clamp(max=1.0), g)
+        u = torch.tensor([-1.0, 1.0], dtype=torch.float64, requires_grad=True)
+        (du,) = torch.autograd.grad(u.clamp(min=-1.0, max=1.0).sum(), u)
+    return bool(dg == 1), bool(du[0] == 1), bool(du[1] == 1)
+
+
+def _oi_strides(w: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
+    """(expert, out, in) strides of a weight stored (E, out, in), or (E, in, out) when
+    ``transposed``: where the weight gradient's [e][m = out, n = in] goes."""
+    return (w.stride(0), w.stride(2), w.stride(1)) if transposed else (w.stride(0), w.stride(1), w.stride(2))
+
+
+def _configs(rows_per_expert: float, dtype: torch.dtype, bm: int, n1: int, h: int, i: int,
+             picked: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """The backward's block configs: ``picked`` (a test's or tuning run's) over the table's.
+    The dgrads walk the forward's padded rows, so their BLOCK_M is the forward's."""
+    cfg = {"dgrad2": dict(picked.get("dgrad2") or F.pick_config("dgrad2", rows_per_expert, i, h, dtype, block_m=bm)),
+           "dgrad1": dict(picked.get("dgrad1") or F.pick_config("dgrad1", rows_per_expert, h, n1, dtype, block_m=bm)),
+           "wgrad": dict(picked.get("wgrad") or F.pick_config("wgrad", rows_per_expert, n1, h, dtype)),
+           "combine": dict(picked.get("combine") or F.pick_config("combine", rows_per_expert, h, 0, dtype))}
+    cfg["dgrad2"]["BLOCK_M"] = cfg["dgrad1"]["BLOCK_M"] = bm
+    return cfg
+
+
+def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                           gate_up_bias: torch.Tensor | None, down_proj: torch.Tensor,
+                           down_bias: torch.Tensor | None, activation: str, gated: bool, transposed: bool,
+                           interleaved: bool, alpha: float, limit: float, saved: F.Saved | None, *,
+                           needs: tuple[bool, ...] | None = None,
+                           configs: dict[str, dict[str, int]] | None = None
+                           ) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of the op's output for (hidden_states, top_k_weights, gate_up_proj,
+    gate_up_bias, down_proj, down_bias), given ``grad_out`` (T, H) and the forward's
+    ``saved`` (:func:`fused_experts_forward` with ``save=True``; None: no slot, all zeros).
+    ``needs``: which of the six to compute (default: all present); the others are None,
+    and the kernels only they need do not run. Each gradient in its input's dtype (a fresh
+    tensor of the input's shape). ``configs``: block configs over the table's
+    ({"dgrad2", "dgrad1", "wgrad", "combine"})."""
+    x, ids, rw, w1, b1, w2, b2 = hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, \
+        down_proj, down_bias
+    inputs = (x, rw, w1, b1, w2, b2)
+    want = [t is not None and (needs is None or bool(needs[j])) for j, t in enumerate(inputs)]
+    need_x, need_rw, need_w1, need_b1, need_w2, need_b2 = want
+    if saved is None:  # no slot (T*k = 0) or H = 0: every gradient is an empty sum
+        return tuple(t.new_zeros(t.shape) if w else None for t, w in zip(inputs, want))
+
+    t, h = x.shape
+    k = ids.shape[1]
+    e = w1.shape[0]
+    n1 = w1.shape[2] if transposed else w1.shape[1]
+    i = n1 // 2 if gated else n1
+    s = t * k
+    dev = x.device
+    bm = saved.configs["gemm1"]["BLOCK_M"]
+    nb = saved.block_expert.shape[0]
+    cfg = _configs(s / e, x.dtype, bm, n1, h, i, configs or {})
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    dout = grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)
+    sorted_pair_ids, pstart, count = saved.sorted_pair_ids, saved.tables[1], saved.tables[2]
+    out: list[torch.Tensor | None] = [None] * 6
+
+    need_dpre = need_x or need_w1 or need_b1
+    with F._device_ctx(x):
+        if need_dpre or need_rw:
+            c = cfg["dgrad2"]
+            nnb = triton.cdiv(i, c["BLOCK_N"])
+            d_pre = F._new_buffer((nb * bm, n1), x.dtype, dev) if need_dpre else saved.act
+            part = F._new_buffer((s, nnb), torch.float32, dev) if need_rw else saved.act
+            finite = gated and math.isfinite(limit)
+            ties = clamp_ties()
+            sw = F._nk_strides(w2, not transposed)  # down seen as (E, I, H)
+            _dgrad_act_kernel[(nb * nnb,)](
+                dout, w2, saved.pre, rw, d_pre, part, sorted_pair_ids, saved.block_expert,
+                s, k, i, h, nb, float(alpha), float(limit) if finite else 0.0,
+                dout.stride(0), dout.stride(1), sw[0], sw[1], sw[2], saved.pre.stride(0), saved.pre.stride(1),
+                rw.stride(0), rw.stride(1), d_pre.stride(0), d_pre.stride(1), part.stride(0), part.stride(-1),
+                BLOCK_M=bm, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"],
+                GATED=gated, INTERLEAVED=gated and interleaved, ACT=F.ACT_IDS[activation], HAS_LIMIT=finite,
+                GATE_TIE=ties[0], UP_LO_TIE=ties[1], UP_HI_TIE=ties[2], WRITE_DPRE=need_dpre,
+                ROUTE_GRAD=need_rw, DOT_PRECISION=precision, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        if need_rw:
+            drw = F._new_buffer(tuple(rw.shape), rw.dtype, dev)
+            bp, bh = 32, min(128, triton.next_power_of_2(h))
+            bias = b2 if b2 is not None else w2  # a valid pointer, never read
+            _route_grad_kernel[(triton.cdiv(s, bp),)](
+                part, dout, bias, ids, drw, s, k, e, h, nnb, part.stride(0), part.stride(-1),
+                dout.stride(0), dout.stride(1), bias.stride(0), bias.stride(-1), ids.stride(0), ids.stride(1),
+                drw.stride(0), drw.stride(1), BLOCK_P=bp, BLOCK_H=bh, HAS_BIAS=b2 is not None, num_warps=4)
+            out[1] = drw
+        if need_x:
+            pairs = F._new_buffer((s, h), x.dtype, dev)
+            F.launch_gemm(cfg["dgrad1"], a=d_pre, w=w1, w_strides=F._nk_strides(w1, not transposed), bias=None,
+                          rw=rw, out=pairs, pre=None, sorted_pair_ids=sorted_pair_ids,
+                          block_expert=saved.block_expert, top_k=k, n=h, k=n1, gather=False, routed=True,
+                          scaled=False, act=_IDENTITY)
+            dx = F._new_buffer((t, h), x.dtype, dev)
+            F.combine(pairs, ids, dx, e, cfg["combine"])
+            out[0] = dx
+
+        def wgrad(lhs: torch.Tensor, rhs: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, m: int, n: int,
+                  l_gather: bool, l_scaled: bool, r_gather: bool, do_w: bool, do_b: bool) -> tuple[Any, Any]:
+            c = cfg["wgrad"]
+            dw = F._new_buffer(tuple(w.shape), w.dtype, dev) if do_w else None
+            db = F._new_buffer(tuple(b.shape), b.dtype, dev) if do_b and b is not None else None
+            do = dw if dw is not None else lhs  # valid pointers, never written
+            dob = db if db is not None else lhs
+            so = _oi_strides(dw, transposed) if dw is not None else (0, 0, 0)
+            nn = triton.cdiv(n, c["BLOCK_N"]) if do_w else 1
+            _moe_wgrad[(triton.cdiv(m, c["BLOCK_M"]) * nn, e)](
+                lhs, rhs, rw, do, dob, sorted_pair_ids, pstart, count, k, m, n,
+                lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), rw.stride(0), rw.stride(1),
+                so[0], so[1], so[2], dob.stride(0), dob.stride(-1),
+                BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], L_GATHER=l_gather,
+                L_SCALED=l_scaled, R_GATHER=r_gather, WEIGHT_GRAD=do_w, BIAS_GRAD=db is not None,
+                DOT_PRECISION=precision, num_warps=c["num_warps"], num_stages=c["num_stages"])
+            return dw, db
+
+        if need_w2 or need_b2:  # d down_proj[e] = (rw * dout[t])^T act, d down_bias[e] = sum rw * dout[t]
+            out[4], out[5] = wgrad(dout, saved.act, w2, b2, h, i, True, True, False, need_w2, need_b2)
+        if need_w1 or need_b1:  # d gate_up_proj[e] = d_pre^T x[t], d gate_up_bias[e] = sum d_pre
+            out[2], out[3] = wgrad(d_pre, x, w1, b1, n1, h, False, False, True, need_w1, need_b1)
+    return tuple(out)
+
+
+class FusedExperts(torch.autograd.Function):
+    """The op with the fused kernels forward and backward (:func:`fused_experts` checks the
+    inputs and falls back; this takes inputs :func:`why_not_fused` accepts). ``configs``:
+    block configs for both ({"gemm1", "gemm2", "combine", "dgrad2", "dgrad1", "wgrad"})."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                gate_up_proj: torch.Tensor, gate_up_bias: torch.Tensor | None, down_proj: torch.Tensor,
+                down_bias: torch.Tensor | None, activation: str, gated: bool, transposed: bool,
+                interleaved: bool, alpha: float, limit: float,
+                configs: dict[str, dict[str, int]] | None = None) -> torch.Tensor:
+        args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias,
+                activation, gated, transposed, interleaved, alpha, limit)
+        out, saved = F.fused_experts_forward(*args, configs=configs, save=True)
+        kept = () if saved is None else (saved.sorted_pair_ids, saved.block_expert, saved.tables, saved.act,
+                                          saved.pre)
+        ctx.save_for_backward(*args[:7], *kept)
+        ctx.rest = args[7:]
+        ctx.fwd_configs = None if saved is None else saved.configs
+        ctx.configs = configs
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        tensors = ctx.saved_tensors
+        args, kept = tensors[:7], tensors[7:]
+        saved = F.Saved(*kept, ctx.fwd_configs) if kept else None
+        n = ctx.needs_input_grad
+        grads = fused_experts_backward(grad, *args, *ctx.rest, saved, configs=ctx.configs,
+                                       needs=(n[0], n[2], n[3], n[4], n[5], n[6]))
+        dx, drw, dw1, db1, dw2, db2 = grads
+        return (dx, None, drw, dw1, db1, dw2, db2) + (None,) * (len(n) - 7)
+
+
+def fused_experts(*args: Any, configs: dict[str, dict[str, int]] | None = None) -> torch.Tensor:
+    """The op (its positional arguments), differentiable, for training: :class:`FusedExperts`
+    where the fused kernels take the inputs, else the op's differentiable ``grouped`` path."""
+    from opreg.ops import moe_experts as M
+
+    M.check(*args)
+    if M.checks_ids_here(args[1]):
+        M.check_ids(args[1])
+    if F.why_not_fused(*args) is not None:
+        return M.grouped(*args)
+    if not (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+        return F.fused_experts_forward(*args, configs=configs)  # nothing to save: the forward alone
+    return FusedExperts.apply(*args, configs)

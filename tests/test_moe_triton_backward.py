@@ -1,0 +1,474 @@
+"""moe_experts' fused Triton backward (backends/triton/moe_experts_backward.py).
+
+As tests/test_moe_triton.py: without a GPU the kernels run under Triton's interpreter on CPU
+tensors, in ONE child process started with ``TRITON_INTERPRET=1`` (this file run as a
+script, forked from tests/_fresh.py's server), one pytest test per case reading the child's
+verdict. float32 and float16 only (the interpreter's bfloat16 is wrong); bfloat16 runs on
+the GPU (``cuda``-marked tests, with determinism and CUDA-graph capture).
+
+Each case: fresh random inputs, every buffer the kernels fill NaN first, a random upstream
+gradient; every gradient of :class:`FusedExperts` against ``torch.autograd.grad`` of the
+op's reference in float64; inputs unmodified.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import zlib
+from typing import Any
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # run as the interpreter child: `python tests/test_moe_triton_backward.py`
+    sys.path.insert(0, HERE)
+
+import _fresh as fresh  # noqa: E402
+from _util import once_per_run  # noqa: E402
+from test_moe_experts import ARGS, FAMILIES, make, sub  # noqa: E402
+from test_moe_triton import GATES, SMALL, _fix_old_interpreter, _nan_buffer  # noqa: E402
+
+from opreg.ops import moe_experts as M  # noqa: E402
+from opreg.testing import assert_matches  # noqa: E402
+
+try:
+    from opreg.backends.triton import moe_experts as TM
+    from opreg.backends.triton import moe_experts_backward as TB
+except ImportError:  # pragma: no cover - the package itself imports without triton
+    TM = TB = None
+
+HAVE_TRITON = TM is not None and TM.triton is not None
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+GRAD_ARGS = ("hidden_states", "top_k_weights", "gate_up_proj", "gate_up_bias", "down_proj", "down_bias")
+
+# Small blocks: several M, N and K blocks (the weight gradients' K = an expert's rows),
+# ragged edges, GROUP_M swizzles with a partial last group.
+SMALL_BWD = {**SMALL,
+             "dgrad2": dict(BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2),
+             "dgrad1": dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=3, num_warps=4, num_stages=2),
+             "wgrad": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2)}
+
+
+# ------------------------------------------------------------------ interpreted cases
+
+def _gate_cases() -> dict[str, dict]:
+    """Every gate x {gated, not} x {transposed, not}; interleaved, biases and the limit vary
+    along (each seen both ways), as the forward's cases."""
+    cases, n = {}, 0
+    kinds = [(g, True) for g in GATES] + [(g, False) for g in GATES] + [(M.GPT_OSS, True)]
+    for act, gated in kinds:
+        for transposed in (False, True):
+            n += 1
+            opts = dict(activation=act, gated=gated, transposed=transposed, bias=n % 4 in (0, 1),
+                        interleaved=gated and (n // 2) % 2 == 1)
+            clamps = act == M.GPT_OSS or (act == "silu" and gated and transposed)
+            if act == M.GPT_OSS:
+                opts.update(alpha=1.702, limit=1.5, gain=4.0)
+            elif clamps:
+                opts.update(limit=0.7, gain=4.0)
+            dtypes = ["float32", "float16"] if n % 4 == 1 or act == M.GPT_OSS else ["float32"]
+            name = f"{act} {'gated' if gated else 'ungated'}{' transposed' if transposed else ''}"
+            cases[name] = dict(dims=(6, 2, 40, 24, 3), opts=opts, dtypes=dtypes, clamps=clamps)
+    return cases
+
+
+CASES: dict[str, dict] = {
+    **_gate_cases(),
+    # ragged H, I; several blocks in M, N and K of every kernel (24 rows per expert: 2 row
+    # blocks of the weight gradients), swizzle groups
+    "ragged small blocks": dict(dims=(24, 3, 40, 24, 3), opts=dict(bias=True), configs=SMALL_BWD),
+    "ragged gpt_oss small blocks": dict(dims=(21, 2, 50, 18, 3), configs=SMALL_BWD, clamps=True, opts=dict(
+        activation=M.GPT_OSS, transposed=True, interleaved=True, bias=True, alpha=1.702, limit=1.0, gain=3.0)),
+    "ragged relu2 ungated small blocks": dict(dims=(17, 2, 33, 20, 2), configs=SMALL_BWD, dtypes=["float32"],
+                                              opts=dict(activation="relu2", gated=False, bias=True)),
+    "default configs, more rows": dict(dims=(64, 2, 48, 32, 4), opts=dict(bias=True), dtypes=["float32"]),
+    # values exactly at the clamps (and relu's 0): the derivative there is torch's
+    "ties silu": dict(dims=(12, 2, 16, 8, 3), opts=dict(limit=1.0, bias=True), special="ties", configs=SMALL_BWD),
+    "ties gpt_oss": dict(dims=(12, 2, 16, 8, 3), special="ties", configs=SMALL_BWD, opts=dict(
+        activation=M.GPT_OSS, interleaved=True, transposed=True, bias=True, alpha=1.702, limit=1.0)),
+    "ties relu ungated": dict(dims=(12, 2, 16, 8, 3), opts=dict(activation="relu", gated=False, bias=True),
+                              special="ties", dtypes=["float32"]),
+    "sentinels, NaN weights there": dict(dims=(10, 2, 16, 8, 4), opts=dict(sentinels=6, bias=True),
+                                         special="nan"),
+    "all slots sentinel": dict(dims=(5, 2, 16, 8, 4), opts=dict(bias=True), special="all_out"),
+    "empty expert": dict(dims=(6, 2, 16, 8, 8), opts=dict(bias=True), special="skip_expert"),
+    "T=1": dict(dims=(1, 2, 24, 16, 4), opts=dict(bias=True)),
+    "k=1": dict(dims=(7, 1, 24, 16, 4), opts=dict(activation="gelu", interleaved=True)),
+    "T=0": dict(dims=(0, 2, 16, 8, 4), opts=dict(bias=True), dtypes=["float32"]),
+    "int32 ids, strided inputs, expanded grad": dict(dims=(8, 4, 24, 16, 8), opts=dict(idx_dtype=torch.int32),
+                                                     special="strided"),
+    "mixtral family": dict(dims=FAMILIES["mixtral silu"][0], opts=FAMILIES["mixtral silu"][1],
+                           dtypes=["float32"]),
+    # only some inputs require grad: the others' kernels must not run
+    "frozen weights": dict(dims=(9, 2, 24, 16, 3), opts=dict(bias=True), dtypes=["float32"],
+                           requires=("hidden_states", "top_k_weights"), forbid=("TB._moe_wgrad",)),
+    "down_proj only": dict(dims=(9, 2, 24, 16, 3), opts=dict(bias=True, transposed=True), dtypes=["float32"],
+                           requires=("down_proj", "down_bias"),
+                           forbid=("TB._dgrad_act_kernel", "TB._route_grad_kernel", "TM._moe_gemm")),
+    "routing weights only": dict(dims=(9, 2, 24, 16, 3), opts=dict(bias=True), dtypes=["float32"],
+                                 requires=("top_k_weights",), forbid=("TB._moe_wgrad", "TM._moe_gemm")),
+    "gate_up_bias only": dict(dims=(9, 2, 24, 16, 3), opts=dict(bias=True, activation="gelu_tanh"),
+                              dtypes=["float32"], requires=("gate_up_bias",), forbid=("TM._moe_gemm",)),
+}
+for _c in CASES.values():
+    _c.setdefault("dtypes", ["float32", "float16"])
+CASE_IDS = [f"{name}/{dt}" for name, c in CASES.items() for dt in c["dtypes"]]
+
+
+def _pre(args: tuple) -> torch.Tensor:
+    """The up projections (float64) of the pairs whose id is in [0, E): (pairs, N)."""
+    x, ids, _, w1, b1, *_rest = args
+    e, transposed = w1.shape[0], args[9]
+    pre = []
+    for p, ex in enumerate(ids.reshape(-1).tolist()):
+        if 0 <= ex < e:
+            w = w1[ex].double()
+            y = x[p // ids.shape[1]].double() @ (w if transposed else w.T)
+            pre.append(y if b1 is None else y + b1[ex].double())
+    return torch.stack(pre) if pre else x.new_zeros((0, 1), dtype=torch.float64)
+
+
+def _halves(args: tuple, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if args[10]:  # interleaved
+        return pre[:, ::2], pre[:, 1::2]
+    return pre.chunk(2, dim=-1)
+
+
+def _special(args: tuple, special: str | None) -> tuple:
+    e = args[3].shape[0]
+    if special == "nan":  # the sentinel slots' weights NaN: the reference never reads them either
+        w = args[2].clone()
+        w[args[1] >= e] = float("nan")
+        return sub(args, top_k_weights=w)
+    if special == "all_out":
+        return sub(args, top_k_index=args[1] + e)
+    if special == "skip_expert":
+        ids = args[1].clone()
+        ids[ids == 2] = 5  # expert 2 gets nothing; 5 gets more
+        return sub(args, top_k_index=ids)
+    if special == "strided":
+        xs = args[0].t().contiguous().t()  # column-major views
+        ws = args[2].t().contiguous().t()
+        assert not xs.is_contiguous() and not ws.is_contiguous()
+        return sub(args, hidden_states=xs, top_k_weights=ws)
+    if special == "ties":
+        # Small integers and quarters: every up projection is exact (fp16, fp32 and the
+        # float64 reference alike), many of them exactly at +-limit (and at 0).
+        x, w1, b1 = args[0], args[3], args[4]
+        q = lambda t, lo, hi, scale: torch.randint(lo, hi, t.shape).to(t) * scale  # noqa: E731
+        return sub(args, hidden_states=q(x, -1, 2, 1.0), gate_up_proj=q(w1, -2, 3, 0.25),
+                   gate_up_bias=None if b1 is None else q(b1, -4, 5, 0.25))
+    return args
+
+
+def _requires(args: tuple, names: tuple[str, ...]) -> tuple:
+    """Float tensor arguments detached, as leaves requiring grad if named."""
+    return tuple(a.detach().requires_grad_(n in names) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                 else a for n, a in zip(ARGS, args))
+
+
+class _Forbidden:
+    """A kernel that must not launch."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getitem__(self, grid: Any) -> Any:
+        raise AssertionError(f"{self.name} launched, though no gradient needs it")
+
+
+def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
+    """One case: every gradient vs the float64 reference's, inputs untouched; on a device,
+    a second backward bit-identical."""
+    name, dname = case_id.rsplit("/", 1)
+    c = CASES[name]
+    dtype = getattr(torch, dname)
+    torch.manual_seed(seed ^ zlib.crc32(case_id.encode()))
+    args = _special(make(*c["dims"], dtype, device, **c["opts"]), c.get("special"))
+    e, limit = args[3].shape[0], args[12]
+    if c.get("clamps") or c.get("special") == "ties":  # the case reaches what it is about
+        pre = _pre(args)
+        gate, up = _halves(args, pre) if args[8] else (pre, pre)
+        if math.isfinite(limit):
+            hit = ((gate > limit).any() and (up.abs() > limit).any()) if c.get("clamps") else \
+                ((gate == limit).any() and (up.abs() == limit).any())
+        else:
+            hit = (pre == 0).any()
+        assert hit, "the inputs do not reach the clamp (or tie) this case is about"
+    names = c.get("requires", GRAD_ARGS)
+    args = _requires(args, names)
+    args64 = _requires(tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                             for a in args), names)
+    leaves = [a for n, a in zip(ARGS, args) if n in names and a is not None]
+    leaves64 = [a for n, a in zip(ARGS, args64) if n in names and a is not None]
+    inputs = [a for a in args if isinstance(a, torch.Tensor)]
+    before = [a.detach().clone() for a in inputs]
+    assert TM.why_not_fused(*args) is None
+    configs = c.get("configs")
+
+    out = TB.FusedExperts.apply(*args, configs)
+    want = M.reference(*args64)
+    assert_matches(out, want, dtype)
+    cot = torch.randn(want.shape, dtype=torch.float64, device=device)
+    if c.get("special") == "strided":  # a stride-0 upstream gradient (as .sum()'s)
+        cot = torch.randn((1, want.shape[1]), dtype=torch.float64, device=device).expand(want.shape)
+    forbidden = {}
+    for path in c.get("forbid", ()):
+        mod, attr = (TB, path[3:]) if path.startswith("TB.") else (TM, path[3:])
+        forbidden[(mod, attr)] = getattr(mod, attr)
+        setattr(mod, attr, _Forbidden(path))
+    try:
+        got = torch.autograd.grad(out, leaves, cot.to(dtype))
+    finally:
+        for (mod, attr), fn in forbidden.items():
+            setattr(mod, attr, fn)
+    ref = torch.autograd.grad(want, leaves64, cot)
+    for n, g, r, a in zip([n for n, a in zip(ARGS, args) if n in names and a is not None], got, ref, leaves):
+        try:
+            assert g.shape == a.shape
+            assert_matches(g, r, a.dtype)
+        except AssertionError as err:
+            raise AssertionError(f"d {n}: {err}") from None
+    if c.get("special") == "skip_expert":  # never run: exact zeros
+        grads = dict(zip([n for n in ARGS if n in names], got))
+        for n in ("gate_up_proj", "gate_up_bias", "down_proj", "down_bias"):
+            assert torch.equal(grads[n][2], torch.zeros_like(grads[n][2])), f"d {n}[2] is not zero"
+    if c.get("special") in ("nan", "all_out"):  # d top_k_weights is exactly 0 at a sentinel slot
+        drw = got[[n for n in ARGS if n in names].index("top_k_weights")]
+        assert torch.equal(drw[args[1] >= e], torch.zeros_like(drw[args[1] >= e]))
+    for b, a in zip(before, inputs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg="an input was modified")
+    if "requires" in c:  # the backward hands back only what is asked for
+        _, saved = TM.fused_experts_forward(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+                                            configs=configs, save=True)
+        needs = tuple(n in names for n in GRAD_ARGS)
+        grads = TB.fused_experts_backward(cot.to(dtype), *args, saved, needs=needs, configs=configs)
+        assert [g is not None for g in grads] == list(needs), [g is not None for g in grads]
+    if device != "cpu":
+        again = torch.autograd.grad(TB.FusedExperts.apply(*args, configs), leaves, cot.to(dtype))
+        assert all(torch.equal(a, b) for a, b in zip(got, again)), "two backward runs differ"
+
+
+def _child_main() -> None:
+    """The interpreter child: every case, one JSON verdict per case on the last line."""
+    assert TM.interpreting(), "TRITON_INTERPRET=1 must be set before the kernels are imported"
+    _fix_old_interpreter()
+    TM._new_buffer = _nan_buffer  # every buffer starts NaN: an unwritten element fails
+    seed = int(os.environ.get("OPREG_TEST_SEED", "0"))
+    verdicts = {}
+    t_all = time.perf_counter()
+    for case_id in CASE_IDS:
+        try:
+            t0 = time.perf_counter()
+            run_case(case_id, seed)
+            print(f"{case_id}: {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+            verdicts[case_id] = "ok"
+        except Exception as e:  # noqa: BLE001 - reported per case by the parent
+            verdicts[case_id] = f"{type(e).__name__}: {e}"[:2000]
+    print(f"all cases: {time.perf_counter() - t_all:.1f} s", file=sys.stderr)
+    print("VERDICTS " + json.dumps(verdicts))
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Run the child once per test run (once across xdist workers); its verdicts by case id."""
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    seed = getattr(sys.modules.get("conftest"), "SEED", 0)
+
+    def run_child(folder: Any) -> None:
+        env = dict(os.environ, TRITON_INTERPRET="1", OPREG_TEST_SEED=str(seed))
+        proc = fresh.run([os.path.abspath(__file__)], env=env, timeout=600)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERDICTS ")]
+        if proc.returncode != 0 or not lines:
+            pytest.fail(f"interpreter child failed (rc {proc.returncode}, seed {seed}):\n"
+                        f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        (folder / "verdicts.json").write_text(lines[-1][len("VERDICTS "):])
+
+    folder = once_per_run(tmp_path_factory, "triton-interpreter-backward", run_child)
+    return json.loads((folder / "verdicts.json").read_text())
+
+
+@needs_triton
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_interpreted(case_id: str, interpreted: dict[str, str]) -> None:
+    assert interpreted.get(case_id) == "ok", interpreted.get(case_id, "not run")
+
+
+# ------------------------------------------------------------------ in process
+
+@needs_triton
+def test_config_table_has_the_backward() -> None:
+    for gemm in ("dgrad2", "dgrad1", "wgrad"):
+        for rows in (1, 30, 200, 5000):
+            cfg = TM.pick_config(gemm, rows, 1536, 2048, torch.bfloat16, block_m=None if gemm == "wgrad" else 64)
+            assert cfg["BLOCK_N"] > 0 and cfg["BLOCK_K"] >= 16 and cfg["BLOCK_M"] >= 16
+
+
+@needs_triton
+def test_clamp_ties_are_torchs() -> None:
+    gate_tie, lo_tie, hi_tie = TB.clamp_ties()
+    x = torch.tensor([0.5, 0.5], dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(M.apply_gate(x[None], "silu", True, False, 1.0, 0.5).sum(), x)
+    assert (g[0] != 0) == gate_tie and (g[1] != 0) == hi_tie
+    y = torch.tensor([0.5, -0.5], dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(M.apply_gate(y[None], "silu", True, False, 1.0, 0.5).sum(), y)
+    assert (g[1] != 0) == lo_tie
+
+
+@needs_triton
+def test_fused_experts_off_cuda_runs_grouped() -> None:
+    """fused_experts (the training entry) takes the differentiable grouped path where the
+    kernels don't run (here: CPU, float64), with the reference's gradients."""
+    args = _requires(make(6, 2, 16, 8, 4, torch.float64, "cpu", bias=True), GRAD_ARGS)
+    assert TM.why_not_fused(*args) is not None
+    leaves = [a for n, a in zip(ARGS, args) if n in GRAD_ARGS]
+    cot = torch.randn(6, 16, dtype=torch.float64)
+    got = torch.autograd.grad(TB.fused_experts(*args), leaves, cot)
+    want = torch.autograd.grad(M.reference(*args), leaves, cot)
+    for g, w in zip(got, want):
+        assert_matches(g, w, torch.float64)
+
+
+# ------------------------------------------------------------------ CUDA
+
+needs_cuda = pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
+CUDA_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+BIGGER = {"decode": (4, 8, 256, 128, 64), "prefill": (512, 4, 256, 192, 16), "many rows": (2048, 2, 128, 96, 8)}
+BIG_FAMILIES = ("mixtral silu", "gpt_oss biases", "relu2 ungated", "gelu interleaved bias")
+
+
+def _big_args(shape: str, family: str, dtype: torch.dtype) -> tuple:
+    args = make(*BIGGER[shape], dtype, "cuda", **{**FAMILIES[family][1], "sentinels": 3})
+    return _requires(_special(args, "nan"), GRAD_ARGS)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+@pytest.mark.parametrize("family", BIG_FAMILIES)
+@pytest.mark.parametrize("shape", list(BIGGER))
+def test_cuda_gradients(shape: str, family: str, dtype: torch.dtype) -> None:
+    """Every gradient at moderate shapes (every config bucket), default configs, vs float64."""
+    args = _big_args(shape, family, dtype)
+    args64 = _requires(tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                             for a in args), GRAD_ARGS)
+    leaves = [a for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
+    leaves64 = [a for n, a in zip(ARGS, args64) if n in GRAD_ARGS and a is not None]
+    old = TM._new_buffer
+    TM._new_buffer = _nan_buffer
+    try:
+        out = TB.FusedExperts.apply(*args)
+        want = M.reference(*args64)
+        cot = torch.randn_like(want)
+        got = torch.autograd.grad(out, leaves, cot.to(dtype))
+    finally:
+        TM._new_buffer = old
+    assert_matches(out, want, dtype)
+    for g, r, a in zip(got, torch.autograd.grad(want, leaves64, cot), leaves):
+        assert_matches(g, r, a.dtype)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("case_id", [c.replace("float32", "bfloat16") for c in CASE_IDS if c.endswith("float32")])
+def test_cuda_cases(case_id: str) -> None:
+    """The interpreted cases, compiled, in bfloat16, and a second backward bit-identical."""
+    old = TM._new_buffer
+    TM._new_buffer = _nan_buffer
+    try:
+        run_case(case_id, 0, "cuda")
+    finally:
+        TM._new_buffer = old
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+def test_cuda_deterministic(dtype: torch.dtype) -> None:
+    for shape in BIGGER:
+        for family in BIG_FAMILIES:
+            args = _big_args(shape, family, dtype)
+            leaves = [a for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
+            cot = torch.randn(args[0].shape, dtype=dtype, device="cuda")
+            first = torch.autograd.grad(TB.FusedExperts.apply(*args), leaves, cot)
+            second = torch.autograd.grad(TB.FusedExperts.apply(*args), leaves, cot)
+            for a, b in zip(first, second):
+                assert torch.equal(a, b), f"{shape} {family}: two backward runs differ"
+
+
+def _graph_once(family: str, dtype: torch.dtype) -> None:
+    args = _big_args("prefill", family, dtype)
+    leaves = [a for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
+    cot = torch.randn(args[0].shape, dtype=dtype, device="cuda")
+
+    def step() -> list[torch.Tensor]:
+        out = TB.FusedExperts.apply(*args)
+        return [out, *torch.autograd.grad(out, leaves, cot)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up off the capture (compilation, allocator)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        for a in leaves:
+            a.mul_(0.5 + torch.rand_like(a))
+        cot.mul_(0.5 + torch.rand_like(cot))
+    graph.replay()
+    torch.cuda.synchronize()
+    args64 = _requires(tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                             for a in args), GRAD_ARGS)
+    leaves64 = [a for n, a in zip(ARGS, args64) if n in GRAD_ARGS and a is not None]
+    want = M.reference(*args64)
+    ref = [want, *torch.autograd.grad(want, leaves64, cot.double())]
+    for g, r, a in zip(captured, ref, [args[0], *leaves]):
+        assert_matches(g, r, a.dtype)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+@pytest.mark.parametrize("family", BIG_FAMILIES)
+def test_cuda_graph_forward_backward(family: str, dtype: torch.dtype) -> None:
+    """Forward and backward captured in one CUDA graph; the inputs and the upstream
+    gradient rescaled in place; replayed: the output and every gradient are the float64
+    reference's on the new values."""
+    _graph_once(family, dtype)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_fused_experts_trains_and_refuses_double_backward() -> None:
+    """``fused_experts`` (the public entry) with gradients on CUDA: FusedExperts' backward,
+    right against float64; double backward refused with an error, never zeros."""
+    args = _big_args("prefill", "gpt_oss biases", torch.bfloat16)
+    leaves = [a for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
+    args64 = _requires(tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                             for a in args), GRAD_ARGS)
+    leaves64 = [a for n, a in zip(ARGS, args64) if n in GRAD_ARGS and a is not None]
+    want = M.reference(*args64)
+    cot = torch.randn_like(want)
+    ref = torch.autograd.grad(want, leaves64, cot)
+    out = TB.fused_experts(*args)
+    assert type(out.grad_fn).__name__ == "FusedExpertsBackward", out.grad_fn
+    assert_matches(out, want, torch.bfloat16)
+    for g, r, a in zip(torch.autograd.grad(out, leaves, cot.to(out.dtype)), ref, leaves):
+        assert_matches(g, r, a.dtype)
+    out = TB.fused_experts(*args)
+    (g,) = torch.autograd.grad(out, [args[0]], cot.to(out.dtype), create_graph=True)
+    # once_differentiable: the gradient has no graph of its own (torch 2.11 on the H200:
+    # "element 0 of tensors does not require grad"), or one that raises when used
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiate|does not require grad"):
+        torch.autograd.grad(g.sum(), [args[0]])
+
+
+if __name__ == "__main__":
+    _child_main()
