@@ -10,7 +10,7 @@ round). The ratio is opreg / eager (> 1.03: more than 3 % slower). cat_linear: l
 forward under ``no_grad`` (``fwd``) and forward + backward (``fwdbwd``); on CUDA the list
 form's forward also runs with ``OPREG_CAT_LINEAR_PATH=simt`` and ``=gemm`` (columns
 ``simt``, ``gemm``): the automatic path should be within 3 % of the faster one (the
-dispatch model's check, backends/cuda/cat_linear.cu). scatter_combine: forward against
+dispatch model's check, backends/common/cat_linear_model.h). scatter_combine: forward against
 ``index_add_`` (eager) and the reference's ``index_put_``; backward (the op's fused
 backward against what autograd of the eager form runs); and the fraction of the copy
 bound: bytes (each input read once, each output written once) over the device-to-device

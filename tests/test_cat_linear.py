@@ -80,6 +80,64 @@ def test_device_mismatch():
         OP(parts, weight.cpu(), bias)
 
 
+# (R, B, H, K): where the CUDA path choice (backends/common/cat_linear_model.h) gives the
+# GEMM path (32 parts of 512 for 4 rows: the SIMT kernel's walk over K took 186 us on the H200
+# where eager took 36) and where it gives the fused SIMT kernel.
+GEMM_SIZE, SIMT_SIZE = (32, 4, 512, 256), (2, 4, 64, 256)
+
+
+def _grad_fn_names(shape: tuple[int, int, int, int], device: str) -> tuple[str, str]:
+    r, b, h, k = shape
+    x = torch.randn(r, b, h, device=device, requires_grad=True)
+    w = torch.randn(k, r * h, device=device, requires_grad=True)
+    bias = torch.randn(k, device=device, requires_grad=True)
+    return OP(list(x.unbind(0)), w, bias).grad_fn.name(), STACKED(x, 0, w, bias).grad_fn.name()
+
+
+def test_grad_on_cuda_runs_eager_ops_where_the_gemm_path_would_run():
+    """With gradients, a CUDA call the path choice gives the GEMM path runs eager's own ops
+    (cat + linear: autograd records eager's nodes, and its backward needs no second cat); a
+    call the fused kernel takes keeps the op's node. The choice reads sizes only, so this runs
+    on fake CUDA tensors, on any machine."""
+    if not torch.backends.cuda.is_built():
+        pytest.skip("fake CUDA tensors need a CUDA build of torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    assert "CatLinear" in _grad_fn_names(SIMT_SIZE, "cpu")[0]  # loads the kernels, outside the mode
+    with FakeTensorMode():
+        listed, stacked = _grad_fn_names(GEMM_SIZE, "cuda")
+        assert listed == stacked == "AddmmBackward0"
+        listed, stacked = _grad_fn_names(SIMT_SIZE, "cuda")
+        assert "CatLinear>" in listed and "CatLinearStacked>" in stacked
+        r, b, h, k = GEMM_SIZE  # the op's own checks still come first
+        parts = [torch.randn(b, h, device="cuda", requires_grad=True) for _ in range(r)]
+        with pytest.raises(ValueError, match=r"parts\[1\]"):
+            OP([parts[0], parts[1][:-1], *parts[2:]], torch.randn(k, r * h, device="cuda"), None)
+    assert "CatLinear" in _grad_fn_names(GEMM_SIZE, "cpu")[0]  # the CPU kernel: the op's node
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_grads_at_gemm_path_sizes(dtype):
+    """The eager route's result and gradients are eager's (same kernels), list and stacked."""
+    skip_without("cuda")
+    r, b, h, k = GEMM_SIZE
+    x = torch.randn(r, b, h, dtype=dtype, device="cuda")
+    w = torch.randn(k, r * h, dtype=dtype, device="cuda") / (r * h) ** 0.5
+    bias = torch.randn(k, dtype=dtype, device="cuda")
+    go = torch.randn(b, k, dtype=dtype, device="cuda")
+
+    def grads(fn, *args):
+        leaves = [a.detach().requires_grad_() for a in args]
+        out = fn(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, go))
+
+    eager = grads(lambda x, w, c: torch.nn.functional.linear(torch.cat(x.unbind(0), -1), w, c), x, w, bias)
+    for got in (grads(lambda x, w, c: STACKED(x, 0, w, c), x, w, bias),
+                grads(lambda x, w, c: OP(list(x.unbind(0)), w, c), x, w, bias)):
+        for g, e in zip(got, eager):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------ cat_linear_stacked
 # cat_linear_stacked(x, dim, W, b) == cat_linear(x.unbind(dim), W, b): what the backend
 # emits for torch.cat([x[i] for i in range(R)], -1).

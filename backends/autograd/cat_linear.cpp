@@ -8,6 +8,17 @@
 // roi_align idiom), so the CPU or CUDA kernel is picked by the inputs' device.
 // Sizes are handled as SymInts so that AOTAutograd can trace these functions
 // with dynamic shapes.
+//
+// One exception: where the CUDA kernel would run its GEMM path (cat_linear_model.h), a call
+// that needs gradients runs eager's own ops, at::linear(at::cat(parts, -1), W, b), and
+// autograd records what eager records. The GEMM path's forward is those kernels anyway,
+// and the op's node (CatLinear, below) would add to them: its backward re-makes the cat for
+// dW (eager saves the one its forward made) and it saves R + 1 tensors. On the H200 sweep
+// (2026-12-01, forward + backward, the former size thresholds' paths) the op was > 3 %
+// slower than eager at 59 of the 74 list-form shapes on the GEMM path (median 1.09x at R2,
+// 1.11x R8, 1.13x R32) and 39 of the 74 stacked ones, against 21 of the 106 list shapes on
+// the SIMT path.
+#include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -16,6 +27,8 @@
 #include <vector>
 
 #include "autograd_util.h"
+#include "cat_linear_checks.h"
+#include "cat_linear_model.h"
 
 namespace opreg {
 namespace {
@@ -46,6 +59,67 @@ at::Tensor call_cat_linear_stacked(
 
 bool has(const OptTensor& t) {
   return t.has_value() && t->defined();
+}
+
+// Sizes known (not symbolic, as under torch.compile with dynamic shapes)?
+bool concrete(const at::Tensor& t) {
+  for (const c10::SymInt& s : t.sym_sizes()) {
+    if (!s.maybe_as_int().has_value()) return false;
+  }
+  return true;
+}
+
+// Would the CUDA kernel run its GEMM path for M rows of R parts of these widths? (The
+// model's estimate of the SIMT kernel's 16-byte loads from the widths alone, and the H200's
+// SM count: this library has no CUDA to ask the device.)
+bool cuda_runs_gemm(int64_t M, const at::Tensor& weight, int64_t R, int64_t chunks, bool vec) {
+  namespace model = cat_linear_model;
+  const int64_t elt = static_cast<int64_t>(weight.element_size());
+  const model::Work w{M, weight.size(0), weight.size(1), R, chunks, elt,
+                      vec && weight.size(1) % (16 / elt) == 0};
+  return !model::use_simt(w, model::kH200Sms);
+}
+
+// cat_linear's call on CUDA with gradients: eager's ops where the kernel would run them
+// (the header comment); checked first, so errors read as the op's own.
+bool eager_route(at::TensorList parts, const at::Tensor& weight, const OptTensor& bias) {
+  if (!weight.is_cuda() || !concrete(weight)) return false;
+  for (const at::Tensor& p : parts) {
+    if (!concrete(p)) return false;
+  }
+  check_cat_linear(parts, weight, bias);
+  const at::Tensor& p0 = parts[0];
+  int64_t M = 1;
+  for (int64_t d = 0; d + 1 < p0.dim(); ++d) M *= p0.size(d);
+  const int64_t elt = static_cast<int64_t>(weight.element_size());
+  const int64_t tk = cat_linear_model::chunk_cols(elt), v = 16 / elt;
+  int64_t chunks = 0;
+  bool vec = true;
+  for (const at::Tensor& p : parts) {
+    chunks += cat_linear_model::cdiv(p.size(-1), tk);
+    vec = vec && p.size(-1) % v == 0;
+  }
+  return cuda_runs_gemm(M, weight, static_cast<int64_t>(parts.size()), chunks, vec);
+}
+
+at::Tensor eager_cat_linear(at::TensorList parts, const at::Tensor& weight, const OptTensor& bias) {
+  return at::linear(parts.size() == 1 ? parts[0] : at::cat(parts, -1), weight, bias);
+}
+
+// The same for cat_linear_stacked(x, dim, ...): the slices are x without dim.
+bool eager_route_stacked(const at::Tensor& x, int64_t dim, const at::Tensor& weight,
+                         const OptTensor& bias) {
+  if (!weight.is_cuda() || !concrete(weight) || !concrete(x)) return false;
+  const int64_t d = check_cat_linear_stacked(x, dim, weight, bias);
+  const int64_t R = x.size(d), last = d == x.dim() - 1 ? x.dim() - 2 : x.dim() - 1;
+  const int64_t width = x.size(last);
+  int64_t M = 1;
+  for (int64_t i = 0; i < x.dim(); ++i) {
+    if (i != d && i != last) M *= x.size(i);
+  }
+  const int64_t elt = static_cast<int64_t>(weight.element_size());
+  const int64_t chunks = R * cat_linear_model::cdiv(width, cat_linear_model::chunk_cols(elt));
+  return cuda_runs_gemm(M, weight, R, chunks, width % (16 / elt) == 0);
 }
 
 // Gradients of y = cat(parts, -1) W^T + b, flattened over leading dims: one slot per
@@ -174,6 +248,7 @@ at::Tensor cat_linear_reverse(at::TensorList parts, const at::Tensor& weight, co
     at::AutoDispatchBelowADInplaceOrView guard;
     return call_cat_linear(parts, weight, bias);
   }
+  if (eager_route(parts, weight, bias)) return eager_cat_linear(parts, weight, bias);
   return CatLinear::apply(parts, weight, bias);
 }
 
@@ -205,6 +280,10 @@ at::Tensor cat_linear_stacked_reverse(
   if (!any_requires_grad({&x, &weight, has(bias) ? &*bias : &none})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     return call_cat_linear_stacked(x, dim, weight, bias);
+  }
+  if (eager_route_stacked(x, dim, weight, bias)) {
+    const int64_t d = dim < 0 ? dim + x.dim() : dim;  // checked by eager_route_stacked
+    return eager_cat_linear(x.unbind(d), weight, bias);  // eager's cat(x.unbind(d), -1)
   }
   return CatLinearStacked::apply(x, dim, weight, bias);
 }

@@ -19,15 +19,18 @@
 //    221.5 vs 221.3 us end to end), so it was dropped. Per-part accumulating
 //    GEMMs (beta=1) were rejected: each one re-reads and re-writes the output.
 //
-// Which path: SIMT up to 2^27 multiply-adds for fp32/fp64 and 2^24 for 16-bit
-// types (simt_max_macs, below, with the points it rests on). A cost model of host
-// time, bytes, FLOPs and SIMT's walk over K was tried on 2026-12-01 and checked by
-// bench/sweep.py on the H200 (bench/RESULTS.md): on the 152 list-form shapes with
-// both paths forced, its picks were > 3 % slower than eager on 75, these thresholds'
-// picks on 54, the better of the two paths on 38. Its host terms were the error: the
-// op call with a Tensor[] argument costs far more than the 10-14 us it assumed (R2
-// B16 H512 K256 fp32: GEMM path 47.9 us, SIMT 16.0, eager 42.7). A model re-fitted
-// to that sweep's forced columns is the next step; until then, these thresholds.
+// Which path: the cost model in backends/common/cat_linear_model.h (shared with the
+// autograd kernel), from the SIMT kernel's walk over K per block, its blocks against the
+// SMs, the GEMM path's bytes, FLOPs, launches and host time; its constants, where each comes
+// from, and its check against the H200 sweep are written there. It replaced size thresholds
+// (SIMT up to 2^27 multiply-adds fp32/fp64, 2^24 16-bit), whose picks were up to 5x slower
+// than eager where many parts make a long K walk for few blocks (R32 B4 H512 K256 fp32:
+// SIMT 186 us, eager 36); on the 2026-12-01 sweep's 180 list-form shapes the model's picks
+// are > 3 % slower than the better forced path at 11 shapes (thresholds: 34) and than eager
+// at 46 (thresholds: 59; the better path itself: 40), never more than 1.26x (thresholds: 16
+// shapes over 1.5x). An earlier model (host terms of 10-14 us) lost to the thresholds: the
+// GEMM path's host time at small shapes is 23-37 us on the H200's host, and that term is
+// now taken from the sweep's forced-GEMM column.
 //
 // Where the parts live (separate translation units, compiled in parallel by
 // ninja; the kernel file includes no ATen operator or dispatcher header):
@@ -57,6 +60,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
@@ -64,6 +68,7 @@
 #include <vector>
 
 #include "cat_linear_checks.h"
+#include "cat_linear_model.h"
 #include "cat_linear.cuh"
 
 namespace opreg {
@@ -98,23 +103,20 @@ bool flat_rows(c10::IntArrayRef sizes, c10::IntArrayRef strides, int64_t* rs) {
   return true;
 }
 
-// Single-launch SIMT vs at::cat + cuBLAS, measured on the H200 (torch 2.11),
-// us per call inside a CUDA graph, MACs = M * N * K:
-//   fp32 2^26 (M=64, K=1024, N=1024): SIMT 13.8, cat+cuBLAS 26.8
-//   fp32 2^28 (M=256):                SIMT 36.3, cat+cuBLAS 29.3
-//   bf16 2^28 (M=256):                SIMT 32.5, cat+cuBLAS  6.2 (tensor cores)
-// so SIMT up to 2^27 MACs for fp32/fp64 and 2^24 for 16-bit types.
-int64_t simt_max_macs(at::ScalarType t) {
-  return (t == at::kFloat || t == at::kDouble) ? (int64_t(1) << 27) : (int64_t(1) << 24);
-}
+namespace model = cat_linear_model;
+static_assert(model::kTileM == kTM && model::kTileN == kTN && model::kMaxParts == kMaxParts &&
+                  model::kChunkBytes == kVPR * 16,
+              "cat_linear_model.h describes the SIMT kernel's tile, chunk and part limit");
 
-// Benchmark/debug override: OPREG_CAT_LINEAR_PATH=simt|gemm (0 = auto).
-int forced_path() {
-  const char* e = std::getenv("OPREG_CAT_LINEAR_PATH");
-  if (e == nullptr || e[0] == '\0') return 0;
-  if (std::strcmp(e, "simt") == 0) return 1;
-  if (std::strcmp(e, "gemm") == 0) return 2;
-  return 0;
+// The device's SM count, read once per device (an attribute query: legal while capturing).
+int sm_count(c10::DeviceIndex dev) {
+  static std::atomic<int> cached[C10_COMPILE_TIME_MAX_GPUS] = {};
+  int n = cached[dev].load(std::memory_order_relaxed);
+  if (n == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    cached[dev].store(n, std::memory_order_relaxed);
+  }
+  return n;
 }
 
 // The tensors unpacked for launch_simt_kernel (cat_linear_simt.cu), on the current stream.
@@ -127,16 +129,13 @@ void launch_simt(
                                           c10::cuda::getCurrentCUDAStream());
 }
 
-// The rule (header comment), or the override. The choice never depends on whether the
-// stream is capturing a CUDA graph: the warm-up before a capture must run the path the
-// capture records, or the capture makes the first cuBLAS call of the process (handle,
-// workspace) inside the graph, which fails it (seen on the H200, 2026-12-01,
+// The model (cat_linear_model.h), or the OPREG_CAT_LINEAR_PATH override. The choice never
+// depends on whether the stream is capturing a CUDA graph: the warm-up before a capture must
+// run the path the capture records, or the capture makes the first cuBLAS call of the process
+// (handle, workspace) inside the graph, which fails it (seen on the H200, 2026-12-01,
 // tests/test_cat_linear.py::test_cuda_graphs under xdist).
-bool use_simt_path(int64_t M, int64_t N, int64_t K, int64_t R, at::ScalarType dt) {
-  const int path = forced_path();
-  const bool fits_simt = R <= kMaxParts && M < int64_t(65535) * kTM && N < INT_MAX && K < INT_MAX;
-  const int64_t macs = M * N * std::max<int64_t>(K, 1);
-  return fits_simt && (path == 1 || (path == 0 && macs <= simt_max_macs(dt)));
+bool use_simt_path(const model::Work& w, const at::Tensor& weight) {
+  return model::use_simt(w, sm_count(weight.get_device()));
 }
 
 // Part i starts at ptr, its rows rs elements apart, wi wide; vec_ok stays true
@@ -194,6 +193,59 @@ at::Tensor gemm_path(const at::Tensor& xcat, const at::Tensor& weight,
   return out2d.view(out_shape);
 }
 
+// The parts as the SIMT kernel reads them, described in place (no copy is made here):
+// pa, whether 16-byte loads apply, and the k chunks the kernel walks. A part whose rows do
+// not flatten to one stride (rare) is left for a contiguous copy, made only if the SIMT path
+// runs (describe_copies); it counts here as that copy will be.
+struct Described {
+  PartArgs<kMaxParts> pa;
+  bool vec_ok = true;
+  int64_t chunks = 0;
+  bool all_flat = true;
+};
+
+Described describe_parts(at::TensorList parts, int V, int64_t TK) {
+  Described d;
+  int64_t kstart = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const at::Tensor& p = parts[i];
+    const int64_t wi = p.size(-1);
+    int64_t rs = 0;
+    if (flat_rows(p.sizes(), p.strides(), &rs)) {
+      set_part(d.pa, static_cast<int64_t>(i), p.const_data_ptr(), rs, wi, kstart, V, d.vec_ok);
+    } else {
+      d.all_flat = false;
+      d.pa.kstart[i] = static_cast<int>(kstart);  // the rest: describe_copies
+      d.vec_ok = d.vec_ok && wi % V == 0;  // a fresh contiguous copy: aligned, rows wi apart
+    }
+    d.chunks += (wi + TK - 1) / TK;
+    kstart += wi;
+  }
+  return d;
+}
+
+// The contiguous copies describe_parts left out, into keep (which owns them).
+void describe_copies(at::TensorList parts, Described& d, int V, std::vector<at::Tensor>& keep) {
+  keep.reserve(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    int64_t rs = 0;
+    if (flat_rows(parts[i].sizes(), parts[i].strides(), &rs)) continue;
+    keep.push_back(parts[i].contiguous());
+    const at::Tensor& c = keep.back();
+    flat_rows(c.sizes(), c.strides(), &rs);
+    set_part(d.pa, static_cast<int64_t>(i), c.const_data_ptr(), rs, c.size(-1),
+             d.pa.kstart[i], V, d.vec_ok);
+  }
+}
+
+// What the model reads about one call (the weight's own alignment, checked in run_simt, is
+// left out: a misaligned weight is rare).
+model::Work work_of(int64_t M, const at::Tensor& weight, int64_t R, const Described& d, int V) {
+  const int64_t K = weight.size(1);
+  return {M, weight.size(0), K, R, d.chunks, static_cast<int64_t>(weight.element_size()),
+          d.vec_ok && K % V == 0};
+}
+
 // Inputs already checked.
 at::Tensor cat_linear_impl(
     at::TensorList parts,
@@ -209,26 +261,14 @@ at::Tensor cat_linear_impl(
   c10::SmallVector<int64_t, 6> out_shape(lead.begin(), lead.end());
   out_shape.push_back(N);
 
-  if (use_simt_path(M, N, weight.size(1), R, weight.scalar_type())) {
-    // Describe the parts in place; copy only those whose rows are not flat.
+  if (R <= kMaxParts) {
     const int V = static_cast<int>(16 / c10::elementSize(weight.scalar_type()));
-    PartArgs<kMaxParts> pa;
-    std::vector<at::Tensor> keep;  // owns contiguous copies, if any (rare)
-    keep.reserve(parts.size());
-    bool vec_ok = true;
-    int64_t kstart = 0;
-    for (int64_t i = 0; i < R; ++i) {
-      const at::Tensor* p = &parts[i];
-      int64_t rs = 0;
-      if (!flat_rows(p->sizes(), p->strides(), &rs)) {
-        keep.push_back(p->contiguous());
-        p = &keep.back();
-        flat_rows(p->sizes(), p->strides(), &rs);
-      }
-      set_part(pa, i, p->const_data_ptr(), rs, p->size(-1), kstart, V, vec_ok);
-      kstart += p->size(-1);
+    Described d = describe_parts(parts, V, int64_t(kVPR) * V);
+    if (use_simt_path(work_of(M, weight, R, d, V), weight)) {
+      std::vector<at::Tensor> keep;  // owns contiguous copies, if any (rare)
+      if (!d.all_flat) describe_copies(parts, d, V, keep);
+      return run_simt(d.pa, R, d.vec_ok, weight, bias, out_shape, M, N);
     }
-    return run_simt(pa, R, vec_ok, weight, bias, out_shape, M, N);
   }
 
   // GEMM path: at::cat (any R, any alignment) + one cuBLAS call.
@@ -258,24 +298,26 @@ at::Tensor cat_linear_stacked_cuda(
   c10::SmallVector<int64_t, 6> out_shape(sizes.begin(), sizes.end() - 1);
   out_shape.push_back(N);
   int64_t rs = 0;
-  if (!use_simt_path(M, N, weight.size(1), R, weight.scalar_type())) {
-    // What eager runs, cat(x.unbind(d), -1) + GEMM: x.movedim(d, -2).reshape(M, K), the
-    // same matrix by one generic copy, measured 9-14 % slower per call (H200, R8 B8192
-    // H512 K4096 bf16 502 vs 462 us, R32 B4096 H128 275 vs 242; bench/RESULTS.md).
-    return gemm_path(cat_rows(x.unbind(d), M, weight.size(1)), weight, bias, out_shape);
-  }
-  if (flat_rows(sizes, strides, &rs)) {
+  if (R <= kMaxParts && flat_rows(sizes, strides, &rs)) {
     const int V = static_cast<int>(16 / c10::elementSize(weight.scalar_type()));
+    const int64_t TK = int64_t(kVPR) * V;
     const char* base = static_cast<const char*>(x.const_data_ptr());
     const int64_t step = x.stride(d) * static_cast<int64_t>(x.element_size());
-    PartArgs<kMaxParts> pa;
-    bool vec_ok = true;
+    Described ds;
     for (int64_t i = 0; i < R; ++i) {
-      set_part(pa, i, base + i * step, rs, width, i * width, V, vec_ok);
+      set_part(ds.pa, i, base + i * step, rs, width, i * width, V, ds.vec_ok);
     }
-    return run_simt(pa, R, vec_ok, weight, bias, out_shape, M, N);
+    ds.chunks = R * ((width + TK - 1) / TK);
+    if (use_simt_path(work_of(M, weight, R, ds, V), weight)) {
+      return run_simt(ds.pa, R, ds.vec_ok, weight, bias, out_shape, M, N);
+    }
+  } else if (R <= kMaxParts) {
+    return cat_linear_impl(x.unbind(d), weight, bias);  // slices that need copies: rare
   }
-  return cat_linear_impl(x.unbind(d), weight, bias);
+  // What eager runs, cat(x.unbind(d), -1) + GEMM: x.movedim(d, -2).reshape(M, K), the
+  // same matrix by one generic copy, measured 9-14 % slower per call (H200, R8 B8192
+  // H512 K4096 bf16 502 vs 462 us, R32 B4096 H128 275 vs 242; bench/RESULTS.md).
+  return gemm_path(cat_rows(x.unbind(d), M, weight.size(1)), weight, bias, out_shape);
 }
 
 } // namespace

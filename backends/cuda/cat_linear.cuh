@@ -36,9 +36,11 @@ struct PartArgs {
   int kstart[MAXR];          // column of weight where part i starts
 };
 
-// SIMT block tile (the rest of the kernel's constants: cat_linear_simt.cu).
+// SIMT block tile and k chunk (the rest of the kernel's constants: cat_linear_simt.cu;
+// the host's cost model counts chunks with kVPR).
 constexpr int kTM = 16;       // output rows per block
 constexpr int kTN = 32;       // output columns per block
+constexpr int kVPR = 16;      // 16-byte vectors per tile row per k chunk: TK = 16 * V columns
 
 // The SIMT path's launch: the first R parts of `all` copied into a
 // PartArgs<MAXR>, (M, N) output out = parts x w^T (+ bias), w's rows ldw

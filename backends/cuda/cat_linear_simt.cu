@@ -13,15 +13,14 @@ namespace cl_detail {
 namespace {
 
 // ---------------------------------------------------------------------------
-// SIMT kernel. (kTM = 16 output rows, kTN = 32 output columns per block:
-// cat_linear.cuh.)
+// SIMT kernel. (kTM = 16 output rows, kTN = 32 output columns per block, kVPR = 16
+// vectors per tile row per chunk: cat_linear.cuh.)
 constexpr int kKG = 8;        // warps; each takes 1/8 of every k chunk
 // 8 stages x 12 KB = 96 KB of dynamic shared memory: with 4 stages (48 KB,
 // the static limit) the 64 x 1024 x 1024 fp32 case took 12.8 us per call in
 // a CUDA graph, stalled on load latency (~3 chunks in flight, ~0.13 us of
 // math per chunk); all chunks of the 12 x 56 x 128 case now load at once.
 constexpr int kStages = 8;
-constexpr int kVPR = 16;      // 16-byte vectors per tile row per chunk: TK = 16 * V
 constexpr int kSimtThreads = kKG * 32;
 constexpr int kTileRows = kTM + kTN;
 static_assert(kTileRows * kVPR == 3 * kSimtThreads, "each thread copies 3 vectors per chunk");

@@ -1,0 +1,173 @@
+// Which CUDA path opreg::cat_linear (and cat_linear_stacked) runs: the fused single-launch
+// SIMT kernel (backends/cuda/cat_linear_simt.cu) or eager's at::cat + cuBLAS (the "GEMM
+// path"), from a model of each path's time per call. Shared by the CUDA kernel
+// (backends/cuda/cat_linear.cu, the forward's choice) and the autograd kernel
+// (backends/autograd/cat_linear.cpp: with gradients, where the GEMM path would run, it runs
+// eager's own ops instead). Plain C++ on sizes only: no CUDA, no data, no sync; a few dozen
+// floating-point operations (well under 1 us on the host).
+//
+// THE MODEL (us per call, back to back, so a call costs max(host, device)):
+//
+//   SIMT, device:  t0 + max(L * W * C,  ceil(T / S) * (s0 * C + s1 * K))  + e * W
+//       T = ceil(M / 16) * ceil(N / 32) output tiles = blocks, S = SMs, W = ceil(T / (2 S))
+//       waves (2 blocks fit per SM: 96 KB of shared memory each), C = sum over parts of
+//       ceil(H_i / (256 bytes / element size)) k chunks each block walks in turn (a chunk never
+//       straddles a part), K = sum H_i. Each block walks ALL of K itself (no split-K), so with
+//       few tiles only T of the 132 SMs work; the first term is one block's pipeline step
+//       (latency-bound while an SM holds one block), the second the SMs' issue rate (s1 * K:
+//       the 16 x 32 tile's FMAs and shared-memory reads per k column, s0 per chunk), the third
+//       each wave's epilogue (the 8 warps' partial tiles summed through shared memory).
+//       With misaligned parts (no 16-byte loads): t0 + W * C * (256 / element size) * nv.
+//   GEMM, per call: max(Hg0 + Hg1 * R,  cat + mm) with, on the device,
+//       cat = tl + 2 M K e / BW (read + write; none for one part),
+//       mm  = tl + max(2 M N K / F,  (M K + N K + M N) e / BW),  e = element size.
+//       Hg is the host time of the op call on this path (argument parsing, at::cat of R
+//       tensors, addmm): the GEMM path is host-bound at every small shape.
+//   SIMT's own host time (op call + one launch) is below Hg, so SIMT is faster iff its device
+//   time is below the GEMM path's whole time: use SIMT iff simt_us < gemm_us.
+//
+// CONSTANTS (H200, torch 2.11; the sweep is bench/sweep.py --json, 2026-12-01, its forced
+// OPREG_CAT_LINEAR_PATH=simt|gemm columns, list form, no_grad):
+//   S    132 SMs (the device's count in the CUDA kernel; the autograd kernel, which has no
+//        CUDA, assumes the H200's 132).
+//   t0   3.0 us   launch + pipeline fill: the intercept of the few-block SIMT rows (R2 B4 H512
+//                 K256 fp32, 16 chunks: 14.1 us; R32 B4 H512 K256 fp32, 256 chunks: 186.0 us).
+//   L    0.75 us  per chunk of a block alone on its SM: the slope of those two rows (0.72) and
+//                 of R32 H64 fp32 (32 single-chunk parts: 28.3 us, 0.79).
+//   s0   0.22 us, s1 4.7 ns (fp32) / 5.9 ns (16-bit) / 9.4 ns (fp64: half the FP32 FMA rate)
+//                 per k column: an SM's issue time for one 16 x 32 tile, from the rows with two
+//                 blocks per SM (R8 B1024 H512 K256 fp32 132.8 us and bf16 121.3 us, R8 B1024
+//                 H64 K2048 bf16 172.9 us: half-empty 128-column chunks). s1 fp32 = 512 FMAs
+//                 per 4.7 ns = 43 % of an SM's FP32 FMA peak (Nsight: issue-bound, 36 %).
+//   e    0.9 us   per wave: R2 B8192 H64 K2048 fp32, 125 waves of 2 chunks, 385.9 us.
+//   nv   42 ns    per k column of a chunk on the scalar path: R4 B1 H300 K700 bf16 60.9 us,
+//                 R12 B50 H100 K300 bf16 74.6 us (12 chunks each).
+//   Hg   22 + 0.4 R us: the forced-GEMM column at the smallest shapes (B <= 64, H64 K256):
+//                 min..median R2 23.4..27.0, R8 24.5..30.5, R32 35.0..37.2 us; taken at the low
+//                 end, so that host noise (+-30 % on this VM) errs towards the GEMM path, which
+//                 is eager's own.
+//   tl   2 us     per extra kernel on the device.
+//   BW   4.17 MB/us  the sweep's measured device-to-device copy rate (spec 4.8 TB/s).
+//   F    790 TFLOP/s 16-bit (0.8 x the 989 dense bf16 peak), 50 fp32 (0.75 x the 67 FP32
+//                 peak: allow_tf32 off, as eager's default), 50 fp64 (0.75 x 67 FP64 tensor
+//                 cores). Measured: bf16 R32 B8192 H512 K2048 ~800 after the cat, fp32 49.8.
+//
+// CHECK against that sweep's 180 list-form forward shapes (152 with both paths forced; the
+// other 28, above 2^31 MACs, run the GEMM path under both rules; counts from medians):
+//   pick > 3 % slower than the better forced path: model 11, the former thresholds (SIMT up to
+//     2^27 MACs fp32/fp64, 2^24 16-bit) 34;
+//   pick > 3 % slower than eager: model 46, thresholds 59 (the op as measured: 56), the better
+//     forced path itself 40: at those 40 shapes neither path is within 3 % of eager -- the GEMM
+//     path is eager's kernels plus the op call's host time (median +1.7 us at R <= 8, +4.4 at
+//     R32), and the SIMT kernel walks K alone (R8/R32 H512, few rows: 38-194 us).
+//   worst pick vs eager: model 1.26x, thresholds 5.1x (R32 B4 H512 K256 fp32: SIMT 186 us,
+//     eager 36); picks > 1.5x slower than eager: model 0, thresholds 16.
+//   The model's 11 misses all take the GEMM path where SIMT was 3-56 % faster: host noise at
+//   ~30-45 us (R2 B1024 H512 K256 bf16, R5 B333 H80 K1000, R8 B1/B4 H512 bf16) or cuBLAS far
+//   below its roofline at small M in fp32 (R8 B16 H512 K2048 fp32: 116.5 vs SIMT 51.3 us;
+//   R32 B64 H64 K2048 fp32: 54.2 vs 38.2), which no bytes/FLOPs term predicts. Missing the
+//   fused kernel there costs nothing against eager, which runs those same kernels.
+#pragma once
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+namespace opreg {
+namespace cat_linear_model {
+
+// The SIMT kernel's geometry (backends/cuda/cat_linear.cu static_asserts that these are the
+// kernel's own constants).
+constexpr int64_t kTileM = 16;       // output rows per block
+constexpr int64_t kTileN = 32;       // output columns per block
+constexpr int64_t kChunkBytes = 256; // one k chunk: 16 vectors of 16 bytes per tile row
+constexpr int64_t kMaxParts = 64;    // parts one launch can describe
+constexpr int64_t kBlocksPerSm = 2;  // 96 KB of shared memory per block, 228 KB per SM
+constexpr int kH200Sms = 132;
+
+// k columns per chunk for elements of elt bytes.
+constexpr int64_t chunk_cols(int64_t elt) {
+  return kChunkBytes / elt;
+}
+
+constexpr int64_t cdiv(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+// One call: (M, K) x (K, N)^T over R parts.
+struct Work {
+  int64_t M;       // output rows (the parts' leading dims)
+  int64_t N;       // outputs (weight rows)
+  int64_t K;       // reduction: the sum of the parts' widths
+  int64_t R;       // parts
+  int64_t chunks;  // sum over parts of cdiv(width, chunk_cols(elt)): the SIMT walk over K
+  int64_t elt;     // bytes per element: 2, 4 or 8
+  bool vec;        // the SIMT kernel's 16-byte loads apply (widths, strides, alignment)
+};
+
+// The constants (see the header comment for where each comes from).
+constexpr double kT0 = 3.0, kL = 0.75, kS0 = 0.22, kWaveEpilogue = 0.9, kScalarCol = 0.042;
+constexpr double kHost0 = 22.0, kHostPerPart = 0.4, kKernel = 2.0;
+constexpr double kBytesPerUs = 4.17e6;
+
+constexpr double simt_us_per_col(int64_t elt) {  // s1
+  return elt == 8 ? 0.0094 : elt == 4 ? 0.0047 : 0.0059;
+}
+
+constexpr double gemm_flops_per_us(int64_t elt) {  // F
+  return elt == 2 ? 790e6 : 50e6;
+}
+
+// Device time of the SIMT kernel, us.
+inline double simt_us(const Work& w, int sms) {
+  if (w.M == 0 || w.N == 0) return 0.0;  // nothing launches
+  const int64_t sm = std::max(sms, 1);
+  const int64_t tiles = cdiv(w.M, kTileM) * cdiv(w.N, kTileN);
+  const double waves = static_cast<double>(cdiv(tiles, kBlocksPerSm * sm));
+  const double per_sm = static_cast<double>(cdiv(tiles, sm));
+  const double c = static_cast<double>(w.chunks);
+  if (!w.vec) return kT0 + waves * c * static_cast<double>(chunk_cols(w.elt)) * kScalarCol;
+  const double latency = kL * waves * c;
+  const double issue = per_sm * (kS0 * c + simt_us_per_col(w.elt) * static_cast<double>(w.K));
+  return kT0 + std::max(latency, issue) + kWaveEpilogue * waves;
+}
+
+// Time per call of at::cat + cuBLAS (host or device, whichever is longer), us.
+inline double gemm_us(const Work& w) {
+  const double m = static_cast<double>(w.M), n = static_cast<double>(w.N);
+  const double k = static_cast<double>(w.K), e = static_cast<double>(w.elt);
+  const double cat = w.R > 1 ? kKernel + 2.0 * m * k * e / kBytesPerUs : 0.0;
+  const double mm = kKernel + std::max(2.0 * m * n * k / gemm_flops_per_us(w.elt),
+                                       (m * k + n * k + m * n) * e / kBytesPerUs);
+  const double host = kHost0 + kHostPerPart * static_cast<double>(w.R);
+  return std::max(host, cat + mm);
+}
+
+// Can one SIMT launch take this call (kernel-argument and grid limits)?
+inline bool fits_simt(const Work& w) {
+  return w.R <= kMaxParts && w.M < int64_t(65535) * kTileM && w.N < INT_MAX && w.K < INT_MAX;
+}
+
+// Benchmark/debug override: OPREG_CAT_LINEAR_PATH=simt|gemm (0 = the model). Read per call:
+// bench/sweep.py sets it between batches.
+inline int forced_path() {
+  const char* e = std::getenv("OPREG_CAT_LINEAR_PATH");
+  if (e == nullptr || e[0] == '\0') return 0;
+  if (std::strcmp(e, "simt") == 0) return 1;
+  if (std::strcmp(e, "gemm") == 0) return 2;
+  return 0;
+}
+
+// The choice: the override, else the model. Sizes only, never whether a CUDA graph is being
+// captured (backends/cuda/cat_linear.cu says why).
+inline bool use_simt(const Work& w, int sms) {
+  if (!fits_simt(w)) return false;
+  const int path = forced_path();
+  if (path != 0) return path == 1;
+  return simt_us(w, sms) < gemm_us(w);
+}
+
+}  // namespace cat_linear_model
+}  // namespace opreg
