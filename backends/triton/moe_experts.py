@@ -253,6 +253,18 @@ def _combine_kernel(
     tl.store(out_ptr + t * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints. (``triton.cdiv`` is a ConstexprFunction in triton 3.8: each host
+    call unwraps constexprs, ~3-14 us; the launcher calls it on every op call.)"""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of 2 >= n (n >= 1), as ``triton.next_power_of_2`` without its
+    ConstexprFunction wrapper."""
+    return 1 << (n - 1).bit_length()
+
+
 def interpreting() -> bool:
     """Do the kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1 at import)?"""
     return triton is not None and type(_moe_gemm).__name__ == "InterpretedFunction"
@@ -358,12 +370,12 @@ def routing_tables(top_k_index: torch.Tensor, num_experts: int,
     tables = torch.empty((3, num_experts), dtype=torch.int32, device=dev)
     block_expert = torch.empty((nb,), dtype=torch.int32, device=dev)
     sorted_pair_ids = torch.empty((nb * block_m,), dtype=torch.int32, device=dev)
-    e_pad = triton.next_power_of_2(num_experts)
+    e_pad = next_pow2(num_experts)
     _expert_offsets_kernel[(1,)](sorted_ids, s, s.bit_length(), num_experts, nb, tables[0], tables[1],
                                  tables[2], block_expert, BLOCK_M=block_m, E_PAD=e_pad,
                                  BLOCK_B=max(1, min(64, 8192 // e_pad)), num_warps=4)
     block = 1024
-    _sorted_pairs_kernel[(triton.cdiv(nb * block_m, block),)](
+    _sorted_pairs_kernel[(cdiv(nb * block_m, block),)](
         perm, block_expert, tables[0], tables[1], tables[2], sorted_pair_ids, s, nb * block_m,
         BLOCK_M=block_m, BLOCK=block, num_warps=4)
     return sorted_pair_ids, block_expert, tables
@@ -418,7 +430,22 @@ def pick_config(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.
     (S / E), shape and dtype: the table's tuned
     entry for (dtype, N, K) if any, else its default for the bucket. ``block_m`` forces
     BLOCK_M (gemm2 walks gemm1's padded rows)."""
-    table = table if table is not None else _config_table()
+    if table is None:  # the package's table: cached per bucket (it runs on every op call)
+        t = _config_table()
+        bucket = "-" if gemm == "combine" else _bucket(rows_per_expert, list(t["default"][gemm]))
+        return dict(_pick_cached(gemm, bucket, n, k, dtype, block_m))
+    return _pick(gemm, rows_per_expert, n, k, dtype, block_m, table)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pick_cached(gemm: str, bucket: str, n: int, k: int, dtype: torch.dtype,
+                 block_m: Optional[int]) -> dict[str, int]:
+    rows = 0.0 if bucket == "-" else (math.inf if bucket == "inf" else float(bucket))
+    return _pick(gemm, rows, n, k, dtype, block_m, _config_table())
+
+
+def _pick(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.dtype, block_m: Optional[int],
+          table: dict[str, Any]) -> dict[str, int]:
     if gemm == "combine":
         return dict(table["default"]["combine"])
     default = table["default"][gemm]
@@ -430,7 +457,7 @@ def pick_config(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.
     cfg.setdefault("BLOCK_M", block_m or 64)
     if block_m is not None:
         cfg["BLOCK_M"] = block_m
-    return _fit_smem(cfg, torch.empty((), dtype=dtype).element_size(), 2 if gemm == "gemm1" else 1)
+    return _fit_smem(cfg, dtype.itemsize, 2 if gemm == "gemm1" else 1)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -516,7 +543,7 @@ def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w: torch.Tensor, w_stri
     """One :func:`_moe_gemm` launch over the padded rows (``cfg["BLOCK_M"]`` = the routing's
     BLOCK_M). ``w_strides``: W seen as (E, N, K); ``bias``/``pre`` None: none."""
     nb = block_expert.shape[0]
-    grid = (nb * triton.cdiv(n, cfg["BLOCK_N"]),)
+    grid = (nb * cdiv(n, cfg["BLOCK_N"]),)
     finite = gated and math.isfinite(limit)
     b = bias if bias is not None else w  # a valid pointer, never read
     p = pre if pre is not None else out  # likewise, never written
@@ -538,8 +565,8 @@ def combine(pairs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_exper
     """out[t] = the sum over t's slots with an id in [0, E) of pair rows t*k + j, in slot
     order, fp32 (:func:`_combine_kernel`); a token with none gets 0."""
     t, h = out.shape
-    bh = min(cfg["BLOCK_H"], triton.next_power_of_2(h))
-    _combine_kernel[(t, triton.cdiv(h, bh))](
+    bh = min(cfg["BLOCK_H"], next_pow2(h))
+    _combine_kernel[(t, cdiv(h, bh))](
         pairs, ids, out, h, ids.shape[1], num_experts, pairs.stride(0), pairs.stride(1), ids.stride(0),
         ids.stride(1), out.stride(0), out.stride(1), BLOCK_H=bh, num_warps=cfg["num_warps"])
 

@@ -44,7 +44,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from opreg.backends.triton import moe_experts as F
-from opreg.backends.triton.moe_experts import _IDENTITY, _act, _jit, _mma, _tile, tl, triton
+from opreg.backends.triton.moe_experts import _IDENTITY, _act, _jit, _mma, _tile, tl
 
 __all__ = ["FusedExperts", "clamp_ties", "fused_experts", "fused_experts_backward"]
 
@@ -352,7 +352,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     with F._device_ctx(x):
         if need_dpre or need_rw:
             c = cfg["dgrad2"]
-            nnb = triton.cdiv(i, c["BLOCK_N"])
+            nnb = F.cdiv(i, c["BLOCK_N"])
             d_pre = F._new_buffer((nb * bm, n1), x.dtype, dev) if need_dpre else saved.act
             part = F._new_buffer((s, nnb), torch.float32, dev) if need_rw else saved.act
             finite = gated and math.isfinite(limit)
@@ -369,9 +369,9 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                 ROUTE_GRAD=need_rw, DOT_PRECISION=precision, num_warps=c["num_warps"], num_stages=c["num_stages"])
         if need_rw:
             drw = F._new_buffer(tuple(rw.shape), rw.dtype, dev)
-            bp, bh = 32, min(128, triton.next_power_of_2(h))
+            bp, bh = 32, min(128, F.next_pow2(h))
             bias = b2 if b2 is not None else w2  # a valid pointer, never read
-            _route_grad_kernel[(triton.cdiv(s, bp),)](
+            _route_grad_kernel[(F.cdiv(s, bp),)](
                 part, dout, bias, ids, drw, s, k, e, h, nnb, part.stride(0), part.stride(-1),
                 dout.stride(0), dout.stride(1), bias.stride(0), bias.stride(-1), ids.stride(0), ids.stride(1),
                 drw.stride(0), drw.stride(1), BLOCK_P=bp, BLOCK_H=bh, HAS_BIAS=b2 is not None, num_warps=4)
@@ -394,8 +394,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             do = dw if dw is not None else lhs  # valid pointers, never written
             dob = db if db is not None else lhs
             so = _oi_strides(dw, transposed) if dw is not None else (0, 0, 0)
-            nn = triton.cdiv(n, c["BLOCK_N"]) if do_w else 1
-            _moe_wgrad[(triton.cdiv(m, c["BLOCK_M"]) * nn, e)](
+            nn = F.cdiv(n, c["BLOCK_N"]) if do_w else 1
+            _moe_wgrad[(F.cdiv(m, c["BLOCK_M"]) * nn, e)](
                 lhs, rhs, rw, do, dob, sorted_pair_ids, pstart, count, k, m, n,
                 lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), rw.stride(0), rw.stride(1),
                 so[0], so[1], so[2], dob.stride(0), dob.stride(-1),
