@@ -30,7 +30,7 @@ if HERE not in sys.path:  # run as the interpreter child: `python tests/test_moe
 import _fresh as fresh  # noqa: E402
 from _util import once_per_run  # noqa: E402
 from test_moe_experts import ARGS, FAMILIES, make, sub  # noqa: E402
-from test_moe_triton import GATES, SMALL, _fix_old_interpreter, _nan_buffer  # noqa: E402
+from test_moe_triton import GATES, SMALL, _fast_device_calls, _fix_old_interpreter, _nan_buffer  # noqa: E402
 
 from opreg.ops import moe_experts as M  # noqa: E402
 from opreg.testing import assert_matches  # noqa: E402
@@ -257,6 +257,7 @@ def _child_main() -> None:
     """The interpreter child: every case, one JSON verdict per case on the last line."""
     assert TM.interpreting(), "TRITON_INTERPRET=1 must be set before the kernels are imported"
     _fix_old_interpreter()
+    _fast_device_calls()
     TM._new_buffer = _nan_buffer  # every buffer starts NaN: an unwritten element fails
     seed = int(os.environ.get("OPREG_TEST_SEED", "0"))
     verdicts = {}
