@@ -16,7 +16,7 @@ import os
 import sys
 import time
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -247,28 +247,31 @@ def _fast_device_calls() -> None:
     interp._patch_lang = patch_once
 
 
-def _child_main() -> None:
-    """The interpreter child: every case, one JSON verdict per case on the last line."""
+def interpreter_child(case_ids: list[str], run: Callable[[str, int], None]) -> None:
+    """An interpreter child's body: ``run(case_id, seed)`` for every case, one JSON verdict
+    per case on the last line (this file's and the backward's children)."""
     assert TM.interpreting(), "TRITON_INTERPRET=1 must be set before the kernels are imported"
     _fix_old_interpreter()
     _fast_device_calls()
     TM._new_buffer = _nan_buffer  # every buffer starts NaN: an unwritten element fails
     seed = int(os.environ.get("OPREG_TEST_SEED", "0"))
     verdicts = {}
-    for case_id in ALL_IDS:
+    t_all = time.perf_counter()
+    for case_id in case_ids:
         try:
             t0 = time.perf_counter()
-            (run_routing if case_id in ROUTING else run_case)(case_id, seed)
+            run(case_id, seed)
             print(f"{case_id}: {time.perf_counter() - t0:.2f} s", file=sys.stderr)
             verdicts[case_id] = "ok"
         except Exception as e:  # noqa: BLE001 - reported per case by the parent
             verdicts[case_id] = f"{type(e).__name__}: {e}"[:2000]
+    print(f"all cases: {time.perf_counter() - t_all:.1f} s", file=sys.stderr)
     print("VERDICTS " + json.dumps(verdicts))
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Run the child once per test run (once across xdist workers); its verdicts by case id."""
+def interpreter_verdicts(tmp_path_factory: pytest.TempPathFactory, script: str, name: str) -> dict[str, str]:
+    """Run ``script`` (a test file whose ``__main__`` is :func:`interpreter_child`) under
+    the interpreter once per test run (once across xdist workers); its verdicts by case id."""
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
     seed = getattr(sys.modules.get("conftest"), "SEED", 0)
@@ -277,15 +280,24 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         env = dict(os.environ, TRITON_INTERPRET="1", OPREG_TEST_SEED=str(seed))
         # forked from a process that has imported torch, not triton: the interpreter is still
         # chosen at the kernels' import in the child
-        proc = fresh.run([os.path.abspath(__file__)], env=env, timeout=600)
+        proc = fresh.run([os.path.abspath(script)], env=env, timeout=600)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERDICTS ")]
         if proc.returncode != 0 or not lines:
             pytest.fail(f"interpreter child failed (rc {proc.returncode}, seed {seed}):\n"
                         f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         (folder / "verdicts.json").write_text(lines[-1][len("VERDICTS "):])
 
-    folder = once_per_run(tmp_path_factory, "triton-interpreter", run_child)
+    folder = once_per_run(tmp_path_factory, name, run_child)
     return json.loads((folder / "verdicts.json").read_text())
+
+
+def _child_main() -> None:
+    interpreter_child(ALL_IDS, lambda case_id, seed: (run_routing if case_id in ROUTING else run_case)(case_id, seed))
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return interpreter_verdicts(tmp_path_factory, __file__, "triton-interpreter")
 
 
 @needs_triton

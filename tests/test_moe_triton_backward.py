@@ -12,11 +12,9 @@ op's reference in float64; inputs unmodified.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
-import time
 import zlib
 from typing import Any
 
@@ -27,10 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # run as the interpreter child: `python tests/test_moe_triton_backward.py`
     sys.path.insert(0, HERE)
 
-import _fresh as fresh  # noqa: E402
-from _util import once_per_run  # noqa: E402
 from test_moe_experts import ARGS, FAMILIES, make, sub  # noqa: E402
-from test_moe_triton import GATES, SMALL, _fast_device_calls, _fix_old_interpreter, _nan_buffer  # noqa: E402
+from test_moe_triton import GATES, SMALL, _nan_buffer, interpreter_child, interpreter_verdicts  # noqa: E402
 
 from opreg.ops import moe_experts as M  # noqa: E402
 from opreg.testing import assert_matches  # noqa: E402
@@ -254,44 +250,12 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
 
 
 def _child_main() -> None:
-    """The interpreter child: every case, one JSON verdict per case on the last line."""
-    assert TM.interpreting(), "TRITON_INTERPRET=1 must be set before the kernels are imported"
-    _fix_old_interpreter()
-    _fast_device_calls()
-    TM._new_buffer = _nan_buffer  # every buffer starts NaN: an unwritten element fails
-    seed = int(os.environ.get("OPREG_TEST_SEED", "0"))
-    verdicts = {}
-    t_all = time.perf_counter()
-    for case_id in CASE_IDS:
-        try:
-            t0 = time.perf_counter()
-            run_case(case_id, seed)
-            print(f"{case_id}: {time.perf_counter() - t0:.2f} s", file=sys.stderr)
-            verdicts[case_id] = "ok"
-        except Exception as e:  # noqa: BLE001 - reported per case by the parent
-            verdicts[case_id] = f"{type(e).__name__}: {e}"[:2000]
-    print(f"all cases: {time.perf_counter() - t_all:.1f} s", file=sys.stderr)
-    print("VERDICTS " + json.dumps(verdicts))
+    interpreter_child(CASE_IDS, run_case)
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Run the child once per test run (once across xdist workers); its verdicts by case id."""
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed")
-    seed = getattr(sys.modules.get("conftest"), "SEED", 0)
-
-    def run_child(folder: Any) -> None:
-        env = dict(os.environ, TRITON_INTERPRET="1", OPREG_TEST_SEED=str(seed))
-        proc = fresh.run([os.path.abspath(__file__)], env=env, timeout=600)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERDICTS ")]
-        if proc.returncode != 0 or not lines:
-            pytest.fail(f"interpreter child failed (rc {proc.returncode}, seed {seed}):\n"
-                        f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        (folder / "verdicts.json").write_text(lines[-1][len("VERDICTS "):])
-
-    folder = once_per_run(tmp_path_factory, "triton-interpreter-backward", run_child)
-    return json.loads((folder / "verdicts.json").read_text())
+    return interpreter_verdicts(tmp_path_factory, __file__, "triton-interpreter-backward")
 
 
 @needs_triton
