@@ -2,7 +2,10 @@
 # One GPU session's work, in as few calls as possible (each call starts a machine):
 #   STAGE=tests bash bench/device_run.sh   install, cold build (timed), warm first call, every test
 #   STAGE=bench bash bench/device_run.sh   the shape sweep, the backend models, the MoE block
-#   (default: both). Logs and JSON land in $OUT (default /tmp/opreg-out).
+#   STAGE=moe bash bench/device_run.sh     the MoE layer: host vs GPU time (moe_profile.py), the fused
+#                                          backward's kernels (moe_backward_profile.py), the block table
+#                                          over TOKENS_MOE (default 1,64,512,4096,16384)
+#   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
 # TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
 # 16 cores) runs it with xdist; FIRST_CALL=0 skips the first-call timing.
 # Sized for one 10-minute device call: install + cold build ~1 min, the suite <= 5 min, the
@@ -36,4 +39,12 @@ if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then
   timeout $((B / 3)) python3 bench/backend_models.py --json "$OUT/backend_models.json" 2>&1 \
     | tee "$OUT/backend_models.log" | tail -12
   timeout $((B / 3)) python3 bench/bench_moe_block.py --reps 20 2>&1 | tee "$OUT/moe_block.log" | tail -20
+fi
+
+if [ "$STAGE" = moe ]; then
+  python3 -m opreg build >/dev/null 2>&1
+  (cd bench && timeout 150 python3 moe_profile.py --tokens 64,4096 2>&1 | tee "$OUT/moe_profile.log" | grep -E "^[a-z].*T=|  (op|block)")
+  (cd bench && timeout 150 python3 moe_backward_profile.py --no-tune 2>&1 | tee "$OUT/moe_backward_profile.log" | grep -E "T=")
+  timeout 280 python3 bench/bench_moe_block.py --tokens "${TOKENS_MOE:-1,64,512,4096,16384}" --reps 20 2>&1 \
+    | tee "$OUT/moe_block.log" | grep "^|"
 fi
