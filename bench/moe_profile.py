@@ -42,6 +42,23 @@ def host_us(call, reps: int = 20) -> float:
     return (t1 - t0) / reps * 1e6
 
 
+def host_profile(call, reps: int) -> None:
+    """Where one call's host time goes: cProfile over ``reps`` calls, top functions by own time."""
+    import cProfile
+    import pstats
+
+    call()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(reps):
+        call()
+    pr.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(pr)
+    st.sort_stats("tottime").print_stats(18)
+
+
 def router(block: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The block's top-k ids and weights for ``x`` (T, H), as its forward computes them."""
     gate = block.gate
@@ -59,6 +76,8 @@ def main() -> None:
     p.add_argument("--tokens", default="4096")
     p.add_argument("--configs", nargs="*", default=list(bb.CONFIGS))
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--host-profile", action="store_true",
+                   help="cProfile the op's host path (top functions by own time)")
     a = p.parse_args()
     for config in a.configs:
         _, _, h, ffn, e, k = bb.CONFIGS[config]
@@ -82,6 +101,8 @@ def main() -> None:
             with torch.no_grad():
                 for name, call in rows.items():
                     print(f"  {name:24s} GPU {median_us(call, a.reps, True):8.0f} us   host {host_us(call):8.0f} us")
+                if a.host_profile:
+                    host_profile(rows["op through torch.ops"], a.reps)
                 from torch.profiler import ProfilerActivity, profile
                 block(x)
                 torch.cuda.synchronize()
