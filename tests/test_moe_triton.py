@@ -98,7 +98,9 @@ CASE_IDS = [f"{name}/{dt}" for name, c in CASES.items() for dt in c["dtypes"]]
 # sentinels both left out)
 ROUTING = {"routing 13x2 E4 bm16": (13, 2, 4, 16), "routing 1x8 E128 bm16": (1, 8, 128, 16),
            "routing 40x3 E5 bm4": (40, 3, 5, 4), "routing 0x2 E4": (0, 2, 4, 16),
-           "routing 7x1 E1": (7, 1, 1, 16), "routing 300x2 E3 bm16": (300, 2, 3, 16)}
+           "routing 7x1 E1": (7, 1, 1, 16), "routing 300x2 E3 bm16": (300, 2, 3, 16),
+           # S > 64 * 256: 512-pair chunks (TM.route_chunk), 33 of them
+           "routing 4100x4 E7 bm64": (4100, 4, 7, 64)}
 ALL_IDS = CASE_IDS + list(ROUTING)
 
 
@@ -158,17 +160,22 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
 
 
 def _check_routing(ids: torch.Tensor, e: int, bm: int) -> None:
-    """align_block_size against a plain-Python model of the padded, expert-sorted list."""
-    sorted_ids, block_expert = TM.align_block_size(ids, e, bm)
+    """routing_tables against a plain-Python model of the padded, expert-sorted list."""
+    sorted_ids, block_expert, tables = TM.routing_tables(ids, e, bm)
     s = ids.numel()
     flat = ids.reshape(-1).tolist()
     nb = TM.num_blocks(s, e, bm)
     assert sorted_ids.dtype == block_expert.dtype == torch.int32
     assert sorted_ids.shape == (nb * bm,) and block_expert.shape == (nb,)
     want = []  # the valid pairs by expert, each run in increasing pair order, padded
+    starts, pstarts, counts = [], [], []
     for x in range(e):
         run = [p for p in range(s) if flat[p] == x]
+        starts.append(sum(counts))
+        pstarts.append(len(want))
+        counts.append(len(run))
         want += run + [s] * (-len(run) % bm)
+    assert tables.dtype == torch.int32 and tables.tolist() == [starts, pstarts, counts], tables
     got = sorted_ids.tolist()
     assert got[:len(want)] == want and all(v == s for v in got[len(want):]), (got, want)
     used = len(want) // bm
@@ -186,6 +193,7 @@ def run_routing(name: str, seed: int, device: str = "cpu") -> None:
     ids = torch.randint(-2, e + 3, (t, k), device=device)
     _check_routing(ids, e, bm)
     _check_routing(ids.int(), e, bm)
+    _check_routing(ids.t().contiguous().t(), e, bm)  # (T, k) with strides (1, T)
 
 
 def _fix_old_interpreter() -> None:
@@ -247,12 +255,43 @@ def _fast_device_calls() -> None:
     interp._patch_lang = patch_once
 
 
+def _fast_np_dtype() -> None:
+    """Triton's interpreter maps a language dtype to numpy's (``_get_np_dtype``) by building
+    a 19-entry dict of dtypes on every call: ~300,000 calls, 9 % of the backward child's
+    time (2026-12-02, triton 3.8). The same mapping, its dict built once per dtype seen
+    (the original still decides each dtype's entry). Only where the interpreter has it."""
+    from triton.runtime import interpreter as interp
+
+    import numpy as np
+    import triton.language as tl
+
+    slow = getattr(interp, "_get_np_dtype", None)
+    if slow is None or not hasattr(tl, "block_type") or not hasattr(tl, "pointer_type"):
+        return
+    pointer, table = np.dtype(np.uint64), {}
+
+    def fast(tt):
+        if isinstance(tt, tl.pointer_type):
+            return pointer
+        if isinstance(tt, tl.block_type):
+            if isinstance(tt.element_ty, tl.pointer_type):
+                return pointer
+            tt = tt.element_ty
+        got = table.get(tt)
+        if got is None:
+            got = table[tt] = slow(tt)
+        return got
+
+    interp._get_np_dtype = fast
+
+
 def interpreter_child(case_ids: list[str], run: Callable[[str, int], None]) -> None:
     """An interpreter child's body: ``run(case_id, seed)`` for every case, one JSON verdict
     per case on the last line (this file's and the backward's children)."""
     assert TM.interpreting(), "TRITON_INTERPRET=1 must be set before the kernels are imported"
     _fix_old_interpreter()
     _fast_device_calls()
+    _fast_np_dtype()
     TM._new_buffer = _nan_buffer  # every buffer starts NaN: an unwritten element fails
     seed = int(os.environ.get("OPREG_TEST_SEED", "0"))
     verdicts = {}
@@ -432,6 +471,34 @@ def test_cuda_graphs(dtype: torch.dtype) -> None:
     suite = _suite()
     assert suite.default_impl("cuda") == "triton"
     suite.check_cuda_graphs(dtype)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_launch_cache() -> None:
+    """The cached launch path (backends/triton/launch.py) runs what Triton's own would:
+    repeated calls hit it (the compiled kernel called directly), and an argument that
+    changes Triton's specialisation (hidden states 2 bytes off 16-byte alignment, a row
+    stride not a multiple of 16) takes a new entry; each result against float64."""
+    from opreg.backends.triton import launch as L
+    TM._moe_gemm._opreg_launch_cache = {}  # this test's entries only (a JITFunction's attribute)
+    args = make(64, 2, 256, 128, 8, torch.bfloat16, "cuda")
+    want = M.reference(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args])
+    for _ in range(3):
+        assert_matches(TM.fused_experts_forward(*args), want, torch.bfloat16)
+    assert L._direct_ok is True, "the direct call was not taken"
+    cache = TM._moe_gemm._opreg_launch_cache
+    entries = len(cache)
+    assert entries == 2  # GEMM1 and GEMM2, one key each
+    x = args[0]
+    off = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x)
+    wide = torch.empty((x.shape[0], x.shape[1] + 3), dtype=x.dtype, device="cuda")[:, :x.shape[1]]
+    for xv in (off, wide):
+        xv.copy_(x)
+        for _ in range(2):
+            assert_matches(TM.fused_experts_forward(xv, *args[1:]), want, torch.bfloat16)
+        assert len(cache) == entries + 1, "a changed specialisation reused another key's kernel"
+        entries = len(cache)
 
 
 @pytest.mark.cuda

@@ -3,9 +3,9 @@
 Four steps, all on the device, no host sync (CUDA-graph capturable), every launch on the
 current stream (Triton launches on torch's current stream of the current device):
 
-1. **Routing** (:func:`align_block_size`: one stable ``torch.sort`` of the ids and two
-   small kernels): the S = T*k (token, slot) pairs, pair = t*k + j, sorted by expert
-   (stable), each expert's segment padded to BLOCK_M.
+1. **Routing** (:func:`align_block_size`: a two-kernel counting sort of the ids): the
+   S = T*k (token, slot) pairs, pair = t*k + j, sorted by expert (stable), each expert's
+   segment padded to BLOCK_M.
    Ids outside [0, E) (the expert-parallel sentinel >= E; negative ids, the caller's error)
    never enter the work list. Buffers have static worst-case sizes, so no size is read back.
 2. **GEMM1** (:func:`_moe_gemm` with ``GATHER``): hidden_states rows read through the sorted
@@ -32,6 +32,7 @@ Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels ru
 tensors: that is how ``tests/test_moe_triton.py`` checks them without a GPU (float32 and
 float16 only: the interpreter's bfloat16 is wrong).
 """
+import contextlib
 import functools
 import json
 import logging
@@ -44,6 +45,8 @@ import torch
 from opreg import registry
 from opreg._log import log_once
 from opreg.ops import moe_experts as M
+
+from .launch import launch
 
 try:
     import triton
@@ -278,66 +281,86 @@ def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
 
 
-MAX_EXPERTS = 8192  # the offsets kernel holds one lane per expert (E_PAD = next power of 2)
+MAX_EXPERTS = 8192  # the routing kernels hold one lane per expert (BINS = next power of 2 above E)
+
+
+def route_chunk(num_pairs: int) -> int:
+    """Pairs per program of the routing kernels. Each program reads every chunk's counts
+    (C * C * BINS reads in all), so the chunk grows with S to keep C <= ~64: from 256 pairs
+    up to 4096 (beyond 262144 pairs C grows again)."""
+    return min(4096, max(256, next_pow2(cdiv(num_pairs, 64))))
 
 
 @_jit
-def _lower_bound(sorted_ptr, n, steps, x):
-    """Per lane, the first index i in [0, n) with sorted[i] >= x (n if none): a vectorised
-    binary search; ``steps`` = n.bit_length() halvings close every interval. Every load
-    is in bounds (mid < hi <= n)."""
-    lo = tl.zeros(x.shape, dtype=tl.int32)
-    hi = lo + n
-    for _ in range(0, steps):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        v = tl.load(sorted_ptr + mid, mask=active, other=0)
-        less = v < x
-        lo = tl.where(active & less, mid + 1, lo)
-        hi = tl.where(active & (v >= x), mid, hi)
-    return lo
+def _route_count_kernel(ids_ptr, counts_ptr, num_pairs, top_k, stride_t, stride_k, num_experts,
+                        CHUNK: tl.constexpr, BINS: tl.constexpr):
+    """counts[c, b] = how many pairs of chunk c (pairs [c*CHUNK, (c+1)*CHUNK), pair = t*k + j)
+    have expert id b, for b < E; bin E collects the ids outside [0, E) (BINS > E)."""
+    c = tl.program_id(0)
+    p = c * CHUNK + tl.arange(0, CHUNK)
+    ok = p < num_pairs
+    ids = tl.load(ids_ptr + (p // top_k).to(tl.int64) * stride_t + (p % top_k) * stride_k, mask=ok, other=-1)
+    b = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts).to(tl.int32)
+    tl.store(counts_ptr + c * BINS + tl.arange(0, BINS), tl.histogram(b, BINS))
 
 
 @_jit
-def _expert_offsets_kernel(sorted_ids_ptr, num_pairs, search_steps, num_experts, num_m_blocks,
-                           start_ptr, pstart_ptr, count_ptr, block_expert_ptr,
-                           BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_B: tl.constexpr):
-    """One program. From the ids sorted ascending (negative ids first, ids >= E last):
-    each expert's run start[e] and count[e] in the sorted order, its padded start
-    pstart[e] (runs padded to BLOCK_M, laid end to end), and each M block's expert
-    (-1 past the last padded row)."""
-    e = tl.arange(0, E_PAD)
+def _route_place_kernel(ids_ptr, counts_ptr, out_ptr, block_expert_ptr, tables_ptr,
+                        num_pairs, top_k, stride_t, stride_k, num_experts, num_chunks, num_m_blocks,
+                        CHUNK: tl.constexpr, BINS: tl.constexpr, SUB: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_B: tl.constexpr):
+    """Program c: from every chunk's counts, each expert's total, padded start (runs padded
+    to BLOCK_M, laid end to end) and the rows chunks before c take (SUB chunks' counts at a
+    time); then chunk c's pairs, SUB at a time in pair order, land at out[padded start + rows of earlier chunks and earlier
+    pairs of chunk c] (a one-hot (SUB, BINS) running count): a stable counting sort.
+    Program c also writes the expert of M blocks [c * bpp, (c+1) * bpp) and the sentinel
+    S in their padding rows; program 0 the tables. Every out entry is written once."""
+    c = tl.program_id(0)
+    e = tl.arange(0, BINS)
     real = e < num_experts
-    start = _lower_bound(sorted_ids_ptr, num_pairs, search_steps, e)
-    count = tl.where(real, _lower_bound(sorted_ids_ptr, num_pairs, search_steps, e + 1) - start, 0)
-    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    total = tl.zeros((BINS,), dtype=tl.int32)
+    before = tl.zeros((BINS,), dtype=tl.int32)
+    for c0 in range(0, num_chunks, SUB):  # SUB chunks' counts at a time
+        cs = c0 + tl.arange(0, SUB)
+        rows = tl.load(counts_ptr + cs[:, None] * BINS + e[None, :], mask=(cs < num_chunks)[:, None], other=0)
+        total += tl.sum(rows, axis=0)
+        before += tl.sum(tl.where((cs < c)[:, None], rows, 0), axis=0)
+    total = tl.where(real, total, 0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pend = tl.cumsum(padded, 0)
-    tl.store(start_ptr + e, start, mask=real)
-    tl.store(pstart_ptr + e, pend - padded, mask=real)
-    tl.store(count_ptr + e, count, mask=real)
-    for b0 in range(0, num_m_blocks, BLOCK_B):
-        b = b0 + tl.arange(0, BLOCK_B)
+    pstart = pend - padded
+    if c == 0:
+        tl.store(tables_ptr + e, tl.cumsum(total, 0) - total, mask=real)
+        tl.store(tables_ptr + num_experts + e, pstart, mask=real)
+        tl.store(tables_ptr + 2 * num_experts + e, total, mask=real)
+    # this chunk's pairs in pair order: each goes to its expert's next free row
+    nxt = pstart + before
+    for s0 in range(0, CHUNK, SUB):
+        p = c * CHUNK + s0 + tl.arange(0, SUB)
+        ok = p < num_pairs
+        ids = tl.load(ids_ptr + (p // top_k).to(tl.int64) * stride_t + (p % top_k) * stride_k, mask=ok, other=-1)
+        b = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+        hit = (b[:, None] == e[None, :]).to(tl.int32)  # (SUB, BINS), one 1 per row
+        dest = tl.sum(hit * (tl.cumsum(hit, 0) - 1 + nxt[None, :]), axis=1)
+        tl.store(out_ptr + dest, p, mask=b < num_experts)
+        nxt += tl.sum(hit, axis=0)
+    # this program's M blocks: their expert (-1 past the last padded row), sentinel padding
+    bpp = tl.cdiv(num_m_blocks, num_chunks)
+    b_end = tl.minimum((c + 1) * bpp, num_m_blocks)
+    r = tl.arange(0, BLOCK_M)
+    for b0 in range(c * bpp, b_end, BLOCK_B):
+        blk = b0 + tl.arange(0, BLOCK_B)
+        bok = blk < b_end
         # the block's expert = how many experts' padded runs end at or before its first row
-        ended = tl.sum(((pend[None, :] <= (b * BLOCK_M)[:, None]) & real[None, :]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + b, tl.where(ended < num_experts, ended, -1), mask=b < num_m_blocks)
-
-
-@_jit
-def _sorted_pairs_kernel(perm_ptr, block_expert_ptr, start_ptr, pstart_ptr, count_ptr, out_ptr,
-                         num_pairs, capacity, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
-    """out[q] for q in this program's slice of [0, capacity): the pair at row q of the
-    padded, expert-sorted work list, or the sentinel num_pairs (padding, unused tail).
-    A gather (each q computed from the tables), so every entry is written once."""
-    q = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = q < capacity
-    ex = tl.load(block_expert_ptr + q // BLOCK_M, mask=ok, other=-1)
-    has = ok & (ex >= 0)
-    ex = tl.where(has, ex, 0)
-    j = q - tl.load(pstart_ptr + ex, mask=has, other=0)
-    real = has & (j < tl.load(count_ptr + ex, mask=has, other=0))
-    src = tl.load(start_ptr + ex, mask=real, other=0) + j
-    pair = tl.load(perm_ptr + src, mask=real, other=num_pairs)
-    tl.store(out_ptr + q, tl.where(real, pair, num_pairs).to(tl.int32), mask=ok)
+        ended = tl.sum(((pend[None, :] <= (blk * BLOCK_M)[:, None]) & real[None, :]).to(tl.int32), axis=1)
+        ex = tl.where(ended < num_experts, ended, -1)
+        tl.store(block_expert_ptr + blk, ex, mask=bok)
+        sel = e[None, :] == ex[:, None]  # (BLOCK_B, BINS): the block's expert's lane
+        ps = tl.sum(tl.where(sel, pstart[None, :], 0), axis=1)
+        tot = tl.sum(tl.where(sel, total[None, :], 0), axis=1)
+        rows = blk[:, None] * BLOCK_M + r[None, :]
+        pad = (ex[:, None] < 0) | (rows - ps[:, None] >= tot[:, None])
+        tl.store(out_ptr + rows, tl.full((BLOCK_B, BLOCK_M), 0, tl.int32) + num_pairs, mask=bok[:, None] & pad)
 
 
 def routing_tables(top_k_index: torch.Tensor, num_experts: int,
@@ -350,13 +373,14 @@ def routing_tables(top_k_index: torch.Tensor, num_experts: int,
     in increasing pair order (a stable sort), each expert's run padded with the sentinel
     S = T*k to a multiple of block_m; unused tail entries are S too. ``block_expert[b]`` is
     the expert of rows [b*block_m, (b+1)*block_m), or -1 past the last padded row.
-    ``tables`` = each expert's run start in the sorted ids, its padded start (its first row
-    in ``sorted_pair_ids``) and its count (the backward's weight gradients walk an expert's
-    rows [padded start, padded start + count): all real pairs). Sizes
-    are static (:func:`num_blocks`), so this can be captured in a CUDA graph.
+    ``tables`` = each expert's run start among the sorted real pairs, its padded start (its
+    first row in ``sorted_pair_ids``) and its count (the backward's weight gradients walk an
+    expert's rows [padded start, padded start + count): all real pairs). Sizes are static
+    (:func:`num_blocks`), so this can be captured in a CUDA graph.
 
-    One stable sort of the raw ids (torch) and two small kernels: every launch costs host
-    time, and decode-sized calls are all launch overhead."""
+    Two launches (a counting sort: per-chunk histograms, then placement), one int32 buffer:
+    decode-sized calls are all host time (``torch.sort`` cost 100-250 us of host per call on
+    the H200 box, and 60 us of GPU at T = 4096, k = 8: eight radix passes over int64 keys)."""
     t, k = top_k_index.shape
     s = t * k
     nb = num_blocks(s, num_experts, block_m)
@@ -364,20 +388,21 @@ def routing_tables(top_k_index: torch.Tensor, num_experts: int,
     if nb == 0:
         none = torch.empty((0,), dtype=torch.int32, device=dev)
         return none, none.clone(), torch.zeros((3, num_experts), dtype=torch.int32, device=dev)
-    # Out-of-range ids sort before (negative: the caller's error) or after (>= E: another
-    # rank's expert) every expert's run, so no expert's run contains one.
-    sorted_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
-    tables = torch.empty((3, num_experts), dtype=torch.int32, device=dev)
-    block_expert = torch.empty((nb,), dtype=torch.int32, device=dev)
-    sorted_pair_ids = torch.empty((nb * block_m,), dtype=torch.int32, device=dev)
-    e_pad = next_pow2(num_experts)
-    _expert_offsets_kernel[(1,)](sorted_ids, s, s.bit_length(), num_experts, nb, tables[0], tables[1],
-                                 tables[2], block_expert, BLOCK_M=block_m, E_PAD=e_pad,
-                                 BLOCK_B=max(1, min(64, 8192 // e_pad)), num_warps=4)
-    block = 1024
-    _sorted_pairs_kernel[(cdiv(nb * block_m, block),)](
-        perm, block_expert, tables[0], tables[1], tables[2], sorted_pair_ids, s, nb * block_m,
-        BLOCK_M=block_m, BLOCK=block, num_warps=4)
+    chunk = route_chunk(s)
+    nc = cdiv(s, chunk)
+    bins = next_pow2(num_experts + 1)
+    cap = nb * block_m
+    buf = torch.empty((cap + nb + 3 * num_experts + nc * bins,), dtype=torch.int32, device=dev)
+    sorted_pair_ids, block_expert = buf[:cap], buf[cap:cap + nb]
+    tables = buf[cap + nb:cap + nb + 3 * num_experts].view(3, num_experts)
+    counts = buf[cap + nb + 3 * num_experts:]
+    warps = 4 if chunk <= 1024 else 8
+    st, sk = top_k_index.stride()
+    launch(_route_count_kernel, (nc,), top_k_index, counts, s, k, st, sk, num_experts, CHUNK=chunk, BINS=bins,
+                               num_warps=warps)
+    launch(_route_place_kernel, (nc,), top_k_index, counts, sorted_pair_ids, block_expert, tables, s, k, st, sk,
+                               num_experts, nc, nb, CHUNK=chunk, BINS=bins, SUB=max(1, min(chunk, 4096 // bins)),
+                               BLOCK_M=block_m, BLOCK_B=max(1, min(64, 8192 // bins)), num_warps=warps)
     return sorted_pair_ids, block_expert, tables
 
 
@@ -503,9 +528,11 @@ def why_not_fused(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
 
 
 def _device_ctx(x: torch.Tensor) -> Any:
-    # Triton launches on the *current* device's current stream: make it the tensors' device.
-    import contextlib
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+    # Triton launches on the *current* device's current stream: make it the tensors' device
+    # (entering torch.cuda.device costs two device switches of host time: only when needed).
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
 
 
 class Saved(NamedTuple):
@@ -549,7 +576,7 @@ def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w: torch.Tensor, w_stri
     p = pre if pre is not None else out  # likewise, never written
     # fp32 stays fp32 (IEEE), as torch's default matmul is; half types ignore the setting.
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
-    _moe_gemm[grid](
+    launch(_moe_gemm, grid,
         a, w, b, rw, out, p, sorted_pair_ids, block_expert,
         rw.shape[0] * top_k, top_k, n, k, nb, float(alpha), float(limit) if finite else 0.0,
         a.stride(0), a.stride(1), w_strides[0], w_strides[1], w_strides[2], b.stride(0), b.stride(-1),
@@ -566,7 +593,7 @@ def combine(pairs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_exper
     order, fp32 (:func:`_combine_kernel`); a token with none gets 0."""
     t, h = out.shape
     bh = min(cfg["BLOCK_H"], next_pow2(h))
-    _combine_kernel[(t, cdiv(h, bh))](
+    launch(_combine_kernel, (t, cdiv(h, bh)),
         pairs, ids, out, h, ids.shape[1], num_experts, pairs.stride(0), pairs.stride(1), ids.stride(0),
         ids.stride(1), out.stride(0), out.stride(1), BLOCK_H=bh, num_warps=cfg["num_warps"])
 

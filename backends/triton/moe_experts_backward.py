@@ -44,6 +44,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from opreg.backends.triton import moe_experts as F
+from opreg.backends.triton.launch import launch
 from opreg.backends.triton.moe_experts import _IDENTITY, _act, _jit, _mma, _tile, tl
 
 __all__ = ["FusedExperts", "clamp_ties", "fused_experts", "fused_experts_backward"]
@@ -358,7 +359,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             finite = gated and math.isfinite(limit)
             ties = clamp_ties()
             sw = F._nk_strides(w2, not transposed)  # down seen as (E, I, H)
-            _dgrad_act_kernel[(nb * nnb,)](
+            launch(_dgrad_act_kernel, (nb * nnb,),
                 dout, w2, saved.pre, rw, d_pre, part, sorted_pair_ids, saved.block_expert,
                 s, k, i, h, nb, float(alpha), float(limit) if finite else 0.0,
                 dout.stride(0), dout.stride(1), sw[0], sw[1], sw[2], saved.pre.stride(0), saved.pre.stride(1),
@@ -371,7 +372,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             drw = F._new_buffer(tuple(rw.shape), rw.dtype, dev)
             bp, bh = 32, min(128, F.next_pow2(h))
             bias = b2 if b2 is not None else w2  # a valid pointer, never read
-            _route_grad_kernel[(F.cdiv(s, bp),)](
+            launch(_route_grad_kernel, (F.cdiv(s, bp),),
                 part, dout, bias, ids, drw, s, k, e, h, nnb, part.stride(0), part.stride(-1),
                 dout.stride(0), dout.stride(1), bias.stride(0), bias.stride(-1), ids.stride(0), ids.stride(1),
                 drw.stride(0), drw.stride(1), BLOCK_P=bp, BLOCK_H=bh, HAS_BIAS=b2 is not None, num_warps=4)
@@ -395,7 +396,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             dob = db if db is not None else lhs
             so = _oi_strides(dw, transposed) if dw is not None else (0, 0, 0)
             nn = F.cdiv(n, c["BLOCK_N"]) if do_w else 1
-            _moe_wgrad[(F.cdiv(m, c["BLOCK_M"]) * nn, e)](
+            launch(_moe_wgrad, (F.cdiv(m, c["BLOCK_M"]) * nn, e),
                 lhs, rhs, rw, do, dob, sorted_pair_ids, pstart, count, k, m, n,
                 lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), rw.stride(0), rw.stride(1),
                 so[0], so[1], so[2], dob.stride(0), dob.stride(-1),
