@@ -309,10 +309,11 @@ def _route_place_kernel(ids_ptr, counts_ptr, out_ptr, block_expert_ptr, tables_p
                         num_pairs, top_k, stride_t, stride_k, num_experts, num_chunks, num_m_blocks,
                         CHUNK: tl.constexpr, BINS: tl.constexpr, SUB: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_B: tl.constexpr):
-    """Program c: from every chunk's counts, each expert's total, padded start (runs padded
-    to BLOCK_M, laid end to end) and the rows chunks before c take (SUB chunks' counts at a
-    time); then chunk c's pairs, SUB at a time in pair order, land at out[padded start + rows of earlier chunks and earlier
-    pairs of chunk c] (a one-hot (SUB, BINS) running count): a stable counting sort.
+    """Program c: from every chunk's counts (SUB chunks' at a time), each expert's total,
+    padded start (runs padded to BLOCK_M, laid end to end) and the rows chunks before c
+    take; then chunk c's pairs, SUB at a time in pair order, land at out[padded start +
+    rows of earlier chunks and of earlier pairs of chunk c] (a one-hot (SUB, BINS) running
+    count): a stable counting sort.
     Program c also writes the expert of M blocks [c * bpp, (c+1) * bpp) and the sentinel
     S in their padding rows; program 0 the tables. Every out entry is written once."""
     c = tl.program_id(0)
@@ -399,10 +400,10 @@ def routing_tables(top_k_index: torch.Tensor, num_experts: int,
     warps = 4 if chunk <= 1024 else 8
     st, sk = top_k_index.stride()
     launch(_route_count_kernel, (nc,), top_k_index, counts, s, k, st, sk, num_experts, CHUNK=chunk, BINS=bins,
-                               num_warps=warps)
+           num_warps=warps)
     launch(_route_place_kernel, (nc,), top_k_index, counts, sorted_pair_ids, block_expert, tables, s, k, st, sk,
-                               num_experts, nc, nb, CHUNK=chunk, BINS=bins, SUB=max(1, min(chunk, 4096 // bins)),
-                               BLOCK_M=block_m, BLOCK_B=max(1, min(64, 8192 // bins)), num_warps=warps)
+           num_experts, nc, nb, CHUNK=chunk, BINS=bins, SUB=max(1, min(chunk, 4096 // bins)),
+           BLOCK_M=block_m, BLOCK_B=max(1, min(64, 8192 // bins)), num_warps=warps)
     return sorted_pair_ids, block_expert, tables
 
 
@@ -577,14 +578,14 @@ def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w: torch.Tensor, w_stri
     # fp32 stays fp32 (IEEE), as torch's default matmul is; half types ignore the setting.
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     launch(_moe_gemm, grid,
-        a, w, b, rw, out, p, sorted_pair_ids, block_expert,
-        rw.shape[0] * top_k, top_k, n, k, nb, float(alpha), float(limit) if finite else 0.0,
-        a.stride(0), a.stride(1), w_strides[0], w_strides[1], w_strides[2], b.stride(0), b.stride(-1),
-        rw.stride(0), rw.stride(1), out.stride(0), out.stride(1), p.stride(0), p.stride(1),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        GATHER=gather, ROUTED=routed, SCALED=scaled, GATED=gated, INTERLEAVED=gated and interleaved,
-        ACT=act, HAS_BIAS=bias is not None, HAS_LIMIT=finite, SAVE_PRE=pre is not None,
-        DOT_PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+           a, w, b, rw, out, p, sorted_pair_ids, block_expert,
+           rw.shape[0] * top_k, top_k, n, k, nb, float(alpha), float(limit) if finite else 0.0,
+           a.stride(0), a.stride(1), w_strides[0], w_strides[1], w_strides[2], b.stride(0), b.stride(-1),
+           rw.stride(0), rw.stride(1), out.stride(0), out.stride(1), p.stride(0), p.stride(1),
+           BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+           GATHER=gather, ROUTED=routed, SCALED=scaled, GATED=gated, INTERLEAVED=gated and interleaved,
+           ACT=act, HAS_BIAS=bias is not None, HAS_LIMIT=finite, SAVE_PRE=pre is not None,
+           DOT_PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def combine(pairs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_experts: int,
@@ -594,8 +595,8 @@ def combine(pairs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_exper
     t, h = out.shape
     bh = min(cfg["BLOCK_H"], next_pow2(h))
     launch(_combine_kernel, (t, cdiv(h, bh)),
-        pairs, ids, out, h, ids.shape[1], num_experts, pairs.stride(0), pairs.stride(1), ids.stride(0),
-        ids.stride(1), out.stride(0), out.stride(1), BLOCK_H=bh, num_warps=cfg["num_warps"])
+           pairs, ids, out, h, ids.shape[1], num_experts, pairs.stride(0), pairs.stride(1), ids.stride(0),
+           ids.stride(1), out.stride(0), out.stride(1), BLOCK_H=bh, num_warps=cfg["num_warps"])
 
 
 def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

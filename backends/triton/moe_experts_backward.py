@@ -360,22 +360,22 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             ties = clamp_ties()
             sw = F._nk_strides(w2, not transposed)  # down seen as (E, I, H)
             launch(_dgrad_act_kernel, (nb * nnb,),
-                dout, w2, saved.pre, rw, d_pre, part, sorted_pair_ids, saved.block_expert,
-                s, k, i, h, nb, float(alpha), float(limit) if finite else 0.0,
-                dout.stride(0), dout.stride(1), sw[0], sw[1], sw[2], saved.pre.stride(0), saved.pre.stride(1),
-                rw.stride(0), rw.stride(1), d_pre.stride(0), d_pre.stride(1), part.stride(0), part.stride(-1),
-                BLOCK_M=bm, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"],
-                GATED=gated, INTERLEAVED=gated and interleaved, ACT=F.ACT_IDS[activation], HAS_LIMIT=finite,
-                GATE_TIE=ties[0], UP_LO_TIE=ties[1], UP_HI_TIE=ties[2], WRITE_DPRE=need_dpre,
-                ROUTE_GRAD=need_rw, DOT_PRECISION=precision, num_warps=c["num_warps"], num_stages=c["num_stages"])
+                   dout, w2, saved.pre, rw, d_pre, part, sorted_pair_ids, saved.block_expert,
+                   s, k, i, h, nb, float(alpha), float(limit) if finite else 0.0,
+                   dout.stride(0), dout.stride(1), sw[0], sw[1], sw[2], saved.pre.stride(0), saved.pre.stride(1),
+                   rw.stride(0), rw.stride(1), d_pre.stride(0), d_pre.stride(1), part.stride(0), part.stride(-1),
+                   BLOCK_M=bm, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"],
+                   GATED=gated, INTERLEAVED=gated and interleaved, ACT=F.ACT_IDS[activation], HAS_LIMIT=finite,
+                   GATE_TIE=ties[0], UP_LO_TIE=ties[1], UP_HI_TIE=ties[2], WRITE_DPRE=need_dpre,
+                   ROUTE_GRAD=need_rw, DOT_PRECISION=precision, num_warps=c["num_warps"], num_stages=c["num_stages"])
         if need_rw:
             drw = F._new_buffer(tuple(rw.shape), rw.dtype, dev)
             bp, bh = 32, min(128, F.next_pow2(h))
             bias = b2 if b2 is not None else w2  # a valid pointer, never read
             launch(_route_grad_kernel, (F.cdiv(s, bp),),
-                part, dout, bias, ids, drw, s, k, e, h, nnb, part.stride(0), part.stride(-1),
-                dout.stride(0), dout.stride(1), bias.stride(0), bias.stride(-1), ids.stride(0), ids.stride(1),
-                drw.stride(0), drw.stride(1), BLOCK_P=bp, BLOCK_H=bh, HAS_BIAS=b2 is not None, num_warps=4)
+                   part, dout, bias, ids, drw, s, k, e, h, nnb, part.stride(0), part.stride(-1),
+                   dout.stride(0), dout.stride(1), bias.stride(0), bias.stride(-1), ids.stride(0), ids.stride(1),
+                   drw.stride(0), drw.stride(1), BLOCK_P=bp, BLOCK_H=bh, HAS_BIAS=b2 is not None, num_warps=4)
             out[1] = drw
         if need_x:
             pairs = F._new_buffer((s, h), x.dtype, dev)
@@ -392,17 +392,25 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             c = cfg["wgrad"]
             dw = F._new_buffer(tuple(w.shape), w.dtype, dev) if do_w else None
             db = F._new_buffer(tuple(b.shape), b.dtype, dev) if do_b and b is not None else None
-            do = dw if dw is not None else lhs  # valid pointers, never written
-            dob = db if db is not None else lhs
             so = _oi_strides(dw, transposed) if dw is not None else (0, 0, 0)
-            nn = F.cdiv(n, c["BLOCK_N"]) if do_w else 1
-            launch(_moe_wgrad, (F.cdiv(m, c["BLOCK_M"]) * nn, e),
-                lhs, rhs, rw, do, dob, sorted_pair_ids, pstart, count, k, m, n,
-                lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), rw.stride(0), rw.stride(1),
-                so[0], so[1], so[2], dob.stride(0), dob.stride(-1),
-                BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], L_GATHER=l_gather,
-                L_SCALED=l_scaled, R_GATHER=r_gather, WEIGHT_GRAD=do_w, BIAS_GRAD=db is not None,
-                DOT_PRECISION=precision, num_warps=c["num_warps"], num_stages=c["num_stages"])
+            # The weight and the bias gradient in separate launches: both in one (the
+            # bias's row sums beside the dot) computed wrong, run-to-run different dW at
+            # 128 x 256 x 64 tiles, 8 warps, 3 stages on the H200 with triton 3.6
+            # (bench/RESULTS.md, seventh session); apart, every config is exact. The bias
+            # pass reads L once more: (rows x M) elements, small next to the GEMM.
+            for weight in (True, False):
+                if (dw if weight else db) is None:
+                    continue
+                do = dw if weight else lhs  # valid pointers, never written
+                dob = lhs if weight else db
+                nn = F.cdiv(n, c["BLOCK_N"]) if weight else 1
+                launch(_moe_wgrad, (F.cdiv(m, c["BLOCK_M"]) * nn, e),
+                       lhs, rhs, rw, do, dob, sorted_pair_ids, pstart, count, k, m, n,
+                       lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), rw.stride(0), rw.stride(1),
+                       so[0], so[1], so[2], dob.stride(0), dob.stride(-1),
+                       BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], L_GATHER=l_gather,
+                       L_SCALED=l_scaled, R_GATHER=r_gather, WEIGHT_GRAD=weight, BIAS_GRAD=not weight,
+                       DOT_PRECISION=precision, num_warps=c["num_warps"], num_stages=c["num_stages"])
             return dw, db
 
         if need_w2 or need_b2:  # d down_proj[e] = (rw * dout[t])^T act, d down_bias[e] = sum rw * dout[t]
