@@ -3,7 +3,7 @@
 Four steps, all on the device, no host sync (CUDA-graph capturable), every launch on the
 current stream (Triton launches on torch's current stream of the current device):
 
-1. **Routing** (:func:`align_block_size`: a two-kernel counting sort of the ids): the
+1. **Routing** (:func:`align_block_size`: a three-kernel counting sort of the ids): the
    S = T*k (token, slot) pairs, pair = t*k + j, sorted by expert (stable), each expert's
    segment padded to BLOCK_M.
    Ids outside [0, E) (the expert-parallel sentinel >= E; negative ids, the caller's error)
@@ -281,71 +281,82 @@ def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
 
 
-MAX_EXPERTS = 8192  # the routing kernels hold one lane per expert (BINS = next power of 2 above E)
+MAX_EXPERTS = 8192  # the routing kernels hold one lane per expert (BINS = next power of 2 >= E)
 
 
-def route_chunk(num_pairs: int) -> int:
-    """Pairs per program of the routing kernels. Each program reads every chunk's counts
-    (C * C * BINS reads in all), so the chunk grows with S to keep C <= ~64: from 256 pairs
-    up to 4096 (beyond 262144 pairs C grows again)."""
-    return min(4096, max(256, next_pow2(cdiv(num_pairs, 64))))
+ROUTE_CHUNK = 128  # pairs per program of the routing's count and place kernels
 
 
 @_jit
-def _route_count_kernel(ids_ptr, counts_ptr, num_pairs, top_k, stride_t, stride_k, num_experts,
+def _route_count_kernel(ids_ptr, counts_ptr, num_pairs, top_k, stride_t, stride_k, num_experts, num_chunks,
                         CHUNK: tl.constexpr, BINS: tl.constexpr):
-    """counts[c, b] = how many pairs of chunk c (pairs [c*CHUNK, (c+1)*CHUNK), pair = t*k + j)
-    have expert id b, for b < E; bin E collects the ids outside [0, E) (BINS > E)."""
+    """counts[e, c] = how many pairs of chunk c (pairs [c*CHUNK, (c+1)*CHUNK), pair = t*k + j)
+    have expert id e (expert-major: the scan walks c contiguously). Ids outside [0, E) count
+    nowhere (binned at 0, then taken off bin 0's count)."""
     c = tl.program_id(0)
     p = c * CHUNK + tl.arange(0, CHUNK)
-    ok = p < num_pairs
-    ids = tl.load(ids_ptr + (p // top_k).to(tl.int64) * stride_t + (p % top_k) * stride_k, mask=ok, other=-1)
-    b = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts).to(tl.int32)
-    tl.store(counts_ptr + c * BINS + tl.arange(0, BINS), tl.histogram(b, BINS))
+    ids = tl.load(ids_ptr + (p // top_k).to(tl.int64) * stride_t + (p % top_k) * stride_k, mask=p < num_pairs,
+                  other=-1)
+    valid = (ids >= 0) & (ids < num_experts)
+    e = tl.arange(0, BINS)
+    h = tl.histogram(tl.where(valid, ids, 0).to(tl.int32), BINS)
+    h -= tl.where(e == 0, tl.sum((~valid).to(tl.int32), axis=0), 0)
+    tl.store(counts_ptr + e * num_chunks + c, h, mask=e < num_experts)
 
 
 @_jit
-def _route_place_kernel(ids_ptr, counts_ptr, out_ptr, block_expert_ptr, tables_ptr,
-                        num_pairs, top_k, stride_t, stride_k, num_experts, num_chunks, num_m_blocks,
-                        CHUNK: tl.constexpr, BINS: tl.constexpr, SUB: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_B: tl.constexpr):
-    """Program c: from every chunk's counts (SUB chunks' at a time), each expert's total,
-    padded start (runs padded to BLOCK_M, laid end to end) and the rows chunks before c
-    take; then chunk c's pairs, SUB at a time in pair order, land at out[padded start +
-    rows of earlier chunks and of earlier pairs of chunk c] (a one-hot (SUB, BINS) running
-    count): a stable counting sort.
-    Program c also writes the expert of M blocks [c * bpp, (c+1) * bpp) and the sentinel
-    S in their padding rows; program 0 the tables. Every out entry is written once."""
-    c = tl.program_id(0)
+def _route_scan_kernel(counts_ptr, tables_ptr, num_experts, num_chunks,
+                       BINS: tl.constexpr, CB: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One program. Each expert's total over the chunks, its run start among the sorted
+    pairs and its padded start (runs padded to BLOCK_M, laid end to end) -> tables; then, in
+    place, counts[e, c] -> the first row of chunk c's pairs of expert e (padded start + the
+    rows of chunks before c), CB chunks at a time."""
     e = tl.arange(0, BINS)
     real = e < num_experts
     total = tl.zeros((BINS,), dtype=tl.int32)
-    before = tl.zeros((BINS,), dtype=tl.int32)
-    for c0 in range(0, num_chunks, SUB):  # SUB chunks' counts at a time
-        cs = c0 + tl.arange(0, SUB)
-        rows = tl.load(counts_ptr + cs[:, None] * BINS + e[None, :], mask=(cs < num_chunks)[:, None], other=0)
-        total += tl.sum(rows, axis=0)
-        before += tl.sum(tl.where((cs < c)[:, None], rows, 0), axis=0)
-    total = tl.where(real, total, 0)
+    for c0 in range(0, num_chunks, CB):
+        cs = c0 + tl.arange(0, CB)
+        m = real[:, None] & (cs < num_chunks)[None, :]
+        total += tl.sum(tl.load(counts_ptr + e[:, None] * num_chunks + cs[None, :], mask=m, other=0), axis=1)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    pend = tl.cumsum(padded, 0)
-    pstart = pend - padded
-    if c == 0:
-        tl.store(tables_ptr + e, tl.cumsum(total, 0) - total, mask=real)
-        tl.store(tables_ptr + num_experts + e, pstart, mask=real)
-        tl.store(tables_ptr + 2 * num_experts + e, total, mask=real)
-    # this chunk's pairs in pair order: each goes to its expert's next free row
-    nxt = pstart + before
-    for s0 in range(0, CHUNK, SUB):
-        p = c * CHUNK + s0 + tl.arange(0, SUB)
-        ok = p < num_pairs
-        ids = tl.load(ids_ptr + (p // top_k).to(tl.int64) * stride_t + (p % top_k) * stride_k, mask=ok, other=-1)
-        b = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)
-        hit = (b[:, None] == e[None, :]).to(tl.int32)  # (SUB, BINS), one 1 per row
-        dest = tl.sum(hit * (tl.cumsum(hit, 0) - 1 + nxt[None, :]), axis=1)
-        tl.store(out_ptr + dest, p, mask=b < num_experts)
-        nxt += tl.sum(hit, axis=0)
-    # this program's M blocks: their expert (-1 past the last padded row), sentinel padding
+    pstart = tl.cumsum(padded, 0) - padded
+    tl.store(tables_ptr + e, tl.cumsum(total, 0) - total, mask=real)
+    tl.store(tables_ptr + num_experts + e, pstart, mask=real)
+    tl.store(tables_ptr + 2 * num_experts + e, total, mask=real)
+    nxt = pstart
+    for c0 in range(0, num_chunks, CB):
+        cs = c0 + tl.arange(0, CB)
+        m = real[:, None] & (cs < num_chunks)[None, :]
+        ptrs = counts_ptr + e[:, None] * num_chunks + cs[None, :]
+        cnt = tl.load(ptrs, mask=m, other=0)
+        tl.store(ptrs, nxt[:, None] + tl.cumsum(cnt, 1) - cnt, mask=m)
+        nxt += tl.sum(cnt, axis=1)
+
+
+@_jit
+def _route_place_kernel(ids_ptr, offsets_ptr, tables_ptr, out_ptr, block_expert_ptr,
+                        num_pairs, top_k, stride_t, stride_k, num_experts, num_chunks, num_m_blocks,
+                        CHUNK: tl.constexpr, BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Program c: chunk c's pairs go to out[offsets[e, c] + their rank among the chunk's pairs
+    of expert e] (pair order kept: a stable counting sort); then the expert of M blocks
+    [c * bpp, (c+1) * bpp) (-1 past the last padded row) and the sentinel S in their padding
+    rows. Every out entry is written once."""
+    c = tl.program_id(0)
+    q = tl.arange(0, CHUNK)
+    p = c * CHUNK + q
+    ids = tl.load(ids_ptr + (p // top_k).to(tl.int64) * stride_t + (p % top_k) * stride_k, mask=p < num_pairs,
+                  other=-1)
+    valid = (ids >= 0) & (ids < num_experts)
+    b = tl.where(valid, ids, -1).to(tl.int32)
+    rank = tl.sum(((b[:, None] == b[None, :]) & (q[None, :] < q[:, None])).to(tl.int32), axis=1)
+    dest = tl.load(offsets_ptr + tl.where(valid, b, 0) * num_chunks + c, mask=valid, other=0) + rank
+    tl.store(out_ptr + dest, p, mask=valid)
+    # this program's M blocks
+    e = tl.arange(0, BINS)
+    real = e < num_experts
+    pstart = tl.load(tables_ptr + num_experts + e, mask=real, other=0)
+    total = tl.load(tables_ptr + 2 * num_experts + e, mask=real, other=0)
+    pend = pstart + (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     bpp = tl.cdiv(num_m_blocks, num_chunks)
     b_end = tl.minimum((c + 1) * bpp, num_m_blocks)
     r = tl.arange(0, BLOCK_M)
@@ -379,9 +390,9 @@ def routing_tables(top_k_index: torch.Tensor, num_experts: int,
     expert's rows [padded start, padded start + count): all real pairs). Sizes are static
     (:func:`num_blocks`), so this can be captured in a CUDA graph.
 
-    Two launches (a counting sort: per-chunk histograms, then placement), one int32 buffer:
-    decode-sized calls are all host time (``torch.sort`` cost 100-250 us of host per call on
-    the H200 box, and 60 us of GPU at T = 4096, k = 8: eight radix passes over int64 keys)."""
+    A counting sort in three launches (per-chunk counts, one program's scan, placement)
+    into one int32 buffer. ``torch.sort`` cost 100-250 us of host per call on the H200 box
+    and 60 us of GPU at T = 4096, k = 8 (eight radix passes over int64 keys)."""
     t, k = top_k_index.shape
     s = t * k
     nb = num_blocks(s, num_experts, block_m)
@@ -389,21 +400,21 @@ def routing_tables(top_k_index: torch.Tensor, num_experts: int,
     if nb == 0:
         none = torch.empty((0,), dtype=torch.int32, device=dev)
         return none, none.clone(), torch.zeros((3, num_experts), dtype=torch.int32, device=dev)
-    chunk = route_chunk(s)
-    nc = cdiv(s, chunk)
-    bins = next_pow2(num_experts + 1)
+    nc = cdiv(s, ROUTE_CHUNK)
+    bins = next_pow2(num_experts)
     cap = nb * block_m
-    buf = torch.empty((cap + nb + 3 * num_experts + nc * bins,), dtype=torch.int32, device=dev)
+    buf = torch.empty((cap + nb + 3 * num_experts + num_experts * nc,), dtype=torch.int32, device=dev)
     sorted_pair_ids, block_expert = buf[:cap], buf[cap:cap + nb]
     tables = buf[cap + nb:cap + nb + 3 * num_experts].view(3, num_experts)
     counts = buf[cap + nb + 3 * num_experts:]
-    warps = 4 if chunk <= 1024 else 8
     st, sk = top_k_index.stride()
-    launch(_route_count_kernel, (nc,), top_k_index, counts, s, k, st, sk, num_experts, CHUNK=chunk, BINS=bins,
-           num_warps=warps)
-    launch(_route_place_kernel, (nc,), top_k_index, counts, sorted_pair_ids, block_expert, tables, s, k, st, sk,
-           num_experts, nc, nb, CHUNK=chunk, BINS=bins, SUB=max(1, min(chunk, 4096 // bins)),
-           BLOCK_M=block_m, BLOCK_B=max(1, min(64, 8192 // bins)), num_warps=warps)
+    launch(_route_count_kernel, (nc,), top_k_index, counts, s, k, st, sk, num_experts, nc, CHUNK=ROUTE_CHUNK,
+           BINS=bins, num_warps=4)
+    launch(_route_scan_kernel, (1,), counts, tables, num_experts, nc, BINS=bins,
+           CB=max(1, min(next_pow2(nc), 8192 // bins)), BLOCK_M=block_m, num_warps=8)
+    launch(_route_place_kernel, (nc,), top_k_index, counts, tables, sorted_pair_ids, block_expert, s, k, st, sk,
+           num_experts, nc, nb, CHUNK=ROUTE_CHUNK, BINS=bins, BLOCK_M=block_m,
+           BLOCK_B=max(1, min(64, 8192 // bins)), num_warps=4)
     return sorted_pair_ids, block_expert, tables
 
 
