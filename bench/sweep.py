@@ -2,6 +2,7 @@
 
     python bench/sweep.py [--ops cat_linear,cat_linear_stacked,scatter_combine] [--quick]
                           [--inductor none|sample|all] [--json out.json] [--budget-s 300]
+                          [--min-mb 16]
 
 Per shape, opreg and the eager spellings run side by side in interleaved rounds
 (bench/_timing.py: CUDA events, warm-up, rotated input sets, medians, ratios paired by
@@ -15,7 +16,9 @@ dispatch model's check, backends/common/cat_linear_model.h). scatter_combine: fo
 backward against what autograd of the eager form runs); and the fraction of the copy
 bound: bytes (each input read once, each output written once) over the device-to-device
 copy rate measured at the start. Inductor (``torch.compile`` of the eager form, per
-shape) is sampled (``--inductor sample``, the default on CUDA).
+shape) is sampled (``--inductor sample``, the default on CUDA). ``--min-mb M`` keeps only
+the scatter_combine shapes whose backward moves >= M MB (the copy-rate check's shapes:
+``--ops scatter_combine --min-mb 16 --inductor none``).
 
 Prints one line per shape, then the summary: shapes > 3 % slower than eager per op/form/
 mode, the 10 worst ratios, scatter_combine shapes moving >= 16 MB below 70 % of copy,
@@ -100,6 +103,7 @@ class Config:
     deadline: float
     rows: list[Row] = field(default_factory=list)
     skipped: int = 0
+    min_bytes: float = 0.0  # scatter_combine: shapes whose backward moves fewer bytes are left out
 
 
 def measure(cfg: Config, variants: dict[str, tm.Variant], nsets: int, grad: bool) -> dict[str, list[float]]:
@@ -374,8 +378,15 @@ def write_json(path: Optional[str], cfg: Config, meta: dict[str, Any]) -> None:
         Path(path).write_text(json.dumps(doc, indent=1))
 
 
+def big_enough(shape: tuple, min_bytes: float) -> bool:
+    t, k, h, d, _, idt = shape
+    return scatter_bytes(t, t * k, h, DTYPES[d].itemsize, 4 if idt == "int32" else 8, True) >= min_bytes
+
+
 def run_op(cfg: Config, op: str, deadline: float) -> None:
     shapes: list[tuple] = scatter_shapes(cfg.grid) if op == "scatter_combine" else cat_shapes(cfg.grid)
+    if op == "scatter_combine":
+        shapes = [s for s in shapes if big_enough(s, cfg.min_bytes)]
     form = "list" if op == "cat_linear" else "stacked"
     random.Random(0).shuffle(shapes)  # a run cut short by the budget still spans the grid
     for n, shape in enumerate(shapes):
@@ -398,6 +409,8 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="Inductor per shape: none, a sample (default on CUDA), or all")
     p.add_argument("--budget-s", type=float, default=300.0, help="stop starting shapes after this")
     p.add_argument("--json", default=None)
+    p.add_argument("--min-mb", type=float, default=0.0,
+                   help="scatter_combine: only shapes whose backward moves >= this many MB")
     return p.parse_args(argv)
 
 
@@ -411,7 +424,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     grid = GRIDS[grid_name]
     inductor = a.inductor or ("sample" if a.device == "cuda" else "none")
     start = time.monotonic()
-    cfg = Config(a.device, grid, inductor, tm.copy_bandwidth(a.device), start + a.budget_s)
+    cfg = Config(a.device, grid, inductor, tm.copy_bandwidth(a.device), start + a.budget_s,
+                 min_bytes=a.min_mb * 1e6)
     name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     args = sys.argv[1:] if argv is None else argv
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), device=name,
