@@ -12,14 +12,14 @@
 //      token_idx once per round instead of cs times) or from the global map.
 //   2. lists: a counting sort by token (shared-memory atomics: per-token segments,
 //      rows in arbitrary order), then, forward only, each row's rank among its
-//      token's rows puts every segment in increasing row order (O(rows) per row);
-//      the rows' gates are staged beside them.
+//      token's rows puts every segment in increasing row order (O(rows) per row).
 //   3. work: lane groups of G lanes (G = 1..32, so that short rows do not leave most
 //      of a warp idle) take (token, column chunk) items. Each lane streams its rows'
-//      16-byte vectors through a ring of p.ring slots in shared memory with cp.async
-//      (kRing = 12 where the shared memory allows, 192 bytes in flight per lane,
-//      whatever the rows per token), and no registers held for them (16-bit types need twice their bytes in fp32
-//      registers: holding 8 vectors in registers spilled at 168 per thread). Forward:
+//      16-byte vectors (and their gates) through a ring of p.ring slots in shared
+//      memory with cp.async: kRing = 12 where the shared memory allows, 192 bytes in
+//      flight per lane whatever the rows per token, and no registers held for them
+//      (a first version held 8 vectors per lane in registers: 16-bit types take twice
+//      their bytes as fp32 accumulators, and it spilled up to 600 bytes). Forward:
 //      sum the token's rows in increasing row order, one fp32 (fp64) FMA chain per
 //      element from 0: the same chain, and so the same bits, in every path, for any
 //      row order. Backward: for each of the token's rows, grad_x = gate * grad_out[t]
@@ -67,11 +67,7 @@ struct TokSmem {
   unsigned short* seg_t;  // [lcap]
   unsigned char* bad;     // [tb] 1: rescan this token
   int4* ring;             // [kTokThreads][p.ring] cp.async slots
-  // Each listed row's gate as float (float accumulation only), in the array the work
-  // phase does not read rows from: forward seg_r, backward ent_r.
-  __device__ float* gate(bool bwd) const {
-    return reinterpret_cast<float*>(bwd ? ent_r : seg_r);
-  }
+  unsigned* gring;        // [kTokThreads][kRing] the ring's gates, one 32-bit word a tuple
 };
 
 __host__ __device__ inline size_t tok_align16(size_t b) {
@@ -79,7 +75,7 @@ __host__ __device__ inline size_t tok_align16(size_t b) {
 }
 
 __host__ __device__ inline size_t tok_smem_bytes(int tb, int lcap, int ring) {
-  return size_t(kTokThreads) * ring * 16 + 16 + 128 + 3 * tok_align16(size_t(tb) * 4) +
+  return size_t(kTokThreads) * ring * 20 + 16 + 128 + 3 * tok_align16(size_t(tb) * 4) +
          2 * tok_align16(size_t(lcap) * 4) + 2 * tok_align16(size_t(lcap) * 2) + tok_align16(size_t(tb));
 }
 
@@ -94,6 +90,8 @@ __device__ inline TokSmem tok_carve(unsigned char* base, int tb, int lcap, int r
   size_t o = 0;
   s.ring = reinterpret_cast<int4*>(base + o);
   o += size_t(kTokThreads) * ring * 16;
+  s.gring = reinterpret_cast<unsigned*>(base + o);
+  o += size_t(kTokThreads) * ring * 4;
   s.n = reinterpret_cast<int*>(base + o);
   o += 16;
   s.scratch = reinterpret_cast<int*>(base + o);
@@ -170,6 +168,30 @@ __device__ __forceinline__ void ring_copy16(int4* slot, const void* gmem, bool v
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(slot));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0)
                : "memory");
+}
+// A row's gate into the ring beside its vectors (float accumulation): 32-bit gates as
+// they are, 16-bit ones as the aligned 32-bit word that holds them (a 4-byte aligned
+// word never crosses a page, nor the caching allocator's 512-byte blocks).
+template <typename scalar_t>
+__device__ __forceinline__ const void* gate_word(const void* gates, int r, bool g32) {
+  if (g32 || sizeof(scalar_t) == 4) return static_cast<const char*>(gates) + int64_t(r) * 4;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(gates) + uintptr_t(r) * 2;
+  return reinterpret_cast<const void*>(a & ~uintptr_t(3));
+}
+template <typename scalar_t>
+__device__ __forceinline__ void ring_copy_gate(unsigned* slot, const void* gates, int r, bool g32) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(slot));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gate_word<scalar_t>(gates, r, g32))
+               : "memory");
+}
+template <typename scalar_t>
+__device__ __forceinline__ float ring_gate(unsigned word, const void* gates, int r, bool g32) {
+  if (g32 || sizeof(scalar_t) == 4) return __uint_as_float(word);
+  const bool high = ((reinterpret_cast<uintptr_t>(gates) + uintptr_t(r) * 2) & 2) != 0;  // little-endian
+  const unsigned short bits = static_cast<unsigned short>(high ? word >> 16 : word & 0xffffu);
+  scalar_t v;
+  memcpy(&v, &bits, sizeof(v) < 2 ? sizeof(v) : 2);
+  return static_cast<float>(v);
 }
 __device__ __forceinline__ void ring_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -293,11 +315,9 @@ __device__ inline void fill_from_map(const TokParams& p, const TokSmem& s, int64
 
 // ---------------------------------------------------------------------------
 // 2. Lists: per-token segments (cnt, off); the rows are at seg_r (backward) or, in
-// increasing order, at ent_r (forward); with float accumulation their gates at
-// s.gate(BWD), same positions. Ends with the block synchronised.
-template <typename scalar_t, bool BWD>
+// increasing order, at ent_r (forward). Ends with the block synchronised.
+template <bool BWD>
 __device__ void build_lists(const TokParams& p, const TokSmem& s) {
-  using acc_t = at::opmath_type<scalar_t>;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int ne = min(*s.n, p.lcap);
   for (int e = tid; e < ne; e += kTokThreads) atomicAdd(&s.cnt[s.ent_t[e]], 1);
@@ -341,15 +361,6 @@ __device__ void build_lists(const TokParams& p, const TokSmem& s) {
       for (int i = 0; i < c; ++i) k += s.seg_r[o + i] < r;
       s.ent_r[o + k] = r;
     }
-    __syncthreads();
-  }
-  if constexpr (sizeof(acc_t) == 4) {
-    // The work phase reads a gate per row from here, not from global memory (a
-    // dependent load per row would stall each lane's stream).
-    const int* rows = BWD ? s.seg_r : s.ent_r;
-    float* gate = s.gate(BWD);
-    for (int q = tid; q < ne; q += kTokThreads)
-      if (!s.bad[s.seg_t[q]]) gate[q] = load_gate<float, scalar_t>(p.gates, rows[q], p.g32);
     __syncthreads();
   }
 }
@@ -523,7 +534,10 @@ __device__ void forward_items_ring(const TokParams& p, const TokSmem& s, int64_t
   const int items = tbl * p.chunks;
   const vec_t* x = static_cast<const vec_t*>(p.x);
   int4* ring = s.ring + threadIdx.x * p.ring;
-  const float* sgate = s.gate(false);
+  unsigned* gring = s.gring + threadIdx.x * p.ring;
+  // The gate travels in the ring with its row (a load at use would stall the stream;
+  // fp64 gates, 8 bytes, are read at use: a rare dtype).
+  constexpr bool kGateInRing = sizeof(acc_t) == 4;
   // A tuple per (item, set, row); an item with no rows still has one (it stores zeros).
   auto step = [&](Cursor& u) {
     if (++u.i < max(u.c, 1)) return;
@@ -540,6 +554,7 @@ __device__ void forward_items_ring(const TokParams& p, const TokSmem& s, int64_t
       int4* slot = ring + k * NH;
 #pragma unroll
       for (int m = 0; m < NH; ++m) ring_copy16(slot + m, m < nv ? src + int64_t(m) * g.G : x, m < nv);
+      if (kGateInRing) ring_copy_gate<scalar_t>(gring + k, p.gates, r, p.g32);
     }
     ring_commit();  // empty past the end: the wait below counts groups
   };
@@ -566,9 +581,13 @@ __device__ void forward_items_ring(const TokParams& p, const TokSmem& s, int64_t
     ring_wait(D - 1);  // b's copies (D tuples back) have landed
     const int nv = min(NH, lane_vectors(b.j0, g.G, p.nve, p.hvec) - b.h);
     if (b.c > 0) {
-      const int q = b.off + b.i;
-      const acc_t gate = sizeof(acc_t) == 4 ? static_cast<acc_t>(sgate[q])
-                                            : load_gate<acc_t, scalar_t>(p.gates, s.ent_r[q], p.g32);
+      const int r = s.ent_r[b.off + b.i];
+      acc_t gate;
+      if constexpr (kGateInRing) {
+        gate = ring_gate<scalar_t>(gring[kb], p.gates, r, p.g32);
+      } else {
+        gate = load_gate<acc_t, scalar_t>(p.gates, r, p.g32);
+      }
       const int4* slot = ring + kb * NH;
 #pragma unroll
       for (int m = 0; m < NH; ++m)
@@ -719,7 +738,8 @@ __device__ void backward_items_ring(const TokParams& p, const TokSmem& s, int64_
   const vec_t* gy = static_cast<const vec_t*>(p.gy);
   vec_t* gx = static_cast<vec_t*>(p.out);
   int4* ring = s.ring + threadIdx.x * p.ring;
-  const float* sgate = s.gate(true);
+  unsigned* gring = s.gring + threadIdx.x * p.ring;
+  constexpr bool kGateInRing = sizeof(acc_t) == 4;  // as in the forward
   // Cursor: it = token item, i = row, h = set. Tokens with no rows have no tuples.
   auto skip_empty = [&](Cursor& u) {
     while (u.it < items && u.c == 0) cursor_item<scalar_t, V, true>(p, s, g, u, u.it + ngroups, items, ngroups, 0);
@@ -744,6 +764,7 @@ __device__ void backward_items_ring(const TokParams& p, const TokSmem& s, int64_
         ring_copy16(slot + m, ok ? gs + int64_t(m) * g.G : gy, ok);  // (no bytes read when !ok)
         ring_copy16(slot + NB + m, ok ? xs + int64_t(m) * g.G : x, ok);
       }
+      if (kGateInRing) ring_copy_gate<scalar_t>(gring + k, p.gates, r, p.g32);
     }
     ring_commit();
   };
@@ -765,9 +786,13 @@ __device__ void backward_items_ring(const TokParams& p, const TokSmem& s, int64_
     ka = ka + 1 == D ? 0 : ka + 1;
     if (a.it < items) step(a);
     ring_wait(D - 1);
-    const int q = b.off + b.i;
-    const int r = s.seg_r[q];
-    const acc_t gate = sizeof(acc_t) == 4 ? static_cast<acc_t>(sgate[q]) : load_gate<acc_t, scalar_t>(p.gates, r, p.g32);
+    const int r = s.seg_r[b.off + b.i];
+    acc_t gate;
+    if constexpr (kGateInRing) {
+      gate = ring_gate<scalar_t>(gring[kb], p.gates, r, p.g32);
+    } else {
+      gate = load_gate<acc_t, scalar_t>(p.gates, r, p.g32);
+    }
     const int4* slot = ring + kb * 2 * NB;
     vec_t* out = gx + int64_t(r) * p.hvec + g.sub + g.G * NB * b.h;
 #pragma unroll
@@ -860,7 +885,7 @@ __global__ void __launch_bounds__(kTokThreads, 1) scatter_tokens_kernel(const To
       fill_by_scan<false>(p, s, rank, tc0, r0, r1);
     }
     cluster_or_block_sync(cs);  // every append done and visible
-    build_lists<scalar_t, BWD>(p, s);
+    build_lists<BWD>(p, s);
     if constexpr (BWD) {
       const bool first = cr == cid;
       const int64_t z0 = r0 + (int64_t(r1) - r0) * cid / ncl, z1 = r0 + (int64_t(r1) - r0) * (cid + 1) / ncl;
