@@ -11,8 +11,9 @@
 //
 // The work is token blocks (scatter_combine_tokens.cuh): a block owns consecutive
 // tokens, lists their rows in shared memory, sorts them, then lane groups (1 to 32
-// lanes, by row length) sum each token's rows with 16-byte loads and 128 bytes in
-// flight per lane. The rows come from a scan of token_idx by the block's thread block
+// lanes, by row length) sum each token's rows, 16-byte vectors streamed through a
+// per-lane cp.async ring in shared memory (192 bytes in flight per lane, whatever the
+// rows per token). The rows come from a scan of token_idx by the block's thread block
 // cluster (ONE launch: what the sweep's shapes take) or, for very many rows, from a
 // global map built by four small kernels first (scatter_combine_map.cu). The backward
 // runs the same blocks (each token's grad_out row read once) or, where grad_out's

@@ -10,8 +10,8 @@
 //                  each own cs * tb consecutive tokens per round; every block scans
 //                  1/cs of token_idx and appends each matching row into the owning
 //                  block's shared memory (distributed shared memory), then each block
-//                  sorts its tokens' rows and sums them, 16-byte loads, 128 bytes in
-//                  flight per lane.
+//                  sorts its tokens' rows and sums them, 16-byte vectors through a
+//                  per-lane cp.async ring (192 bytes in flight per lane).
 //   forward map    memset + count + overflow scan + place (the global map: every row
 //                  read once, integer atomics) and then the same token blocks, filled
 //                  from the map instead of by scanning.
@@ -49,6 +49,14 @@
 //   R   1.5 us           per round: two cluster barriers, four block barriers, the first
 //                        round trip of the scan and of the data.
 //   ie  4 or 8 bytes     an index.
+//
+// PICKS on bench/sweep.py's grid (its 232 shapes whose backward moves >= 16 MB), for the
+// H200 (132 SMs, 16 resident clusters of 8, 50 MB L2): forward scan everywhere but three
+// shapes with int64 indices, T65536 k8 (bf16 H128, bf16 H1024, fp32 H128: 524288 indices
+// of 8 bytes, 512 KB per SM to scan, 12 vs 8.6 us), which take the map; one round per
+// cluster everywhere. Backward token blocks where grad_out outgrows half of L2 at k >= 2
+// (bf16 H4096 k2/k8 T >= 4096, H1024 k2 T65536 and k8 T >= 16384, fp32 alike, fp32 H128
+// k8 T65536), the row-parallel kernel elsewhere (k = 1: nothing to share).
 #pragma once
 
 #include <algorithm>
