@@ -30,28 +30,16 @@ using torch::autograd::variable_list;
 
 // Typed handles are looked up once: the schemas are defined from Python
 // before this library is loaded, so they exist by the first call.
-using ForwardFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymInt);
-using BackwardFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                      const at::Tensor&, const at::Tensor&);
-
-const c10::TypedOperatorHandle<ForwardFn>& forward_op() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("opreg::scatter_combine", "").typed<ForwardFn>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<BackwardFn>& backward_op() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("opreg::scatter_combine_backward", "").typed<BackwardFn>();
-  return op;
-}
-
 at::Tensor call_forward(
     const at::Tensor& expert_hidden,
     const at::Tensor& token_idx,
     const at::Tensor& gates,
     c10::SymInt num_tokens) {
-  return forward_op().call(expert_hidden, token_idx, gates, std::move(num_tokens));
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("opreg::scatter_combine", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymInt)>();
+  return op.call(expert_hidden, token_idx, gates, std::move(num_tokens));
 }
 
 std::tuple<at::Tensor, at::Tensor> call_backward(
@@ -59,15 +47,13 @@ std::tuple<at::Tensor, at::Tensor> call_backward(
     const at::Tensor& expert_hidden,
     const at::Tensor& token_idx,
     const at::Tensor& gates) {
-  return backward_op().call(grad_out, expert_hidden, token_idx, gates);
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("opreg::scatter_combine_backward", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  return op.call(grad_out, expert_hidden, token_idx, gates);
 }
-
-// Where no gradient or tangent can flow (inference, the sweep's calls): straight on
-// to the backend kernel the dispatcher already chose keys for, as ATen's generated
-// autograd kernels do (ks minus the autograd and ADInplaceOrView keys), instead of
-// a TLS guard and a second dispatch from the top. Host time is the whole cost of a
-// call at 16-25 MB on the H200's VM (~7 us an op call; the data moves in 4-6 us).
-constexpr c10::DispatchKeySet kBelowAutograd = c10::after_ADInplaceOrView_keyset;
 
 class ScatterCombine : public torch::autograd::Function<ScatterCombine> {
  public:
@@ -126,35 +112,35 @@ class ScatterCombineBackward : public torch::autograd::Function<ScatterCombineBa
 
 // The reverse-mode part: a node only when an input needs a gradient.
 at::Tensor forward_reverse(
-    c10::DispatchKeySet ks, const at::Tensor& h, const at::Tensor& idx, const at::Tensor& g, c10::SymInt t) {
+    const at::Tensor& h, const at::Tensor& idx, const at::Tensor& g, c10::SymInt t) {
   if (!any_requires_grad({&h, &g})) {
-    return forward_op().redispatch(ks & kBelowAutograd, h, idx, g, std::move(t));
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_forward(h, idx, g, std::move(t));
   }
   return ScatterCombine::apply(h, idx, g, std::move(t));
 }
 
 std::tuple<at::Tensor, at::Tensor> backward_reverse(
-    c10::DispatchKeySet ks, const at::Tensor& go, const at::Tensor& h, const at::Tensor& idx,
-    const at::Tensor& g) {
+    const at::Tensor& go, const at::Tensor& h, const at::Tensor& idx, const at::Tensor& g) {
   if (!any_requires_grad({&go, &h, &g})) {
-    return backward_op().redispatch(ks & kBelowAutograd, go, h, idx, g);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_backward(go, h, idx, g);
   }
   const variable_list out = ScatterCombineBackward::apply(go, h, idx, g);
   return {out[0], out[1]};
 }
 
 at::Tensor scatter_combine_autograd(
-    c10::DispatchKeySet ks,
     const at::Tensor& expert_hidden,
     const at::Tensor& token_idx,
     const at::Tensor& gates,
     c10::SymInt num_tokens) {
   const at::Tensor dh = tangent(expert_hidden), dg = tangent(gates);
   if (!dh.defined() && !dg.defined()) {
-    return forward_reverse(ks, expert_hidden, token_idx, gates, std::move(num_tokens));
+    return forward_reverse(expert_hidden, token_idx, gates, std::move(num_tokens));
   }
   const at::Tensor h = primal(expert_hidden), g = primal(gates);
-  at::Tensor out = forward_reverse(ks, h, token_idx, g, num_tokens);
+  at::Tensor out = forward_reverse(h, token_idx, g, num_tokens);
   at::Tensor d_out;
   if (dh.defined()) d_out = call_forward(dh, token_idx, g, num_tokens);
   if (dg.defined()) d_out = plus(d_out, call_forward(h, token_idx, dg, num_tokens));
@@ -163,17 +149,16 @@ at::Tensor scatter_combine_autograd(
 }
 
 std::tuple<at::Tensor, at::Tensor> scatter_combine_backward_autograd(
-    c10::DispatchKeySet ks,
     const at::Tensor& grad_out,
     const at::Tensor& expert_hidden,
     const at::Tensor& token_idx,
     const at::Tensor& gates) {
   const at::Tensor dgo = tangent(grad_out), dh = tangent(expert_hidden), dg = tangent(gates);
   if (!dgo.defined() && !dh.defined() && !dg.defined()) {
-    return backward_reverse(ks, grad_out, expert_hidden, token_idx, gates);
+    return backward_reverse(grad_out, expert_hidden, token_idx, gates);
   }
   const at::Tensor go = primal(grad_out), h = primal(expert_hidden), g = primal(gates);
-  auto [gh, gg] = backward_reverse(ks, go, h, token_idx, g);
+  auto [gh, gg] = backward_reverse(go, h, token_idx, g);
   at::Tensor d_gh, d_gg;
   if (dgo.defined()) std::tie(d_gh, d_gg) = call_backward(dgo, h, token_idx, g);
   if (dh.defined() || dg.defined()) {

@@ -1,53 +1,49 @@
 // CUDA kernels for opreg::scatter_combine and opreg::scatter_combine_backward:
 // the design, where each part lives (below), the host side and the registration.
 //
-// Forward is a gather, not a scatter: every output row is produced by exactly one
-// lane group that sums that token's rows in increasing row order with fp32 (fp64
-// for double) fused multiply-adds from 0. No float atomics, no separate zero fill,
-// and every path visits rows in the same order with the same FMA chain, so results
-// are bitwise reproducible for any row order and any path. The backward computes
-// each row's gradients with one routine and a fixed reduction tree in both of its
-// paths, so it is reproducible too.
+// Forward is a gather, not a scatter: every output row is produced by exactly
+// one warp/block that sums that token's rows in increasing row order with
+// fp32 (fp64 for double) fused multiply-adds. No float atomics, no separate
+// zero fill, and every path visits rows in the same order with the same FMA
+// chain, so results are bitwise reproducible for any row order and any path.
 //
-// The work is token blocks (scatter_combine_tokens.cuh): a block owns consecutive
-// tokens, lists their rows in shared memory, sorts them, then lane groups (1 to 32
-// lanes, by row length) sum each token's rows, 16-byte vectors streamed through a
-// per-lane cp.async ring in shared memory (192 bytes in flight per lane, whatever the
-// rows per token). The rows come from a scan of token_idx by the block's thread block
-// cluster (ONE launch: what the sweep's shapes take) or, for very many rows, from a
-// global map built by four small kernels first (scatter_combine_map.cu). The backward
-// runs the same blocks (each token's grad_out row read once) or, where grad_out's
-// re-reads cost less than the scan, one row per lane group. Which path, and the
-// geometry, come from the model in scatter_combine_model.cuh; the env override
-// OPREG_SCATTER_COMBINE_PATH=scan|map|rows forces one (benchmarks, tests).
-//
-// Why (the 2026-12-01 H200 sweep, 190 of the 440 shapes moving >= 16 MB below 70 %
-// of the copy rate): the former forward had a small path (one launch, every block
-// rescanning all of token_idx for 8 tokens, then 2 vectors per lane: 16 bytes in
-// flight per row per lane at 16-bit types, ~3 dependent round trips before the first
-// data load, 11-25 us at 16-25 MB) and a large path of 6 launches (memset, count,
-// tile sums, scan, place, reduce: a ~15-25 us floor at 16-100 MB) whose persistent
-// reduce warps took one (token, 512-column) item at a time with 32-64 bytes in flight
-// per lane and lanes idle at short rows (H128 bf16: 16 of 32 lanes, 19 % of copy at
-// T65536 k2). The backward read grad_out once per row (75 % at k8 random over L2).
+// Two paths, chosen on the host from sizes alone (never from data):
+//  * small (N <= 8192 and little total index-scan work): ONE launch. Each
+//    block owns 8 tokens, reads all of token_idx itself (redundant across
+//    blocks, served by L2) and compacts the rows of its tokens in row order (a block-wide scan of per-thread counts
+//    over contiguous row ranges keeps the order stable), then one warp per
+//    token gathers and sums. This is what makes 1536 x 2 x 128 one kernel.
+//  * large: memset(counts) -> count (integer atomicAdd; its return value is
+//    the row's slot within its token; slots < 8 are written straight into a
+//    fixed-width table ell[t][8]) -> overflow scan + place (only rows beyond
+//    a token's 8th) -> reduce. Slots from integer atomics are in arbitrary
+//    order, so each reducer sorts its token's rows by row index (in
+//    registers for <= 8 rows, in shared memory up to 1024) before summing;
+//    tokens with > 1024 rows (degenerate routing) instead rescan token_idx in
+//    row order: slower, equally deterministic. No host sync anywhere, so
+//    CUDA-graph capture works.
 //
 // Indices outside [0, num_tokens) are ignored (their rows contribute nothing;
 // backward gives them zero gradients). With OPREG_CHECK_INDICES=1 in the
 // environment at call time, indices are validated first (this synchronizes)
 // and an IndexError names token_idx.
 //
-// Where the parts live (one translation unit each, so that ninja compiles them in
-// parallel; the kernel files include no ATen operator or dispatcher header, 5-8 s
-// of compile time each):
-//  * scatter_combine.cu (this file): the host side of both ops (checks, allocation,
-//    the map's workspace, dtype dispatch) and the TORCH_LIBRARY_IMPL registration.
-//  * scatter_combine.cuh: what the host shares with the kernel files (TokParams,
-//    TokPlan, the plan and launch functions, the list of instantiations).
-//  * scatter_combine_model.cuh: the path model and the token blocks' geometry.
-//  * scatter_combine_tokens.cuh: the token-block kernel (both directions).
-//  * scatter_combine_forward.cu / scatter_combine_backward.cu: the plans and the
-//    launches (and the backward's row-parallel kernel).
-//  * scatter_combine_map.cu: the global map's kernels.
+// Where the parts live (one translation unit each, so that ninja compiles
+// them in parallel). Measured with nvcc 13.0 (sm_90), one file at a time on a
+// 2-core box: the former single file took 30.2 s, ~90 % of it for its
+// #includes alone, so the kernel files include no ATen operator or dispatcher
+// header (5-8 s each), and this host-only file takes 17.4 s (25.1 s without
+// the __CUDA_ARCH__ guard below).
+//  * scatter_combine.cu (this file): the host side of both ops (checks, path
+//    choice, workspace, dtype dispatch) and the TORCH_LIBRARY_IMPL registration.
+//  * scatter_combine.cuh: what the host shares with the kernels (path and
+//    workspace constants, the launch functions' declarations, the list of
+//    (dtype, vector width) instantiations) and accumulate_rows, the device
+//    helper of both forward paths.
+//  * scatter_combine_small.cu: the small-path kernel and launch_small.
+//  * scatter_combine_large.cu: the large path's count / scan / place / reduce
+//    kernels and launch_large.
+//  * scatter_combine_backward.cu: the backward kernel and launch_scatter_backward.
 //
 // Host code only: nvcc's device pass (__CUDA_ARCH__ defined) skips this whole
 // file, which would otherwise parse the ATen and dispatcher headers once more
@@ -55,26 +51,21 @@
 // no device code: kernels go in the files above.
 #if !defined(__CUDA_ARCH__)
 #include <ATen/core/Tensor.h>
-#include <ATen/cuda/EmptyTensor.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAStream.h>
 #include <ATen/ops/aminmax.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <unistd.h>
-
 #include <climits>
-#include <cstring>
-#include <mutex>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 
 #include "scatter_combine_checks.h"
 #include "scatter_combine.cuh"
-
-extern char** environ;  // POSIX: the process environment (unistd.h declares it under _GNU_SOURCE)
 
 namespace opreg {
 namespace {
@@ -84,30 +75,9 @@ using namespace sc_detail;
 // ---------------------------------------------------------------------------
 // Host side.
 
-// OPREG_CHECK_INDICES and OPREG_SCATTER_COMBINE_PATH, read per call (a test or
-// opreg.check_indices may set them at any time) in one walk over the environment.
-struct EnvFlags {
-  bool check_indices = false;
-  PathOverride path = PathOverride::kAuto;
-};
-
-EnvFlags read_env() {
-  EnvFlags f;
-  for (char** e = environ; *e != nullptr; ++e) {
-    const char* v = *e;
-    if (std::strncmp(v, "OPREG_", 6) != 0) continue;
-    v += 6;
-    if (std::strncmp(v, "CHECK_INDICES=", 14) == 0) {
-      f.check_indices = std::strcmp(v + 14, "1") == 0;
-    } else if (std::strncmp(v, "SCATTER_COMBINE_PATH=", 21) == 0) {
-      v += 21;
-      f.path = std::strcmp(v, "scan") == 0 ? PathOverride::kScan
-             : std::strcmp(v, "map") == 0  ? PathOverride::kMap
-             : std::strcmp(v, "rows") == 0 ? PathOverride::kRows
-                                           : PathOverride::kAuto;
-    }
-  }
-  return f;
+bool check_indices_requested() {
+  const char* e = std::getenv("OPREG_CHECK_INDICES");
+  return e != nullptr && e[0] == '1' && e[1] == '\0';
 }
 
 // Debug mode only: synchronizes (two scalar reads).
@@ -127,26 +97,43 @@ void validate_indices(const char* op, const at::Tensor& idx, int64_t num_tokens)
   }
 }
 
-const DeviceFacts& device_facts(c10::DeviceIndex dev) {
-  static DeviceFacts facts[C10_COMPILE_TIME_MAX_GPUS];
-  static std::once_flag once[C10_COMPILE_TIME_MAX_GPUS];
-  std::call_once(once[dev], [dev] {
-    DeviceFacts f;
-    int l2 = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.cc_major, cudaDevAttrComputeCapabilityMajor, dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    f.l2_bytes = l2;
-    facts[dev] = f;
-  });
-  return facts[dev];
-}
+template <typename scalar_t, int V>
+void launch_forward(
+    const at::Tensor& x, const at::Tensor& idx, const at::Tensor& g, at::Tensor& out,
+    int64_t num_tokens) {
+  const int n = static_cast<int>(x.size(0));
+  const int hvec = static_cast<int>(x.size(1) / V);
+  const bool idx64 = idx.scalar_type() == at::kLong;
+  const bool g32 = g.scalar_type() == at::kFloat;
+  const scalar_t* xp = x.const_data_ptr<scalar_t>();
+  scalar_t* op = out.mutable_data_ptr<scalar_t>();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
-// Outputs straight from the CUDA allocator: at::empty's trip through the dispatcher
-// is host time a call at 16-25 MB (4-6 us of data) cannot spare.
-at::Tensor empty_on(const at::Tensor& like, at::IntArrayRef sizes, at::ScalarType dtype) {
-  return at::Tensor(at::detail::empty_cuda(sizes, dtype, like.device(), std::nullopt));
+  const int64_t gx_small = (num_tokens + kSmallTok - 1) / kSmallTok;
+  constexpr int snv = small_nv<V>();
+  const int64_t gy_small = std::max<int64_t>(1, (hvec + 32 * snv - 1) / (32 * snv));
+  if (n <= kSmallMaxRows && int64_t(n) * gx_small * gy_small <= kSmallMaxWork && gy_small <= 65535) {
+    launch_small<scalar_t, V>(xp, idx.const_data_ptr(), idx64, g.const_data_ptr(), g32, op, n,
+                              num_tokens, hvec, gx_small, gy_small, stream);
+    return;
+  }
+
+  TORCH_CHECK(num_tokens < INT_MAX / kEll, "scatter_combine: num_tokens must be < 2^28 on CUDA");
+  const int64_t ntiles = (num_tokens + kScanTile - 1) / kScanTile;
+  // One int32 workspace from the caching allocator:
+  // flag | counts[T] | ell[T][8] | ooff[T] | slot[N] | operm[N] | tile_sums.
+  at::Tensor ws = at::empty({1 + num_tokens * (2 + kEll) + 2 * int64_t(n) + ntiles},
+                            x.options().dtype(at::kInt));
+  int* flag = ws.mutable_data_ptr<int>();
+  int* counts = flag + 1;
+  int* ell = counts + num_tokens;
+  int* ooff = ell + num_tokens * kEll;
+  int* slot = ooff + num_tokens;
+  int* operm = slot + n;
+  int* tile_sums = operm + n;
+  launch_large<scalar_t, V>(xp, idx.const_data_ptr(), idx64, g.const_data_ptr(), g32, op, n,
+                            num_tokens, hvec, ntiles, flag, counts, ell, ooff, slot, operm,
+                            tile_sums, x.get_device(), stream);
 }
 
 template <typename scalar_t>
@@ -155,42 +142,6 @@ bool can_vec16(std::initializer_list<const void*> ptrs, int64_t h) {
   for (const void* p : ptrs)
     if (!cuda::aligned16(p)) return false;
   return true;
-}
-
-template <typename scalar_t, int V>
-void run_forward(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& g, at::Tensor& out,
-                 int64_t num_tokens, PathOverride force, const DeviceFacts& facts, cudaStream_t stream) {
-  const int n = static_cast<int>(x.size(0));
-  const bool idx64 = idx.scalar_type() == at::kLong;
-  TokPlan plan = plan_forward<scalar_t, V>(n, num_tokens, static_cast<int>(x.size(1) / V), idx64, force,
-                                           facts, x.get_device());
-  TokParams& p = plan.p;
-  p.x = x.const_data_ptr();
-  p.idx = idx.const_data_ptr();
-  p.gates = g.const_data_ptr();
-  p.out = out.mutable_data_ptr();
-  p.g32 = g.scalar_type() == at::kFloat;
-  p.idx_vec = cuda::aligned16(p.idx);
-  at::Tensor ws;
-  if (plan.map) {
-    const int64_t ntiles = (num_tokens + kScanTile - 1) / kScanTile;
-    // One int32 workspace from the caching allocator:
-    // flag | counts[T] | ell[T][8] | ooff[T] | slot[N] | operm[N] | tile_sums.
-    ws = empty_on(x, {1 + num_tokens * (2 + kEll) + 2 * int64_t(n) + ntiles}, at::kInt);
-    int* flag = ws.mutable_data_ptr<int>();
-    int* counts = flag + 1;
-    int* ell = counts + num_tokens;
-    int* ooff = ell + num_tokens * kEll;
-    int* slot = ooff + num_tokens;
-    int* operm = slot + n;
-    int* tile_sums = operm + n;
-    launch_map(p.idx, idx64, n, num_tokens, ntiles, flag, counts, ell, ooff, slot, operm, tile_sums, stream);
-    p.counts = counts;
-    p.ell = ell;
-    p.ooff = ooff;
-    p.operm = operm;
-  }
-  launch_forward<scalar_t, V>(plan, stream);
 }
 
 at::Tensor scatter_combine_cuda(
@@ -205,41 +156,31 @@ at::Tensor scatter_combine_cuda(
   const c10::MaybeOwned<at::Tensor> g = gates.expect_contiguous();
   const int64_t n = x->size(0), h = x->size(1);
   TORCH_CHECK(n < INT_MAX && h < INT_MAX, "scatter_combine: CUDA kernel supports N, H < 2^31");
-  const EnvFlags env = read_env();
-  if (env.check_indices) validate_indices("scatter_combine", *idx, num_tokens);
+  if (check_indices_requested()) validate_indices("scatter_combine", *idx, num_tokens);
 
-  at::Tensor out = empty_on(*x, {num_tokens, h}, x->scalar_type());
+  at::Tensor out = at::empty({num_tokens, h}, x->options());
   if (num_tokens == 0 || h == 0) return out;
-  const DeviceFacts& facts = device_facts(x->get_device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x->get_device());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x->scalar_type(), "scatter_combine_cuda", [&] {
     if (can_vec16<scalar_t>({x->const_data_ptr(), out.const_data_ptr()}, h)) {
-      run_forward<scalar_t, cuda::vec16<scalar_t>()>(*x, *idx, *g, out, num_tokens, env.path, facts, stream);
+      launch_forward<scalar_t, cuda::vec16<scalar_t>()>(*x, *idx, *g, out, num_tokens);
     } else {
-      run_forward<scalar_t, 1>(*x, *idx, *g, out, num_tokens, env.path, facts, stream);
+      launch_forward<scalar_t, 1>(*x, *idx, *g, out, num_tokens);
     }
   });
   return out;
 }
 
 template <typename scalar_t, int V>
-void run_backward(const at::Tensor& gy, const at::Tensor& x, const at::Tensor& idx, const at::Tensor& g,
-                  at::Tensor& gx, at::Tensor& gg, PathOverride force, const DeviceFacts& facts,
-                  cudaStream_t stream) {
-  const bool idx64 = idx.scalar_type() == at::kLong;
-  TokPlan plan = plan_backward<scalar_t, V>(static_cast<int>(x.size(0)), gy.size(0),
-                                            static_cast<int>(x.size(1) / V), idx64, force, facts,
-                                            x.get_device());
-  TokParams& p = plan.p;
-  p.gy = gy.const_data_ptr();
-  p.x = x.const_data_ptr();
-  p.idx = idx.const_data_ptr();
-  p.gates = g.const_data_ptr();
-  p.out = gx.mutable_data_ptr();
-  p.gg = gg.mutable_data_ptr();
-  p.g32 = g.scalar_type() == at::kFloat;
-  p.idx_vec = cuda::aligned16(p.idx);
-  launch_backward<scalar_t, V>(plan, stream);
+void launch_backward(
+    const at::Tensor& gy, const at::Tensor& x, const at::Tensor& idx, const at::Tensor& g,
+    at::Tensor& gx, at::Tensor& gg) {
+  const int n = static_cast<int>(x.size(0));
+  const int hvec = static_cast<int>(x.size(1) / V);
+  launch_scatter_backward<scalar_t, V>(
+      gy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), idx.const_data_ptr(),
+      idx.scalar_type() == at::kLong, g.const_data_ptr(), g.scalar_type() == at::kFloat,
+      gx.mutable_data_ptr<scalar_t>(), gg.mutable_data_ptr(), n, gy.size(0), hvec,
+      c10::cuda::getCurrentCUDAStream());
 }
 
 std::tuple<at::Tensor, at::Tensor> scatter_combine_backward_cuda(
@@ -256,19 +197,16 @@ std::tuple<at::Tensor, at::Tensor> scatter_combine_backward_cuda(
   const int64_t n = x->size(0), h = x->size(1);
   TORCH_CHECK(n < INT_MAX && h < INT_MAX,
               "scatter_combine_backward: CUDA kernel supports N, H < 2^31");
-  const EnvFlags env = read_env();
-  if (env.check_indices) validate_indices("scatter_combine_backward", *idx, gy->size(0));
+  if (check_indices_requested()) validate_indices("scatter_combine_backward", *idx, gy->size(0));
 
-  at::Tensor gx = empty_on(*x, {n, h}, x->scalar_type());
-  at::Tensor gg = empty_on(*x, {n}, g->scalar_type());
+  at::Tensor gx = at::empty({n, h}, x->options());
+  at::Tensor gg = at::empty({n}, g->options());
   if (n == 0) return {gx, gg};
-  const DeviceFacts& facts = device_facts(x->get_device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x->get_device());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x->scalar_type(), "scatter_combine_backward_cuda", [&] {
     if (can_vec16<scalar_t>({gy->const_data_ptr(), x->const_data_ptr(), gx.const_data_ptr()}, h)) {
-      run_backward<scalar_t, cuda::vec16<scalar_t>()>(*gy, *x, *idx, *g, gx, gg, env.path, facts, stream);
+      launch_backward<scalar_t, cuda::vec16<scalar_t>()>(*gy, *x, *idx, *g, gx, gg);
     } else {
-      run_backward<scalar_t, 1>(*gy, *x, *idx, *g, gx, gg, env.path, facts, stream);
+      launch_backward<scalar_t, 1>(*gy, *x, *idx, *g, gx, gg);
     }
   });
   return {gx, gg};

@@ -1,94 +1,116 @@
-// opreg::scatter_combine_backward on CUDA: grad_x[r] = gate[r] * grad_out[t(r)] and
-// grad_gates[r] = <grad_out[t(r)], x[r]>; rows with an index outside [0, num_tokens)
-// get zeros. Two paths (the model that picks one is scatter_combine_model.cuh), both
-// ONE launch and both computing each row with backward_row (scatter_combine_tokens.cuh),
-// so they give the same bits:
-//  * rows: one lane group per row, nothing to build first. grad_out[idx[r]] is read
-//    once per row: at k rows per token in random order, with grad_out larger than L2,
-//    most of those reads come from DRAM again (bf16 H4096 k8 T16384 random: 75 % of
-//    the copy rate in the 2026-12-01 sweep, 88 % sorted).
-//  * scan: the token blocks, each token's rows in turn, so grad_out[t] comes from DRAM
-//    once.
-// The host side (checks, allocation, dtype dispatch) is scatter_combine.cu.
-#include "scatter_combine_model.cuh"
-#include "scatter_combine_tokens.cuh"
+// opreg::scatter_combine_backward's kernel (the host side, with the checks and
+// the dispatch, is in scatter_combine.cu): grad_x[r] = gate[r] * grad_out[t(r)]
+// and grad_gates[r] = <grad_out[t(r)], x[r]> with a fixed reduction tree, so
+// it is deterministic; rows with an index outside [0, num_tokens) get zeros.
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+
+#include "scatter_combine.cuh"
 
 namespace opreg {
 namespace sc_detail {
-
 namespace {
 
-constexpr int kRowThreads = 256;
+// ---------------------------------------------------------------------------
+// Backward: one fused pass. tpr (power of two) threads per row.
+constexpr int kBwdThreads = 256;
 
 template <typename scalar_t, int V>
-__global__ void __launch_bounds__(kRowThreads, 4) scatter_backward_rows_kernel(const TokParams p) {
-  const Group g = make_group(p.g_log2);
-  const int64_t row = int64_t(blockIdx.x) * (kRowThreads >> p.g_log2) + (threadIdx.x >> p.g_log2);
-  if (row >= p.n) return;  // the whole group
-  const int64_t t = load_index(p.idx, row, p.idx64);
-  if (t < 0 || t >= p.num_tokens) {
-    zero_row<scalar_t, V>(p, g, static_cast<int>(row));
-    return;
+__global__ void __launch_bounds__(kBwdThreads) scatter_backward_kernel(
+    const scalar_t* __restrict__ grad_out,
+    const scalar_t* __restrict__ x,
+    const void* __restrict__ idx,
+    bool idx64,
+    const void* __restrict__ gates,
+    bool g32,
+    scalar_t* __restrict__ grad_x,
+    void* __restrict__ grad_gates,
+    int n,
+    int64_t num_tokens,
+    int hvec,
+    int tpr_log2) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using vec_t = Vec<scalar_t, V>;
+  __shared__ acc_t s_part[kBwdThreads / 32];
+  const int tpr = 1 << tpr_log2;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int sub = tid & (tpr - 1);
+  const int row = blockIdx.x * (kBwdThreads >> tpr_log2) + (tid >> tpr_log2);
+
+  acc_t dot = 0;
+  if (row < n) {
+    const int64_t t = load_index(idx, row, idx64);
+    const bool valid = t >= 0 && t < num_tokens;
+    const acc_t g = load_gate<acc_t, scalar_t>(gates, row, g32);
+    const vec_t* gy = reinterpret_cast<const vec_t*>(grad_out) + (valid ? t : 0) * hvec;
+    const vec_t* xr = reinterpret_cast<const vec_t*>(x) + int64_t(row) * hvec;
+    vec_t* gxr = reinterpret_cast<vec_t*>(grad_x) + int64_t(row) * hvec;
+    for (int j = sub; j < hvec; j += 2 * tpr) {
+      const int j1 = j + tpr;
+      const bool has1 = j1 < hvec;
+      vec_t a[2], b[2];
+      if (valid) {  // both rows' loads in flight before any math
+        a[0] = gy[j];
+        b[0] = xr[j];
+        if (has1) {
+          a[1] = gy[j1];
+          b[1] = xr[j1];
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        if (q == 1 && !has1) break;
+        vec_t o;
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const acc_t d = valid ? static_cast<acc_t>(a[q].v[e]) : acc_t(0);
+          o.v[e] = static_cast<scalar_t>(g * d);
+          if (valid) dot = fma_acc(d, static_cast<acc_t>(b[q].v[e]), dot);
+        }
+        gxr[q == 0 ? j : j1] = o;
+      }
+    }
   }
-  backward_one<scalar_t, V>(p, g, t, static_cast<int>(row));
+  // Fixed reduction tree -> deterministic grad_gates.
+  if (tpr <= 32) {
+    for (int o = tpr >> 1; o > 0; o >>= 1) dot += __shfl_xor_sync(kFull, dot, o);
+  } else {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(kFull, dot, o);
+    if (lane == 0) s_part[warp] = dot;
+    __syncthreads();
+    if (sub == 0) {
+      const int wpr = tpr >> 5, w0 = warp;  // sub == 0 -> first warp of the row
+      dot = 0;
+      for (int w = 0; w < wpr; ++w) dot += s_part[w0 + w];
+    }
+  }
+  if (sub == 0 && row < n) {
+    if (g32) {
+      static_cast<float*>(grad_gates)[row] = static_cast<float>(dot);
+    } else {
+      static_cast<scalar_t*>(grad_gates)[row] = static_cast<scalar_t>(dot);
+    }
+  }
 }
 
 } // namespace
 
 template <typename scalar_t, int V>
-TokPlan plan_backward(int n, int64_t num_tokens, int hvec, bool idx64, PathOverride force,
-                      const DeviceFacts& dev, c10::DeviceIndex device) {
-  namespace m = sc_model;
-  constexpr int nve = m::kBackwardNve;
-  TokPlan plan;
-  TokParams& p = plan.p;
-  p.num_tokens = num_tokens;
-  p.n = n;
-  p.hvec = hvec;
-  p.idx64 = idx64;
-  const double row_bytes = double(hvec) * V * sizeof(scalar_t);
-  // Token blocks need a token and a column (and zero invalid rows in their first round).
-  bool scan = num_tokens > 0 && hvec > 0 && n > 0 && force != PathOverride::kRows;
-  if (scan) {
-    const KernelFacts& kf = token_kernel_facts<scalar_t, V, true>(dev, device);
-    const m::Geometry g = m::token_blocks(n, num_tokens, hvec, true, nve, kf.cs, kf.slots,
-                                          tok_lcap(kf.smem, kTokMaxTb, kf.ring));
-    if (force != PathOverride::kScan) {
-      scan = num_tokens >= g.groups &&
-             m::scan_us(n, idx64 ? 8 : 4, kf.cs, g.rounds) <
-                 m::rows_us(n, num_tokens, row_bytes, double(dev.l2_bytes));
-    }
-    if (scan) {
-      plan.grid = g.grid;
-      plan.smem = kf.smem;
-      p.tb = g.tb;
-      p.lcap = tok_lcap(kf.smem, g.tb, kf.ring);
-      p.g_log2 = g.g_log2;
-      p.nve = g.nve;
-      p.chunks = g.chunks;
-      p.cs = kf.cs;
-      p.ring = kf.ring;
-      return plan;
-    }
-  }
-  plan.rows = true;
-  p.g_log2 = std::min(5, m::log2_pow2ceil(m::cdiv(std::max(hvec, 1), nve)));
-  p.nve = nve;
-  plan.grid = static_cast<int>(std::max<int64_t>(1, m::cdiv(n, kRowThreads >> p.g_log2)));
-  p.cs = 1;
-  return plan;
-}
-
-template <typename scalar_t, int V>
-void launch_backward(const TokPlan& plan, cudaStream_t stream) {
-  if (!plan.rows) return launch_token_kernel<scalar_t, V, true>(plan, stream);
-  scatter_backward_rows_kernel<scalar_t, V>
-      <<<static_cast<unsigned>(plan.grid), kRowThreads, 0, stream>>>(plan.p);
+void launch_scatter_backward(const scalar_t* gy, const scalar_t* x, const void* idx, bool idx64,
+                             const void* gates, bool g32, scalar_t* gx, void* gg, int n,
+                             int64_t num_tokens, int hvec, cudaStream_t stream) {
+  // ~4 vectors per thread: enough 16-byte loads in flight, short tails.
+  int tpr_log2 = 0;
+  while ((1 << tpr_log2) < kBwdThreads && (1 << tpr_log2) * 4 < hvec) ++tpr_log2;
+  const int rows_per_block = kBwdThreads >> tpr_log2;
+  const int64_t blocks = (n + rows_per_block - 1) / rows_per_block;
+  scatter_backward_kernel<scalar_t, V><<<static_cast<unsigned>(blocks), kBwdThreads, 0, stream>>>(
+      gy, x, idx, idx64, gates, g32, gx, gg, n, num_tokens, hvec, tpr_log2);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-OPREG_SC_INSTANTIATE(plan_backward)
-OPREG_SC_INSTANTIATE(launch_backward)
+OPREG_SC_INSTANTIATE(launch_scatter_backward)
 
 } // namespace sc_detail
 } // namespace opreg
