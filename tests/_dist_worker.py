@@ -3,14 +3,16 @@ single-process reference, and the per-rank training run under DDP / FSDP2 with
 ``torch.compile(..., backend="opreg")``; on the CPU with gloo, or one GPU per rank with
 NCCL.
 
-A module of its own (not the test file) so that ``torch.multiprocessing`` can pickle the
-worker function by reference and the spawned children import little.
+A module of its own (not the test file): each rank runs it as a script (``python
+_dist_worker.py RANK PORT OUT_DIR SCENARIOS DEVICE``), forked from tests/_fresh.py's server
+(torch imported), and imports little else.
 """
 from __future__ import annotations
 
 import datetime
 import os
 import socket
+import sys
 import traceback
 from typing import Any
 
@@ -244,3 +246,8 @@ def worker(rank: int, port: int, out_dir: str, scenarios: list[str], device: str
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _rank, _port, _out_dir, _scenarios, _device = sys.argv[1:]
+    worker(int(_rank), int(_port), _out_dir, _scenarios.split(","), _device)

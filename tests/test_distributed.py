@@ -1,4 +1,4 @@
-"""opreg under torch.distributed: 2 processes (torch.multiprocessing spawn; gloo on the CPU,
+"""opreg under torch.distributed: 2 processes (forked from tests/_fresh.py's server; gloo on the CPU,
 loopback only, and, where 2 GPUs exist, NCCL with one GPU per process) train a small
 MoE + cat_linear model (tests/_dist_worker.py) with ``torch.compile(..., backend="opreg")``
 under DDP and FSDP2, and every loss, gradient and parameter equals the single-process eager
@@ -17,14 +17,15 @@ the launch has a hard deadline, after which the workers are killed and the tests
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import _dist_worker as w
+import _fresh as fresh
 from _util import once_per_run
 
 DEADLINE_S = 180   # the launch takes ~15 s; a hung collective times out in the workers at 60 s
@@ -44,20 +45,38 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     torch.cuda.device_count() < w.WORLD, reason=f"NCCL run needs {w.WORLD} GPUs"))]
 
 
+class _PortTaken(Exception):
+    """The free port was taken between probing and binding."""
+
+
 def _launch(out_dir: str, device: str) -> None:
-    """Spawn the 2 workers and wait, at most DEADLINE_S; kill them past it."""
-    ctx = mp.start_processes(w.worker, args=(w.free_port(), out_dir, list(w.SCENARIOS), device),
-                             nprocs=w.WORLD, join=False, start_method="spawn")
+    """Start the 2 workers and wait, at most DEADLINE_S; kill them past it. Each is forked
+    from tests/_fresh.py's server, which has imported torch: a spawned worker spent ~3.5 s
+    of CPU importing it again (2 of them, on a 2-core box where CPU is the limit)."""
+    args = [str(w.free_port()), out_dir, ",".join(w.SCENARIOS), device]
+    procs = [fresh.Popen([w.__file__, str(rank), *args]) for rank in range(w.WORLD)]
     deadline = time.monotonic() + DEADLINE_S
     try:
-        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        # until both are done or one failed (the other would wait for it in a collective)
+        while any(p.returncode is None for p in procs) and all(p.returncode in (None, 0) for p in procs):
             if time.monotonic() >= deadline:
                 pytest.fail(f"distributed workers still running after {DEADLINE_S} s: killed")
+            for p in procs:
+                if p.returncode is None:
+                    try:
+                        p.wait(timeout=0.5)
+                    except subprocess.TimeoutExpired:
+                        pass
+        for rank, p in enumerate(procs):
+            if p.returncode not in (None, 0):
+                err = p.communicate()[1]
+                if "address already in use" in err.lower():
+                    raise _PortTaken(err[-2000:])
+                pytest.fail(f"rank {rank} exited with {p.returncode}:\n{err[-6000:]}")
     finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -72,9 +91,7 @@ def results(device: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[
     def launch(folder: Any) -> None:
         try:
             _launch(str(folder), device)
-        except mp.ProcessRaisedException as e:
-            if "address already in use" not in str(e).lower():
-                raise
+        except _PortTaken:
             _launch(str(folder), device)   # the free port was taken between probing and binding: retry once
 
     out_dir = once_per_run(tmp_path_factory, f"distributed-{device}", launch)
