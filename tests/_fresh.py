@@ -12,10 +12,12 @@ The child gets its own process group, environment, working directory, argv and
 ``-signal`` as :mod:`subprocess` does.
 
 What a fork does not give: a torch imported under the child's environment (no test here
-sets a variable that torch reads at import) and a process whose ``sys.executable`` start
-is itself the subject, nor an exec (capabilities are recomputed only there): the
-entry-point test of ``tests/test_backend.py``, the read-only cache test (root without
-CAP_DAC_OVERRIDE), the torchrun and Triton-interpreter children keep :mod:`subprocess`.
+sets a variable that torch reads at import), a ``sys.path`` from the child's
+``PYTHONPATH``, nor an exec (capabilities are recomputed only there): the entry-point test
+of ``tests/test_backend.py`` where it needs a stand-in dist-info on ``PYTHONPATH``, and the
+read-only cache test (root without CAP_DAC_OVERRIDE) keep :mod:`subprocess`. (The Triton
+interpreter's children and the distributed ranks are forked: triton, which reads
+``TRITON_INTERPRET``, is imported in the child.)
 
     out = fresh.run(["-c", code], env=env, timeout=300)      # like subprocess.run(..., text=True)
     p = fresh.Popen([script, "worker"], env=env); out, err = p.communicate(timeout=60)

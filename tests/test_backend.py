@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import _fresh as fresh
 import pytest
 import torch
 import torch.nn as nn
@@ -77,7 +78,8 @@ def test_entry_point_subprocess(tmp_path: Path) -> None:
     import os
 
     env = dict(os.environ)
-    if "opreg" not in importlib.metadata.entry_points(group="torch_dynamo_backends").names:
+    stand_in = "opreg" not in importlib.metadata.entry_points(group="torch_dynamo_backends").names
+    if stand_in:
         info = tmp_path / "opreg_entry_point-0.0.dist-info"
         info.mkdir()
         (info / "METADATA").write_text("Metadata-Version: 2.1\nName: opreg-entry-point\nVersion: 0.0\n")
@@ -89,8 +91,10 @@ def test_entry_point_subprocess(tmp_path: Path) -> None:
         f = torch.compile(lambda x: x * 2, backend="opreg", options={"inner": "eager"})
         print(f(torch.ones(2)).tolist(), "opreg.backend" in sys.modules)
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env=env)
+    if stand_in:  # on PYTHONPATH: only a new interpreter reads it
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    else:  # forked from a process that has imported torch, not opreg (~3.5 s less of CPU)
+        r = fresh.run(["-c", code], timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[2.0, 2.0] True"
 
