@@ -24,7 +24,11 @@ if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
   python3 -m opreg build 2>&1 | tail -4                       # warm: every library "cached"
   [ "${FIRST_CALL:-1}" = 1 ] && python3 bench/first_call.py --device cuda --runs 5 2>&1 | tee "$OUT/first_call.log"
   W=${PYTEST_WORKERS:-14}
-  XDIST="-n $W"  # pytest-xdist is on the device image (pyproject's addopts ask for it)
+  # pytest-xdist is on the device image. --dist load, not pyproject's loadfile: on 14 workers
+  # a file's GPU cases would otherwise queue on one worker (the two Triton MoE files' GPU
+  # cases did not finish in 250 s that way, 2026-12-02); the interpreter children run once per
+  # run (tests/_fresh.py's once_per_run lock), whichever workers take their cases.
+  XDIST="-n $W --dist ${PYTEST_DIST:-load}"
   # -v: each result is in $OUT/tests.log as it happens (a run cut by the call's limit still
   # names its failures); the terminal gets the failures, the slowest tests and the summary.
   /usr/bin/time -f "the test suite: %e s wall" python3 -m pytest ${TESTS:-tests} -v -p no:cacheprovider $XDIST \

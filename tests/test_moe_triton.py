@@ -79,6 +79,11 @@ CASES: dict[str, dict] = {
     "ragged small blocks": dict(dims=(9, 3, 40, 24, 3), opts=dict(bias=True), configs=SMALL, dtypes=["float32"]),
     "ragged gpt_oss small blocks": dict(dims=(21, 2, 50, 18, 3), configs=SMALL, opts=dict(
         activation=M.GPT_OSS, transposed=True, interleaved=True, bias=True, alpha=1.702, limit=1.0, gain=3.0)),
+    # the same through pointer loads only (TMA 0: the path where a tensor descriptor can't
+    # walk the weights, e.g. on sm80 or with strides not 16-byte aligned)
+    "ragged small blocks, pointer loads": dict(dims=(9, 3, 40, 24, 3), opts=dict(bias=True, transposed=True),
+                                               configs={g: {**c, "TMA": 0} if g != "combine" else c for g, c in SMALL.items()},
+                                               dtypes=["float32"]),
     "default configs, more rows": dict(dims=(64, 2, 48, 32, 4), opts={}, dtypes=["float32"]),
     "sentinels": dict(dims=(10, 2, 16, 8, 4), opts=dict(sentinels=6)),
     "sentinel NaN weight, negative id": dict(dims=(10, 3, 24, 16, 4), opts=dict(sentinels=4), special="nan"),

@@ -28,6 +28,10 @@ try:
 except ImportError:  # pragma: no cover - callers only launch where triton imports
     triton = None
     _knobs = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:
+    _TensorDescriptor = None
 
 __all__ = ["launch"]
 
@@ -45,6 +49,9 @@ def _arg_key(a: Any) -> Any:
         return (a == 1, a & 15 == 0, -_I32 <= a < _I32, 0 <= a < 2 ** 64)
     if isinstance(a, float):
         return "f"
+    if _TensorDescriptor is not None and isinstance(a, _TensorDescriptor):  # specialised on its type and box
+        return ("desc", a.base.dtype, a.base.data_ptr() & 15 == 0, len(a.shape), tuple(a.block_shape),
+                getattr(a, "padding", None), getattr(a, "round_f32_to_tf32", None))
     return a  # None, strings, constexprs: by value
 
 

@@ -52,9 +52,14 @@ try:
     import triton
     import triton.language as tl
     _NO_TRITON: Optional[str] = None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+    except ImportError:  # an older triton: pointer loads only
+        _TensorDescriptor = None
 except ImportError as _e:  # the op still imports; the implementation lists itself as unavailable
     triton = None
     _NO_TRITON = f"triton is not installed ({_e})"
+    _TensorDescriptor = None
 
     class tl:  # type: ignore[no-redef]  # just enough for the kernel signatures below
         constexpr = object
@@ -132,11 +137,20 @@ def _tile(block_expert_ptr, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
 @_jit
 def _mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_ok, stride_wn, stride_wk, K,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-         DOT_PRECISION: tl.constexpr):
+         DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr = False,
+         w_desc=None, expert=0, wn0=0, wn1=0, W_TMA: tl.constexpr = False, W_KMAJOR: tl.constexpr = True,
+         a_desc=None, a_row0=0, A_TMA: tl.constexpr = False):
     """The main loop of a routed GEMM tile: acc0[m, n] = sum over k of A[a_row[m], k] *
     W[wcol0[n], k] (and acc1 with wcol1 when GATED), fp32; rows not ``row_ok`` and columns
     not ``col_ok`` load zeros. W is seen through (stride_wn, stride_wk) from ``w_base``, the
-    expert's slice. Shared by the forward GEMMs and the backward's (inlined: one loop)."""
+    expert's slice. Shared by the forward GEMMs and the backward's (inlined: one loop).
+
+    W_TMA: W's tiles come through the tensor descriptor ``w_desc`` instead (rows wn0.. and
+    wn1.. of ``expert``: (E, N, K) when W_KMAJOR, else (E, K, N)); the descriptor zero-fills
+    past its edges, and a column past N reads a row that only feeds a column never stored.
+    A_TMA: A's rows are the contiguous a_row0 .. a_row0 + BLOCK_M of ``a_desc`` (the sorted
+    rows; a padding row's garbage only feeds its own output row, never stored). EVEN_K: K is
+    a multiple of BLOCK_K, so A's loads need no K mask."""
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :] * stride_ak
     w0_ptrs = w_base + ks[:, None] * stride_wk + wcol0[None, :] * stride_wn
@@ -144,12 +158,30 @@ def _mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_o
     acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the up half; unused unless GATED
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k_ok = ks < K - kb * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w0 = tl.load(w0_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        k0 = kb * BLOCK_K
+        k_ok = ks < K - k0
+        if A_TMA:
+            a = a_desc.load([a_row0, k0])
+        elif EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if W_TMA:
+            if W_KMAJOR:
+                w0 = w_desc.load([expert, wn0, k0]).reshape(BLOCK_N, BLOCK_K).trans(1, 0)
+            else:
+                w0 = w_desc.load([expert, k0, wn0]).reshape(BLOCK_K, BLOCK_N)
+        else:
+            w0 = tl.load(w0_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc0 = tl.dot(a, w0, acc0, input_precision=DOT_PRECISION)
         if GATED:
-            w1 = tl.load(w1_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if W_TMA:
+                if W_KMAJOR:
+                    w1 = w_desc.load([expert, wn1, k0]).reshape(BLOCK_N, BLOCK_K).trans(1, 0)
+                else:
+                    w1 = w_desc.load([expert, k0, wn1]).reshape(BLOCK_K, BLOCK_N)
+            else:
+                w1 = tl.load(w1_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc1 = tl.dot(a, w1, acc1, input_precision=DOT_PRECISION)
             w1_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_ak
@@ -159,7 +191,7 @@ def _mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_o
 
 @_jit
 def _moe_gemm(
-    a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
+    a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, w_desc, a_desc,
     num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
     stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
@@ -170,7 +202,8 @@ def _moe_gemm(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GATHER: tl.constexpr, ROUTED: tl.constexpr, SCALED: tl.constexpr, GATED: tl.constexpr,
     INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    SAVE_PRE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SAVE_PRE: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+    W_TMA: tl.constexpr, W_KMAJOR: tl.constexpr, A_TMA: tl.constexpr,
 ):
     """One (BLOCK_M sorted rows) x (BLOCK_N output columns) tile of an expert's GEMM.
 
@@ -181,7 +214,9 @@ def _moe_gemm(
     (ROUTED and SCALED, not GATHER): A = activation (padded rows, K), row = the sorted row;
     W = down seen as (E, N, K); out = (S, N) pair buffer, row = pair, scaled by the routing
     weight. ROUTED without SCALED: the backward's dgrad of GEMM1 (no routing weight). Either
-    layout of either weight is just strides (stride_wn, stride_wk).
+    layout of either weight is just strides (stride_wn, stride_wk). W_TMA / A_TMA: W's tiles
+    / A's (sorted, not GATHER) rows come through the tensor descriptors ``w_desc`` / ``a_desc``
+    (see :func:`_mma`; ``launch_gemm`` decides where they apply).
     """
     pid_m, pid_n, expert = _tile(block_expert_ptr, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if expert < 0:
@@ -204,7 +239,9 @@ def _moe_gemm(
         wcol1 = cols + N
     w_base = w_ptr + expert.to(tl.int64) * stride_we  # int64: E * N * K may pass 2**31
     acc0, acc1 = _mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_ok,
-                      stride_wn, stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, GATED, DOT_PRECISION)
+                      stride_wn, stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, GATED, DOT_PRECISION, EVEN_K,
+                      w_desc, expert, pid_n * BLOCK_N, N + pid_n * BLOCK_N, W_TMA, W_KMAJOR,
+                      a_desc, pid_m * BLOCK_M, A_TMA)
 
     if HAS_BIAS:
         b_base = bias_ptr + expert.to(tl.int64) * stride_be
@@ -505,10 +542,10 @@ def _new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _nk_strides(w: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
-    """(expert, output column, reduction) strides of a (E, out, in) weight, or of an
-    (E, in, out) one when ``transposed``: the kernels see both layouts as (E, N, K)."""
-    return (w.stride(0), w.stride(2), w.stride(1)) if transposed else (w.stride(0), w.stride(1), w.stride(2))
+def _nk_view(w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """A (E, out, in) weight, or an (E, in, out) one when ``transposed``, seen as (E, N, K):
+    the kernels see both layouts through this view's strides."""
+    return w.transpose(1, 2) if transposed else w
 
 
 @functools.lru_cache(maxsize=None)
@@ -574,29 +611,62 @@ class Saved(NamedTuple):
 PRE_DTYPE = torch.float32
 
 
-def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int],
+def _tma_ok(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
+    """Whether a tensor descriptor can walk ``t`` (its last dim contiguous, base and other
+    strides 16-byte aligned) with a box of ``dims``. TMA needs sm90+; the interpreter
+    emulates it."""
+    if _TensorDescriptor is None or t.stride(-1) != 1 or t.data_ptr() % 16:
+        return False
+    if any(s * t.element_size() % 16 for s in t.stride()[:-1]) or any(d > 256 for d in dims):
+        return False
+    if interpreting():
+        return True
+    return t.is_cuda and _has_tma(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(device_index: int) -> bool:
+    return torch.version.cuda is not None and torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
                 bias: Optional[torch.Tensor], rw: torch.Tensor, out: torch.Tensor, pre: Optional[torch.Tensor],
                 sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, top_k: int, n: int, k: int,
                 gather: bool, routed: bool, scaled: bool = False, gated: bool = False, interleaved: bool = False,
                 act: int = _IDENTITY, alpha: float = 1.0, limit: float = math.inf) -> None:
     """One :func:`_moe_gemm` launch over the padded rows (``cfg["BLOCK_M"]`` = the routing's
-    BLOCK_M). ``w_strides``: W seen as (E, N, K); ``bias``/``pre`` None: none."""
+    BLOCK_M). ``w_nk``: the weight seen as (E, N, K) (a view: either layout); ``bias``/``pre``
+    None: none. ``cfg["TMA"]`` (default 1): load W's tiles, and A's where A is the sorted
+    rows (not ``gather``), through tensor descriptors where :func:`_tma_ok` allows (not for
+    interleaved gate/up columns)."""
     nb = block_expert.shape[0]
-    grid = (nb * cdiv(n, cfg["BLOCK_N"]),)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    grid = (nb * cdiv(n, bn),)
     finite = gated and math.isfinite(limit)
-    b = bias if bias is not None else w  # a valid pointer, never read
+    b = bias if bias is not None else w_nk  # a valid pointer, never read
     p = pre if pre is not None else out  # likewise, never written
     # fp32 stays fp32 (IEEE), as torch's default matmul is; half types ignore the setting.
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    tma = bool(cfg.get("TMA", 1))
+    w_desc = a_desc = None
+    kmajor = w_nk.stride(2) == 1
+    w_tiles = w_nk if kmajor else w_nk.transpose(1, 2)  # last dim contiguous, if either is
+    w_box = [1, bn, bk] if kmajor else [1, bk, bn]
+    if tma and not (gated and interleaved) and _tma_ok(w_tiles, tuple(w_box)):
+        w_desc = _TensorDescriptor(w_tiles, list(w_tiles.shape), list(w_tiles.stride()), w_box)
+    if tma and not gather and _tma_ok(a, (bm, bk)) and a.shape[0] >= nb * bm:
+        a_desc = _TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, bk])
+    sw = w_nk.stride()
     launch(_moe_gemm, grid,
-           a, w, b, rw, out, p, sorted_pair_ids, block_expert,
+           a, w_nk, b, rw, out, p, sorted_pair_ids, block_expert, w_desc, a_desc,
            rw.shape[0] * top_k, top_k, n, k, nb, float(alpha), float(limit) if finite else 0.0,
-           a.stride(0), a.stride(1), w_strides[0], w_strides[1], w_strides[2], b.stride(0), b.stride(-1),
+           a.stride(0), a.stride(1), sw[0], sw[1], sw[2], b.stride(0), b.stride(-1),
            rw.stride(0), rw.stride(1), out.stride(0), out.stride(1), p.stride(0), p.stride(1),
-           BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
            GATHER=gather, ROUTED=routed, SCALED=scaled, GATED=gated, INTERLEAVED=gated and interleaved,
            ACT=act, HAS_BIAS=bias is not None, HAS_LIMIT=finite, SAVE_PRE=pre is not None,
-           DOT_PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+           DOT_PRECISION=precision, EVEN_K=k % bk == 0, W_TMA=w_desc is not None, W_KMAJOR=kmajor,
+           A_TMA=a_desc is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def combine(pairs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_experts: int,
@@ -650,10 +720,10 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     routing = dict(rw=rw, sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k)
 
     with _device_ctx(x):
-        launch_gemm(c1, a=x, w=w1, w_strides=_nk_strides(w1, transposed), bias=gate_up_bias, out=act, pre=pre,
+        launch_gemm(c1, a=x, w_nk=_nk_view(w1, transposed), bias=gate_up_bias, out=act, pre=pre,
                     n=i, k=h, gather=True, routed=False, gated=gated, interleaved=interleaved,
                     act=ACT_IDS[activation], alpha=alpha, limit=limit, **routing)
-        launch_gemm(c2, a=act, w=w2, w_strides=_nk_strides(w2, transposed), bias=down_bias, out=pairs, pre=None,
+        launch_gemm(c2, a=act, w_nk=_nk_view(w2, transposed), bias=down_bias, out=pairs, pre=None,
                     n=h, k=i, gather=False, routed=True, scaled=True, **routing)
         combine(pairs, ids, out, e, cc)
     if not save:

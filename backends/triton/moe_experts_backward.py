@@ -358,7 +358,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             part = F._new_buffer((s, nnb), torch.float32, dev) if need_rw else saved.act
             finite = gated and math.isfinite(limit)
             ties = clamp_ties()
-            sw = F._nk_strides(w2, not transposed)  # down seen as (E, I, H)
+            sw = F._nk_view(w2, not transposed).stride()  # down seen as (E, I, H)
             launch(_dgrad_act_kernel, (nb * nnb,),
                    dout, w2, saved.pre, rw, d_pre, part, sorted_pair_ids, saved.block_expert,
                    s, k, i, h, nb, float(alpha), float(limit) if finite else 0.0,
@@ -379,7 +379,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             out[1] = drw
         if need_x:
             pairs = F._new_buffer((s, h), x.dtype, dev)
-            F.launch_gemm(cfg["dgrad1"], a=d_pre, w=w1, w_strides=F._nk_strides(w1, not transposed), bias=None,
+            F.launch_gemm(cfg["dgrad1"], a=d_pre, w_nk=F._nk_view(w1, not transposed), bias=None,
                           rw=rw, out=pairs, pre=None, sorted_pair_ids=sorted_pair_ids,
                           block_expert=saved.block_expert, top_k=k, n=h, k=n1, gather=False, routed=True,
                           scaled=False, act=_IDENTITY)
