@@ -78,6 +78,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--host-profile", action="store_true",
                    help="cProfile the op's host path (top functions by own time)")
+    p.add_argument("--inductor", action="store_true",
+                   help="also the block under torch.compile (experts_implementation='opreg'): GPU time, "
+                        "host time and its kernels, beside the eager block's")
     a = p.parse_args()
     for config in a.configs:
         _, _, h, ffn, e, k = bb.CONFIGS[config]
@@ -110,6 +113,27 @@ def main() -> None:
                     block(x)
                     torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+            if a.inductor:
+                compiled_block(block, x, a.reps)
+
+
+def compiled_block(block: torch.nn.Module, x: torch.Tensor, reps: int) -> None:
+    """The block eager and under torch.compile: same kernels (their GPU sums match), so a
+    gap between the two GPU times (events, back to back) is the GPU waiting on the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name in ("opreg", "opreg_inductor"):
+        fn = bb.variant(block, name)
+        with torch.no_grad():
+            call = lambda: fn(x)  # noqa: E731
+            gpu, host = median_us(call, reps, True), host_us(call)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                call()
+                torch.cuda.synchronize()
+        kernels = sum(e.self_device_time_total for e in prof.key_averages())
+        print(f"  block, {name:16s} GPU {gpu:8.0f} us   host {host:8.0f} us   kernels {kernels:8.0f} us")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=60))
+    torch._dynamo.reset()
 
 
 if __name__ == "__main__":

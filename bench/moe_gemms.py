@@ -1,0 +1,109 @@
+"""The fused MoE GEMMs alone, per block config, with and without tensor-descriptor (TMA) loads,
+beside ``torch._grouped_mm`` (CUTLASS, what HF's ``grouped_mm`` runs) on the same padded rows.
+
+    python bench/moe_gemms.py [--configs mixtral qwen3_moe olmoe] [--tokens 4096,16384]
+
+Per config and T (bf16, uniform routing, SiLU-gated, transformers' layout; CUDA only):
+GEMM1 (gathered rows x gate_up, the gate in the epilogue) for each candidate of ``GEMM1``,
+GEMM2 (activation x down, the routing weight on the store) for each of ``GEMM2`` at each
+BLOCK_M (both GEMMs walk the same padded rows, so they share it); each candidate's output
+against the first one's (bit-identical expected: same tiles, same order); then
+``torch._grouped_mm`` on the gathered copy of the same padded rows, and the whole fused
+forward with its default configs, TMA on and off. GPU time: CUDA events around back-to-back
+launches (the GEMMs are GPU-bound), median of ``--reps``.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+import torch
+
+from opreg.backends.triton import moe_experts as F
+from opreg.backends.triton import tune
+from opreg.testing.timing import median_us
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, TMA)
+GEMM1 = [(128, 128, 64, 8, 8, 4, 0), (128, 128, 64, 8, 8, 4, 1), (128, 128, 64, 8, 8, 3, 1), (128, 64, 64, 8, 4, 4, 1),
+         (64, 128, 64, 8, 4, 4, 0), (64, 128, 64, 8, 4, 4, 1), (64, 256, 64, 8, 8, 3, 1)]
+# (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, TMA)
+GEMM2 = [(128, 64, 8, 8, 4, 0), (128, 64, 8, 8, 4, 1), (256, 64, 8, 8, 3, 1), (256, 64, 8, 8, 4, 1),
+         (128, 128, 8, 8, 3, 1), (64, 64, 8, 4, 4, 1)]
+KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "TMA")
+
+
+def timed(label: str, call: Callable[[], Any], flops: float, reps: int) -> float:
+    try:
+        us = median_us(call, reps, True)
+    except F.triton.runtime.errors.OutOfResources as e:  # e.g. shared memory
+        print(f"  {label}: does not fit ({str(e)[:90]})")
+        return float("inf")
+    print(f"  {label}: {us:8.1f} us {flops / us / 1e6:5.0f} TF/s", end="")
+    return us
+
+
+def one(name: str, t: int, reps: int) -> None:
+    e, h, i, k = tune.SHAPES[name]
+    args = tune.inputs(e, h, i, k, t, torch.bfloat16, "cuda")
+    x, ids, rw, w1, w2 = args[0], args[1], args[2], args[3], args[5]
+    s = t * k
+    f1, f2 = 2 * s * h * 2 * i, 2 * s * i * h
+    print(f"\n{name} T={t} (E {e}, H {h}, I {i}, k {k})")
+    for bm in sorted({c[0] for c in GEMM1}, reverse=True):
+        spi, be, _ = F.routing_tables(ids, e, bm)
+        nb = be.shape[0]
+        routing = dict(rw=rw, sorted_pair_ids=spi, block_expert=be, top_k=k)
+        real = spi < s
+        first = None
+        for c in (c for c in GEMM1 if c[0] == bm):
+            cfg = dict(zip(KEYS, c))
+            act = torch.full((nb * bm, i), float("nan"), dtype=x.dtype, device="cuda")
+            us = timed(f"gemm1 {c}", lambda: F.launch_gemm(cfg, a=x, w_nk=w1, bias=None, out=act, pre=None, n=i,
+                                                           k=h, gather=True, routed=False, gated=True, act=0,
+                                                           **routing), f1, reps)
+            if us < float("inf"):
+                first = act.clone() if first is None else first
+                print(f"   max |diff| vs the first {float((act[real] - first[real]).abs().max()):.3g}")
+        if first is None:
+            continue
+        ref = None
+        for c in GEMM2:
+            cfg = dict(zip(KEYS[1:], c), BLOCK_M=bm)
+            pairs = torch.full((s, h), float("nan"), dtype=x.dtype, device="cuda")
+            us = timed(f"gemm2 BLOCK_M {bm} {c}",
+                       lambda: F.launch_gemm(cfg, a=first, w_nk=w2, bias=None, out=pairs, pre=None, n=h, k=i,
+                                             gather=False, routed=True, scaled=True, **routing), f2, reps)
+            if us < float("inf"):
+                ref = pairs.clone() if ref is None else ref
+                print(f"   max |diff| vs the first {float((pairs - ref).abs().max()):.3g}")
+        # CUTLASS's grouped GEMM on the gathered copy of the same padded rows
+        tok = torch.where(real, spi // k, 0).long()
+        rows = torch.bincount(be[be >= 0].long(), minlength=e) * bm
+        offs = rows.cumsum(0).to(torch.int32)
+        xs = x[tok]
+        timed("torch._grouped_mm gemm1", lambda: torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs), f1, reps)
+        timed("   gemm2", lambda: torch._grouped_mm(first, w2.transpose(1, 2), offs=offs), f2, reps)
+        print(f"   (the gathered copy itself: {median_us(lambda: x[tok], reps, True):.1f} us)")
+    d1 = F.pick_config("gemm1", s / e, 2 * i, h, torch.bfloat16)
+    d2 = F.pick_config("gemm2", s / e, h, i, torch.bfloat16, block_m=d1["BLOCK_M"])
+    on = median_us(lambda: F.fused_experts_forward(*args), reps, True)
+    off = median_us(lambda: F.fused_experts_forward(*args, configs={"gemm1": {**d1, "TMA": 0},
+                                                                    "gemm2": {**d2, "TMA": 0}}), reps, True)
+    print(f"  the fused forward, default configs: TMA on {on:.1f} us, off {off:.1f} us")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="*", default=list(tune.SHAPES), choices=list(tune.SHAPES))
+    p.add_argument("--tokens", default="4096")
+    p.add_argument("--reps", type=int, default=30)
+    a = p.parse_args()
+    if not torch.cuda.is_available() or F.interpreting():
+        p.error("needs a CUDA GPU (the interpreter's times mean nothing)")
+    for name in a.configs:
+        for t in (int(v) for v in a.tokens.split(",")):
+            one(name, t, a.reps)
+
+
+if __name__ == "__main__":
+    main()
