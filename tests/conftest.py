@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import _fresh as fresh
+
+# No `import torch` here: under pytest-xdist this module is imported by the controller too,
+# which runs no test, and it imported torch and Dynamo (~5 s of CPU on the 2-core box)
+# before starting the workers. Only the processes that run tests import them (below).
 
 # Dynamo times each new graph's guards after flushing the CPU caches (a latency metric for
 # its debug log: guards.py calls profile_guard_manager on every compile, torch 2.11 and
@@ -29,32 +32,60 @@ def _no_guard_latency_profile() -> None:
         guards.profile_guard_manager = lambda *args, **kwargs: 0.0
 
 
-_no_guard_latency_profile()
-
 # In the environment, so that pytest-xdist's workers (started after this) draw the same one.
 SEED = int(os.environ.setdefault("OPREG_TEST_SEED", str(random.randrange(2**31))))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest rewrites the asserts of every module of a package that ships a pytest plugin,
+    # when imported: all of hypothesis (73 modules, ~1.3 s of CPU in each process that
+    # imports it; the rewritten code is not cached where bytecode is not written, e.g. a
+    # fresh clone or PYTHONDONTWRITEBYTECODE). Their asserts are their own invariants (they
+    # still run, with plain messages); this suite's files are rewritten as before. Through
+    # pytest's internals: where those differ, nothing changes.
+    from _pytest.assertion import assertstate_key
+
+    hook = getattr(config.stash.get(assertstate_key, None), "hook", None)
+    must = getattr(hook, "_must_rewrite", None)
+    if isinstance(must, set):
+        must.difference_update({"hypothesis", "pytest_benchmark", "xdist", "anyio"})
+    # xdist >= 3.7 hands files out by their number of tests, most first, unless told not to
+    # (--no-loadscope-reorder, an option older versions refuse): that ignored LONGEST_FIRST
+    # and left files of a few long tests (the cache, first-use and sweep children) to the end.
+    if getattr(config.option, "loadscopereorder", None):
+        config.option.loadscopereorder = False
+
+
 def pytest_report_header(config: pytest.Config) -> str:
+    import torch
+
     return (f"opreg: OPREG_TEST_SEED={SEED}, torch {torch.__version__}, "
             f"cuda {'yes: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no'}")
 
 
 @pytest.fixture(autouse=True)
 def _seed(request: pytest.FixtureRequest) -> None:
+    import torch
+
     # Fresh inputs every session, yet each test replayable from the printed seed.
     torch.manual_seed(SEED ^ zlib.crc32(request.node.nodeid.encode()))
 
 
-# --dist loadfile hands whole files to the workers in collection order, so a long file
-# handed out last leaves the other worker idle at the end. These go first, longest first
-# (seconds on the 2-core box, 2026-12-01: 79, 64, 50, 40, 35, 27, 26, 26, 25); the rest
-# keep their order.
-LONGEST_FIRST = ("test_moe_triton_backward", "test_mutation_traps", "test_transformers", "test_property",
-                 "test_moe_experts", "test_distributed", "test_cache", "test_moe_triton", "test_autograd")
+# --dist loadfile hands whole files to the workers in collection order (pytest_configure
+# turns off xdist's own order, below), so a long file handed out last leaves the other
+# worker idle at the end. These go first, longest first (seconds of wall on the 2-core box,
+# 2026-12-02: 50, 37, 33, 30, 22, 22, 19, 15, 15, 15, 15, 14, 11, 9, 9, 8, 8, 8, 7, 7, 6, 6,
+# 5); the rest (4 s or less each) keep their order.
+LONGEST_FIRST = ("test_transformers", "test_moe_triton_backward", "test_property", "test_mutation_traps",
+                 "test_cat_linear", "test_moe_triton", "test_moe_experts", "test_scatter_combine",
+                 "test_distributed", "test_patterns_cat_linear", "test_cache", "test_autograd",
+                 "test_moe_hostile", "test_transformers_families", "test_patterns_scatter_combine",
+                 "test_threads", "test_backend", "test_moe_gate", "test_sweep", "test_loops_forms",
+                 "test_optimize", "test_moe_tune", "test_cli")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    _no_guard_latency_profile()  # where tests run (not in xdist's controller), before any of them
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: files stay whole
 
