@@ -43,9 +43,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # fresh clone or PYTHONDONTWRITEBYTECODE). Their asserts are their own invariants (they
     # still run, with plain messages); this suite's files are rewritten as before. Through
     # pytest's internals: where those differ, nothing changes.
-    from _pytest.assertion import assertstate_key
-
-    hook = getattr(config.stash.get(assertstate_key, None), "hook", None)
+    try:
+        from _pytest.assertion import assertstate_key
+    except ImportError:
+        assertstate_key = None
+    hook = getattr(config.stash.get(assertstate_key, None), "hook", None) if assertstate_key else None
     must = getattr(hook, "_must_rewrite", None)
     if isinstance(must, set):
         must.difference_update({"hypothesis", "pytest_benchmark", "xdist", "anyio"})
