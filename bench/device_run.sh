@@ -2,9 +2,10 @@
 # One GPU session's work, in as few calls as possible (each call starts a machine):
 #   STAGE=tests bash bench/device_run.sh   install, cold build (timed), warm first call, every test
 #   STAGE=bench bash bench/device_run.sh   the shape sweep, the backend models, the MoE block
-#   STAGE=moe bash bench/device_run.sh     the MoE layer: host vs GPU time (moe_profile.py), the fused
-#                                          backward's kernels (moe_backward_profile.py), the block table
-#                                          over TOKENS_MOE (default 1,64,512,4096,16384)
+#   STAGE=moe bash bench/device_run.sh     the MoE layer: the block vs HF's grouped_mm + Inductor over
+#                                          TOKENS_MOE (default 64,4096,16384), host vs GPU time eager and
+#                                          compiled (moe_profile.py --inductor), the GEMMs per config
+#                                          (moe_gemms.py); MOE_BACKWARD=1: the fused backward's kernels
 #   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
 # TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
 # 16 cores) runs it with xdist; FIRST_CALL=0 skips the first-call timing.
@@ -47,8 +48,14 @@ fi
 
 if [ "$STAGE" = moe ]; then
   python3 -m opreg build >/dev/null 2>&1
-  (cd bench && timeout 150 python3 moe_profile.py --tokens 64,4096 2>&1 | tee "$OUT/moe_profile.log" | grep -E "^[a-z].*T=|  (op|block)")
-  (cd bench && timeout 150 python3 moe_backward_profile.py --no-tune 2>&1 | tee "$OUT/moe_backward_profile.log" | grep -E "T=")
-  timeout 280 python3 bench/bench_moe_block.py --tokens "${TOKENS_MOE:-1,64,512,4096,16384}" --reps 20 2>&1 \
-    | tee "$OUT/moe_block.log" | grep "^|"
+  # the block side by side with HF's fastest only (the eager Qwen3-MoE block took 1111 us
+  # beside four compiled variants, 803 us in a process of its own, 2026-12-02), then where
+  # its time goes
+  timeout 200 python3 bench/bench_moe_block.py --tokens "${TOKENS_MOE:-64,4096,16384}" --reps 20 \
+    --variants hf_grouped_mm_inductor opreg 2>&1 | tee "$OUT/moe_block.log" | grep "^|"
+  (cd bench && timeout 150 python3 moe_profile.py --tokens 64,4096 --inductor 2>&1 | tee "$OUT/moe_profile.log" \
+    | grep -E "^[a-z].*T=|  (op|block)")
+  timeout 100 python3 bench/moe_gemms.py --tokens 4096 2>&1 | tee "$OUT/moe_gemms.log" | grep -E "^[a-z]|fused"
+  [ "${MOE_BACKWARD:-0}" = 1 ] && (cd bench && timeout 150 python3 moe_backward_profile.py --no-tune 2>&1 \
+    | tee "$OUT/moe_backward_profile.log" | grep -E "T=")
 fi
