@@ -140,6 +140,18 @@ def _tile(block_expert_ptr, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
 
 
 @_jit
+def _w_tile(w_ptrs, k_ok, col_ok, w_desc, expert, wn, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            W_TMA: tl.constexpr, W_KMAJOR: tl.constexpr):
+    """One (BLOCK_K, BLOCK_N) tile of W for :func:`_mma`: through the descriptor (rows wn..
+    of ``expert``, K-major or not) or the pointers."""
+    if W_TMA:
+        if W_KMAJOR:
+            return w_desc.load([expert, wn, k0]).reshape(BLOCK_N, BLOCK_K).trans(1, 0)
+        return w_desc.load([expert, k0, wn]).reshape(BLOCK_K, BLOCK_N)
+    return tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+
+
+@_jit
 def _mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_ok, stride_wn, stride_wk, K,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
          DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr = False,
@@ -171,22 +183,10 @@ def _mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_o
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if W_TMA:
-            if W_KMAJOR:
-                w0 = w_desc.load([expert, wn0, k0]).reshape(BLOCK_N, BLOCK_K).trans(1, 0)
-            else:
-                w0 = w_desc.load([expert, k0, wn0]).reshape(BLOCK_K, BLOCK_N)
-        else:
-            w0 = tl.load(w0_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        w0 = _w_tile(w0_ptrs, k_ok, col_ok, w_desc, expert, wn0, k0, BLOCK_N, BLOCK_K, W_TMA, W_KMAJOR)
         acc0 = tl.dot(a, w0, acc0, input_precision=DOT_PRECISION)
         if GATED:
-            if W_TMA:
-                if W_KMAJOR:
-                    w1 = w_desc.load([expert, wn1, k0]).reshape(BLOCK_N, BLOCK_K).trans(1, 0)
-                else:
-                    w1 = w_desc.load([expert, k0, wn1]).reshape(BLOCK_K, BLOCK_N)
-            else:
-                w1 = tl.load(w1_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            w1 = _w_tile(w1_ptrs, k_ok, col_ok, w_desc, expert, wn1, k0, BLOCK_N, BLOCK_K, W_TMA, W_KMAJOR)
             acc1 = tl.dot(a, w1, acc1, input_precision=DOT_PRECISION)
             w1_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_ak
