@@ -124,3 +124,43 @@ def test_bound_that_is_not_n_runs_the_loop(forms: list[Any]) -> None:
             got = outcome(new, x, idx, g, t, n)
         assert log.ops[OP] == 0
         assert got is want is TypeError if n == 2.0 else torch.equal(got, want)
+
+
+def test_only_functions_with_a_loop_are_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rewriter reads and parses a function's source only where its code, or code nested
+    in it, has a for loop (most of a model's methods have none); a loop anywhere, even in a
+    comprehension or an inner function, still gets the function parsed."""
+    from opreg.loops import rewriter
+
+    parsed: list[str] = []
+    real = rewriter._source_of
+
+    def spy(fn: Any) -> Any:
+        parsed.append(fn.__name__)
+        return real(fn)
+
+    monkeypatch.setattr(rewriter, "_source_of", spy)
+
+    def straight(x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).relu()
+
+    def comprehension(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [x * 2 for x in xs]
+
+    def inner(x: torch.Tensor) -> torch.Tensor:
+        def f(ys: list[torch.Tensor]) -> torch.Tensor:
+            for y in ys:
+                x.add_(y)
+            return x
+        return f([x])
+
+    def loop(xs: list[torch.Tensor]) -> torch.Tensor:
+        out = xs[0]
+        for x in xs[1:]:
+            out = out + x
+        return out
+
+    for fn in (straight, comprehension, inner, loop):
+        assert find_loops(fn) == []  # none of these is an idiom
+    assert parsed == ["comprehension", "inner", "loop"]
+    assert rewrite_function(straight) == (straight, [])
