@@ -342,7 +342,7 @@ def _rewrite(fn: Callable[..., Any], unwrapped: bool = False
             return None, _left(found, got_inner), got_inner
         new_inner, found, why = _rewrite(got_inner[0], unwrapped=True)
         return (None if new_inner is None else rebuild(fn, got_inner[1], new_inner)), found, why
-    if not _loops_anywhere(fn):
+    if not _loops(fn, nested=True):
         # No for loop in its code or any code nested in it: nothing the scan could match
         # (it matches for statements), so no parse. Most of a model's methods are these:
         # reading and parsing them was ~60 % of opreg.optimize's time on a tiny transformers
@@ -368,33 +368,26 @@ def _rewrite(fn: Callable[..., Any], unwrapped: bool = False
     return _compile(fn, fn_def, file, helpers), scan.findings, ""
 
 
-def _loops_anywhere(fn: Callable[..., Any]) -> bool:
-    """Does ``fn``'s code, or code nested in it (inner functions, comprehensions), loop?
-    True where that can't be told (not a plain function)."""
-    code = getattr(fn, "__code__", None)
-    if not isinstance(code, types.CodeType):
+def _loops(fn: Callable[..., Any], nested: bool) -> bool:
+    """Does ``fn``'s bytecode loop (a for or an async for), or with ``nested`` that of code
+    nested in it (inner functions, comprehensions)? True where that can't be told."""
+    try:
+        todo = [dis.Bytecode(fn).codeobj]
+    except TypeError:
         return True
-    todo = [code]
     while todo:
         c = todo.pop()
         if any(i.opname in ("FOR_ITER", "GET_AITER") for i in dis.get_instructions(c)):
             return True
-        todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+        if nested:
+            todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
     return False
-
-
-def _has_loop(fn: Callable[..., Any]) -> bool:
-    """Does ``fn``'s bytecode loop? (Only such functions are worth a warning.)"""
-    try:
-        return any(i.opname == "FOR_ITER" for i in dis.get_instructions(fn))
-    except TypeError:
-        return True
 
 
 def _warn_unavailable(fns: list[Callable[..., Any]]) -> None:
     """One warning per call for functions with loops but no source, never twice for the
     same function."""
-    new = [f.__qualname__ for f in fns if f.__qualname__ not in _warned and _has_loop(f)]
+    new = [f.__qualname__ for f in fns if f.__qualname__ not in _warned and _loops(f, nested=False)]
     if not new:
         return
     _warned.update(new)
