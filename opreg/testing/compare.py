@@ -43,10 +43,18 @@ class Sample:
 
 # ----------------------------------------------------------------------------- helpers
 
-def assert_matches(got: torch.Tensor, ref64: torch.Tensor, dtype: torch.dtype) -> None:
+def assert_matches(got: torch.Tensor, ref64: torch.Tensor, dtype: torch.dtype,
+                   scale: torch.Tensor | None = None) -> None:
     """``got`` (dtype) agrees with the float64 reference: same shape and dtype, every
     element finite (an unwritten, poisoned element fails here), and both the normwise
-    and the worst elementwise error within the dtype's tolerance of the output's scale."""
+    and the worst elementwise error within the dtype's tolerance of the output's scale.
+
+    ``scale`` (optional, ``ref64``'s shape): the magnitude of the terms summed into each
+    output, e.g. the reference run on the inputs' absolute values (``|x| @ |w|.T + |b|``
+    for a linear). Rounding error grows with the terms, not with their sum, so an output
+    that cancels (a dot product whose terms nearly sum to 0) is measured against what its
+    inputs could give, not held to a precision they never had. Without it, the scale is
+    the output itself."""
     if got.dtype != dtype:
         raise AssertionError(f"dtype {got.dtype}, expected {dtype}")
     if got.shape != ref64.shape:
@@ -57,9 +65,9 @@ def assert_matches(got: torch.Tensor, ref64: torch.Tensor, dtype: torch.dtype) -
     r = ref64.detach().double().cpu()
     if not bool(torch.isfinite(g).all()):
         raise AssertionError("non-finite output (unwritten element?)")
-    scale = r.abs().max().clamp_min(1e-30)
-    err = float((g - r).abs().max() / scale)
-    rel = float((g - r).norm() / r.norm().clamp_min(1e-30))
+    m = r.abs() if scale is None else scale.detach().double().cpu().abs().maximum(r.abs())
+    err = float((g - r).abs().max() / m.max().clamp_min(1e-30))
+    rel = float((g - r).norm() / m.norm().clamp_min(1e-30))
     tol = TOL[dtype]
     if not (err <= 4 * tol and rel <= tol):
         raise AssertionError(f"{dtype}: max err {err:.3g}, norm err {rel:.3g}, tol {tol:g}")
