@@ -4,9 +4,12 @@
 
 Per config (bf16, uniform routing, transformers' layout): forward+backward of the grouped
 path (torch autograd over ``torch._grouped_mm``) and of the fused kernels
-(``FusedExperts``), each timed alone (CUDA events, median); the fused backward's kernels by
-device time (torch.profiler); then each backward GEMM's candidate configs, one at a time
-with the others at their defaults (the time of the whole forward+backward).
+(``FusedExperts``), each timed alone (CUDA events, median); the fused forward+backward with
+its weight gradients on each path (``torch._grouped_mm``, the sm90 bf16 default, and
+Triton's ``_moe_wgrad``: ``configs["wgrad"]["GROUPED_MM"]``); the fused backward's kernels
+by device time (torch.profiler, default path); then each backward GEMM's candidate configs,
+one at a time with the others at their defaults (the time of the whole forward+backward;
+the wgrad candidates are Triton's, so they run with GROUPED_MM 0).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from opreg.testing.timing import median_us
 
 SHAPES = tune.SHAPES
 CANDIDATES = {
-    "wgrad": [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+    "wgrad": [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, GROUPED_MM=0)
               for m, n, k, w, s in [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 128, 64, 4, 4),
                                     (128, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 64, 64, 4, 4)]],
     "dgrad2": [dict(BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
@@ -60,6 +63,16 @@ def main() -> None:
             base = median_us(step(lambda *x: B.FusedExperts.apply(*x)), a.reps, True)
             print(f"\n{name} T={t}: grouped fwd+bwd {grouped:.0f} us; fused fwd {fwd_only:.0f} us, "
                   f"fused fwd+bwd {base:.0f} us", flush=True)
+            n1 = args[3].shape[2] if args[9] else args[3].shape[1]  # gate_up's width; I = n1 // 2 (gated)
+            why = B.grouped_mm_unfit(args[0], n1, n1 // 2)
+            default = "torch._grouped_mm" if B.grouped_mm_wgrad_default(args[0], n1, n1 // 2) else "Triton"
+            for g, path in ((1, "torch._grouped_mm"), (0, "Triton _moe_wgrad")):
+                if g and why is not None:
+                    print(f"  weight gradients on {path}: not run ({why})", flush=True)
+                    continue
+                us = median_us(step(lambda *x, g=g: B.FusedExperts.apply(*x, {"wgrad": {"GROUPED_MM": g}})),
+                               a.reps, True)
+                print(f"  weight gradients on {path}: fused fwd+bwd {us:.0f} us (default: {default})", flush=True)
             from torch.profiler import ProfilerActivity, profile
             step(lambda *x: B.FusedExperts.apply(*x))()
             torch.cuda.synchronize()

@@ -444,6 +444,36 @@ def test_bad_input_raises_like_the_op() -> None:
         TM.moe_experts_triton(*sub(args, down_proj=args[5][:, :, :-1]))
     with pytest.raises(ValueError, match="activation"):
         TM.moe_experts_triton(*sub(args, activation="tanh"))
+    TM.moe_experts_triton(*args)  # a good call between two bad ones: its checks are remembered,
+    with pytest.raises(ValueError, match="down_proj"):  # the bad call's are not
+        TM.moe_experts_triton(*sub(args, down_proj=args[5][:, :, :-1]))
+
+
+@needs_triton
+def test_spec_tells_apart_what_launches_depend_on() -> None:
+    """The host-side work of a forward (checks, configs, grids, launcher keys) is reused per
+    spec_of(args): a spec must differ wherever a launch's specialisation or a check could."""
+    args = make(6, 2, 16, 8, 4, torch.float32, "cpu")
+    same = TM.spec_of(*make(6, 2, 16, 8, 4, torch.float32, "cpu"))
+    assert TM.spec_of(*args) == same and hash(same) == hash(TM.spec_of(*args))
+    x = args[0]
+    unaligned = torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape).copy_(x)
+    w1t = args[3].transpose(1, 2).contiguous().transpose(1, 2)  # same shape, other strides
+    for changed in (sub(args, hidden_states=unaligned), sub(args, gate_up_proj=w1t),
+                    sub(args, hidden_states=x.half()), sub(args, top_k_index=args[1].int()),
+                    sub(args, activation="gelu"), sub(args, limit=1.0), make(7, 2, 16, 8, 4, torch.float32, "cpu")):
+        assert TM.spec_of(*changed) != same
+
+
+@needs_triton
+def test_descriptor_copies_keep_no_tensor() -> None:
+    if TM._TensorDescriptor is None:
+        pytest.skip("this triton has no tensor descriptors")
+    w = torch.randn(4, 32, 16)
+    d = TM._descriptor(w, [1, 16, 16])
+    assert d.base is w and list(d.block_shape) == [1, 16, 16] and list(d.strides) == list(w.stride())
+    template = TM._DESCRIPTORS[(w.dtype, tuple(w.shape), w.stride(), (1, 16, 16))]
+    assert template.base is None and TM._descriptor(torch.randn(4, 32, 16), [1, 16, 16]).base is not w
 
 
 # ------------------------------------------------------------------ CUDA
@@ -518,7 +548,9 @@ def test_cuda_launch_cache() -> None:
     """The cached launch path (backends/triton/launch.py) runs what Triton's own would:
     repeated calls hit it (the compiled kernel called directly), and an argument that
     changes Triton's specialisation (hidden states 2 bytes off 16-byte alignment, a row
-    stride not a multiple of 16) takes a new entry; each result against float64."""
+    stride not a multiple of 16) takes new entries, never another key's kernel: the
+    forward keys its launches by its inputs' metadata (``spec_of``), so both GEMMs get one
+    each; each result against float64."""
     from opreg.backends.triton import launch as L
     TM._moe_gemm._opreg_launch_cache = {}  # this test's entries only (a JITFunction's attribute)
     args = make(64, 2, 256, 128, 8, torch.bfloat16, "cuda")
@@ -536,8 +568,9 @@ def test_cuda_launch_cache() -> None:
         xv.copy_(x)
         for _ in range(2):
             assert_matches(TM.fused_experts_forward(xv, *args[1:]), want, torch.bfloat16)
-        assert len(cache) == entries + 1, "a changed specialisation reused another key's kernel"
+        assert len(cache) == entries + 2, "a changed specialisation reused another key's kernel"
         entries = len(cache)
+    assert all(key[1] == "spec" for key in cache), "the forward's launches are keyed by spec"
 
 
 @pytest.mark.cuda

@@ -3,8 +3,10 @@
 As tests/test_moe_triton.py: without a GPU the kernels run under Triton's interpreter on CPU
 tensors, in ONE child process started with ``TRITON_INTERPRET=1`` (this file run as a
 script, forked from tests/_fresh.py's server), one pytest test per case reading the child's
-verdict. float32 and float16 only (the interpreter's bfloat16 is wrong); bfloat16 runs on
-the GPU (``cuda``-marked tests, with determinism and CUDA-graph capture).
+verdict. float32 and float16; bfloat16 only for the cases of the weight gradients on
+``torch._grouped_mm`` (bf16-only), with the interpreter's two bfloat16 bugs fixed in the
+child (:func:`_fix_interpreter_bfloat16`). bfloat16 runs on the GPU (``cuda``-marked tests,
+with determinism and CUDA-graph capture).
 
 Each case: fresh random inputs, every buffer the kernels fill NaN first, a random upstream
 gradient; every gradient of :class:`FusedExperts` against ``torch.autograd.grad`` of the
@@ -47,6 +49,9 @@ SMALL_BWD = {**SMALL,
              "dgrad2": dict(BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2),
              "dgrad1": dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=3, num_warps=4, num_stages=2),
              "wgrad": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2)}
+# The weight gradients forced onto torch._grouped_mm (the sm90 bf16 default; here the CPU's
+# bf16 grouped_mm), the rest as SMALL_BWD: BLOCK_M = 16 padded runs.
+GROUPED_BWD = {**SMALL_BWD, "wgrad": {**SMALL_BWD["wgrad"], "GROUPED_MM": 1}}
 
 
 # ------------------------------------------------------------------ interpreted cases
@@ -109,6 +114,24 @@ CASES: dict[str, dict] = {
                                  requires=("top_k_weights",), forbid=("TB._moe_wgrad", "TM._moe_gemm")),
     "gate_up_bias only": dict(dims=(9, 2, 24, 16, 3), opts=dict(bias=True, activation="gelu_tanh"),
                               dtypes=["float32"], requires=("gate_up_bias",), forbid=("TM._moe_gemm",)),
+    # The weight gradients on torch._grouped_mm (bf16; H, N1, I multiples of 8). By
+    # construction, whatever the seed: 12 slots over 8 experts with BLOCK_M = 16, so every
+    # run is padded, expert 2 has no rows, 3 sentinel slots with NaN weights; 60 slots over 3
+    # experts, so some expert spans two blocks (>= 20 rows) and no padding-free split exists;
+    # expert 0 with exactly one full block (16 rows, no padding) beside padded runs.
+    "grouped_mm wgrad, sentinels, empty experts": {
+        "dims": (6, 2, 16, 8, 8), "opts": {"bias": True, "sentinels": 3}, "special": "nan+skip_expert",
+        "configs": GROUPED_BWD, "dtypes": ["bfloat16"], "grouped": True},
+    "grouped_mm wgrad ungated transposed": {
+        "dims": (30, 2, 24, 16, 3), "opts": {"activation": "relu2", "gated": False, "transposed": True, "bias": True},
+        "configs": GROUPED_BWD, "dtypes": ["bfloat16"], "grouped": True},
+    "grouped_mm wgrad gated transposed interleaved, default blocks": {
+        "dims": (30, 2, 24, 16, 3), "opts": {"transposed": True, "interleaved": True, "bias": True},
+        "configs": {"wgrad": {"GROUPED_MM": 1}}, "dtypes": ["bfloat16"], "grouped": True},
+    "grouped_mm wgrad, down_proj only, a full block": {
+        "dims": (16, 2, 24, 16, 3), "opts": {"bias": True}, "special": "full_block", "configs": GROUPED_BWD,
+        "dtypes": ["bfloat16"], "grouped": True, "requires": ("down_proj", "down_bias"),
+        "forbid": ("TB._dgrad_act_kernel", "TM._moe_gemm")},
 }
 for _c in CASES.values():
     _c.setdefault("dtypes", ["float32", "float16"])
@@ -135,6 +158,10 @@ def _halves(args: tuple, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _special(args: tuple, special: str | None) -> tuple:
+    if special and "+" in special:  # several, in order
+        for one in special.split("+"):
+            args = _special(args, one)
+        return args
     e = args[3].shape[0]
     if special == "nan":  # the sentinel slots' weights NaN: the reference never reads them either
         w = args[2].clone()
@@ -142,6 +169,11 @@ def _special(args: tuple, special: str | None) -> tuple:
         return sub(args, top_k_weights=w)
     if special == "all_out":
         return sub(args, top_k_index=args[1] + e)
+    if special == "full_block":  # slot 0 of every token expert 0, slot 1 expert 1 or 2
+        ids = args[1].clone()
+        ids[:, 0] = 0
+        ids[:, 1] = torch.randint(1, e, ids[:, 1].shape).to(ids)
+        return sub(args, top_k_index=ids)
     if special == "skip_expert":
         ids = args[1].clone()
         ids[ids == 2] = 5  # expert 2 gets nothing; 5 gets more
@@ -177,6 +209,56 @@ class _Forbidden:
         raise AssertionError(f"{self.name} launched, though no gradient needs it")
 
 
+class _Launches:
+    """A kernel whose launches are logged (each one's keyword arguments: the constexprs),
+    then run."""
+
+    def __init__(self, fn: Any, log: list[dict[str, Any]]) -> None:
+        self.fn, self.log = fn, log
+
+    def __getitem__(self, grid: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.log.append(kwargs)
+            return self.fn[grid](*args, **kwargs)
+        return run
+
+
+def _counted(fn: Any, log: list[int]) -> Any:
+    """``fn`` with each call counted in ``log``."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        log.append(1)
+        return fn(*args, **kwargs)
+    return call
+
+
+def _grouped_wgrad(args: tuple, configs: dict | None) -> bool:
+    """Do the weight gradients run on torch._grouped_mm: as the configs force, else the
+    default (bf16 on sm90 CUDA; never on the CPU). Never without a slot (T * k = 0 or H = 0:
+    every gradient is a zero fill, nothing launches)."""
+    w1, gated, transposed = args[3], args[8], args[9]
+    if args[1].numel() == 0 or args[0].shape[1] == 0:
+        return False
+    n1 = w1.shape[2] if transposed else w1.shape[1]
+    default = TB.grouped_mm_wgrad_default(args[0], n1, n1 // 2 if gated else n1)
+    return bool(((configs or {}).get("wgrad") or {}).get("GROUPED_MM", default))
+
+
+def _check_wgrad_path(grouped: bool, names: tuple[str, ...], args: tuple, mm_calls: list[int],
+                      wgrad_log: list[dict[str, Any]], rows_log: list[dict[str, Any]]) -> None:
+    """The weight gradients ran where they should: ``grouped``, one torch._grouped_mm per
+    weight gradient asked for, Triton's _moe_wgrad for the biases alone, and one row
+    gather per gathered operand (rw * dout scaled for down_proj, x for gate_up_proj);
+    else no torch._grouped_mm."""
+    weights = [n for n in ("down_proj", "gate_up_proj") if n in names]
+    if not grouped:
+        assert not mm_calls, f"torch._grouped_mm ran {len(mm_calls)} times, not asked for"
+        return
+    biases = [n for n in ("down_bias", "gate_up_bias") if n in names and args[ARGS.index(n)] is not None]
+    assert len(mm_calls) == len(weights), f"torch._grouped_mm ran {len(mm_calls)} times for {weights}"
+    assert [kw["WEIGHT_GRAD"] for kw in wgrad_log] == [False] * len(biases), wgrad_log
+    assert sorted(kw["SCALED"] for kw in rows_log) == sorted(n == "down_proj" for n in weights), rows_log
+
+
 def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     """One case: every gradient vs the float64 reference's, inputs untouched; on a device,
     a second backward bit-identical."""
@@ -185,8 +267,9 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     dtype = getattr(torch, dname)
     torch.manual_seed(seed ^ zlib.crc32(case_id.encode()))
     args = _special(make(*c["dims"], dtype, device, **c["opts"]), c.get("special"))
+    specials = set((c.get("special") or "").split("+"))
     e, limit = args[3].shape[0], args[12]
-    if c.get("clamps") or c.get("special") == "ties":  # the case reaches what it is about
+    if c.get("clamps") or "ties" in specials:  # the case reaches what it is about
         pre = _pre(args)
         gate, up = _halves(args, pre) if args[8] else (pre, pre)
         if math.isfinite(limit):
@@ -210,18 +293,31 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     want = M.reference(*args64)
     assert_matches(out, want, dtype)
     cot = torch.randn(want.shape, dtype=torch.float64, device=device)
-    if c.get("special") == "strided":  # a stride-0 upstream gradient (as .sum()'s)
+    if "strided" in specials:  # a stride-0 upstream gradient (as .sum()'s)
         cot = torch.randn((1, want.shape[1]), dtype=torch.float64, device=device).expand(want.shape)
-    forbidden = {}
+    # Kernels that must not launch, and the weight gradients' path, seen from its calls.
+    mm_calls: list[int] = []
+    wgrad_log: list[dict[str, Any]] = []
+    rows_log: list[dict[str, Any]] = []
+    patch: dict[tuple[Any, str], Any] = {}
+    if hasattr(torch, "_grouped_mm"):
+        patch[(torch, "_grouped_mm")] = _counted(torch._grouped_mm, mm_calls)
+    grouped = _grouped_wgrad(args, configs)
+    assert grouped or not c.get("grouped"), "a grouped_mm case whose weight gradients would not use it"
+    if grouped:
+        patch[(TB, "_moe_wgrad")] = _Launches(TB._moe_wgrad, wgrad_log)
+        patch[(TB, "_wgrad_rows_kernel")] = _Launches(TB._wgrad_rows_kernel, rows_log)
     for path in c.get("forbid", ()):
-        mod, attr = (TB, path[3:]) if path.startswith("TB.") else (TM, path[3:])
-        forbidden[(mod, attr)] = getattr(mod, attr)
-        setattr(mod, attr, _Forbidden(path))
+        patch[(TB, path[3:]) if path.startswith("TB.") else (TM, path[3:])] = _Forbidden(path)
+    originals = {key: getattr(*key) for key in patch}
+    for (mod, attr), fn in patch.items():
+        setattr(mod, attr, fn)
     try:
         got = torch.autograd.grad(out, leaves, cot.to(dtype))
     finally:
-        for (mod, attr), fn in forbidden.items():
+        for (mod, attr), fn in originals.items():
             setattr(mod, attr, fn)
+    _check_wgrad_path(grouped, names, args, mm_calls, wgrad_log, rows_log)
     # The reference's cotangent is the one the op got (rounded to dtype): a fp16 rounding of
     # cot alone moved d top_k_weights' dot over H by > 0.002 of its size where it cancels
     # (T = 1, float16: 3 of 200 seeds, with or without TMA loads).
@@ -232,11 +328,11 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
             assert_matches(g, r, a.dtype)
         except AssertionError as err:
             raise AssertionError(f"d {n}: {err}") from None
-    if c.get("special") == "skip_expert":  # never run: exact zeros
+    if "skip_expert" in specials:  # never run: exact zeros
         grads = dict(zip([n for n in ARGS if n in names], got))
         for n in ("gate_up_proj", "gate_up_bias", "down_proj", "down_bias"):
             assert torch.equal(grads[n][2], torch.zeros_like(grads[n][2])), f"d {n}[2] is not zero"
-    if c.get("special") in ("nan", "all_out"):  # d top_k_weights is exactly 0 at a sentinel slot
+    if specials & {"nan", "all_out"}:  # d top_k_weights is exactly 0 at a sentinel slot
         drw = got[[n for n in ARGS if n in names].index("top_k_weights")]
         assert torch.equal(drw[args[1] >= e], torch.zeros_like(drw[args[1] >= e]))
     for b, a in zip(before, inputs):
@@ -252,7 +348,43 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
         assert all(torch.equal(a, b) for a, b in zip(got, again)), "two backward runs differ"
 
 
+def _fix_interpreter_bfloat16() -> None:
+    """Make Triton's interpreter (3.8) compute bfloat16 as the GPU does, for the grouped_mm
+    cases (the only bfloat16 ones here). It keeps a bf16 tensor as its uint16 bits, and (1)
+    ``tl.dot`` multiplies those bits as integers (2.7e10 off on a 16x16 product), (2) an
+    fp32 -> bf16 cast truncates (1 ulp off torch's round-to-nearest-even, which the GPU's
+    cvt.rn does). Fixed: dot operands widened to fp32 first (exact; the products and the
+    fp32 sum then are what an MMA computes), and the cast done by torch. Other dtypes, and
+    everything else the interpreter does, are left alone."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    builder = getattr(interp, "InterpreterBuilder", None)
+    if (builder is None or not hasattr(builder, "create_dot") or not hasattr(builder, "cast_impl")
+            or interp._get_np_dtype(tl.bfloat16) != np.dtype(np.uint16)):
+        return  # another interpreter: its bfloat16 cases pass or fail on its own arithmetic
+    dot, cast = builder.create_dot, builder.cast_impl
+
+    def widen(h: Any) -> Any:
+        if h.dtype != tl.bfloat16:
+            return h
+        return interp.TensorHandle((np.asarray(h.data).astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot(self: Any, a: Any, b: Any, *rest: Any) -> Any:
+        return dot(self, widen(a), widen(b), *rest)
+
+    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
+        if src.dtype == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bf = torch.from_numpy(np.array(src.data, dtype=np.float32)).to(torch.bfloat16)
+            return interp.TensorHandle(bf.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    builder.create_dot, builder.cast_impl = create_dot, cast_impl
+
+
 def _child_main() -> None:
+    _fix_interpreter_bfloat16()
     interpreter_child(CASE_IDS, run_case)
 
 
@@ -302,6 +434,28 @@ def test_fused_experts_off_cuda_runs_grouped() -> None:
         assert_matches(g, w, torch.float64)
 
 
+@needs_triton
+def test_grouped_mm_wgrad_choice() -> None:
+    """Where the weight gradients may run on torch._grouped_mm: bf16 with 16-byte rows
+    only; by default on sm90 CUDA only (so never here, on the CPU); forced onto it where
+    it can't run, the backward raises before it launches anything."""
+    x = torch.zeros(4, 40, dtype=torch.bfloat16)
+    assert TB.grouped_mm_unfit(x, 48, 24) is None or not hasattr(torch, "_grouped_mm")
+    for dtype in (torch.float16, torch.float32):
+        assert "not bfloat16" in TB.grouped_mm_unfit(x.to(dtype), 48, 24)
+    assert "multiples of 8" in TB.grouped_mm_unfit(torch.zeros(4, 20, dtype=torch.bfloat16), 48, 24)
+    assert "multiples of 8" in TB.grouped_mm_unfit(x, 36, 18)
+    assert not TB.grouped_mm_wgrad_default(x, 48, 24)  # CPU
+    args = make(4, 2, 40, 24, 3, torch.float16, "cpu")
+    saved = TM.Saved(sorted_pair_ids=torch.full((16,), 8, dtype=torch.int32),
+                     block_expert=torch.full((1,), -1, dtype=torch.int32),
+                     tables=torch.zeros((3, 3), dtype=torch.int32), act=torch.zeros(16, 24, dtype=torch.float16),
+                     pre=torch.zeros(16, 48), configs={"gemm1": dict(SMALL["gemm1"])})
+    with pytest.raises(ValueError, match="GROUPED_MM.*not bfloat16"):
+        TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.float16), *args, saved,
+                                  configs={"wgrad": {"GROUPED_MM": 1}})
+
+
 # ------------------------------------------------------------------ CUDA
 
 needs_cuda = pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
@@ -312,7 +466,33 @@ BIG_FAMILIES = ("mixtral silu", "gpt_oss biases", "relu2 ungated", "gelu interle
 
 def _big_args(shape: str, family: str, dtype: torch.dtype) -> tuple:
     args = make(*BIGGER[shape], dtype, "cuda", **{**FAMILIES[family][1], "sentinels": 3})
-    return _requires(_special(args, "nan"), GRAD_ARGS)
+    return _requires(_special(_clear_limit(args), "nan"), GRAD_ARGS)
+
+
+def _clear_limit(args: tuple) -> tuple:
+    """``args`` with a finite clamp limit moved to the middle of the widest gap between the
+    float64 pre-activations it is compared with (gate values, |up| values), within 25 % of
+    the drawn one, so as many values still clip. The kernels' pre-activations differ
+    from float64's by their fp32 accumulation (~1e-6 here); a value within that of the
+    limit clips in one and not the other, and its gradient is then 0 in one and the whole
+    element in the other (the H200, 2026-12-02: 2 of 12 gpt_oss cases at these sizes,
+    fp32 and bf16, a whole element off). The widest gap among ~10^5 values is ~1e-4 wide."""
+    limit = args[12]
+    if not math.isfinite(limit) or not args[8]:
+        return args
+    x, ids, _, w1, b1 = args[:5]
+    flat, k, transposed = ids.reshape(-1), ids.shape[1], args[9]
+    vals = []
+    for ex in range(w1.shape[0]):
+        pairs = (flat == ex).nonzero().squeeze(1)
+        w = w1[ex].double()
+        y = x[pairs // k].double() @ (w if transposed else w.T)
+        gate, up = _halves(args, y if b1 is None else y + b1[ex].double())
+        vals += [gate.flatten(), up.abs().flatten()]
+    v = torch.cat(vals).sort().values
+    v = v[(v > limit / 1.25) & (v < limit * 1.25)]
+    j = int((v[1:] - v[:-1]).argmax())
+    return sub(args, limit=float(v[j] + v[j + 1]) / 2)
 
 
 @pytest.mark.cuda
@@ -343,9 +523,11 @@ def test_cuda_gradients(shape: str, family: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("case_id", [c.replace("float32", "bfloat16") for c in CASE_IDS if c.endswith("float32")])
+@pytest.mark.parametrize("case_id", [c.replace("float32", "bfloat16") for c in CASE_IDS if c.endswith("float32")]
+                         + [c for c in CASE_IDS if CASES[c.rsplit("/", 1)[0]].get("grouped")])
 def test_cuda_cases(case_id: str) -> None:
-    """The interpreted cases, compiled, in bfloat16, and a second backward bit-identical."""
+    """The interpreted cases, compiled, in bfloat16, and a second backward bit-identical
+    (the weight gradients on torch._grouped_mm where that is the default, sm90, or forced)."""
     old = TM._new_buffer
     TM._new_buffer = _nan_buffer
     try:
@@ -367,6 +549,53 @@ def test_cuda_deterministic(dtype: torch.dtype) -> None:
             second = torch.autograd.grad(TB.FusedExperts.apply(*args), leaves, cot)
             for a, b in zip(first, second):
                 assert torch.equal(a, b), f"{shape} {family}: two backward runs differ"
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("family", BIG_FAMILIES)
+@pytest.mark.parametrize("shape", list(BIGGER))
+def test_cuda_grouped_mm_wgrad(shape: str, family: str) -> None:
+    """bf16: the weight gradients on torch._grouped_mm (CUTLASS; the sm90 default) and on
+    Triton's _moe_wgrad both match float64 and each other; every other gradient is the
+    same bits either way (the same kernels); two grouped runs are bit-identical. NaN-filled
+    buffers: a padding row left unwritten, or one read past offs[-1], fails."""
+    args = _big_args(shape, family, torch.bfloat16)
+    w1, gated, transposed = args[3], args[8], args[9]
+    n1 = w1.shape[2] if transposed else w1.shape[1]
+    if TB.grouped_mm_unfit(args[0], n1, n1 // 2 if gated else n1) is not None:
+        pytest.skip(TB.grouped_mm_unfit(args[0], n1, n1 // 2 if gated else n1))
+    assert TB.grouped_mm_wgrad_default(args[0], n1, n1 // 2 if gated else n1) == \
+        (torch.cuda.get_device_capability()[0] == 9)
+    names = [n for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
+    leaves = [a for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
+    cot = torch.randn(args[0].shape, dtype=torch.bfloat16, device="cuda")
+    runs: dict[int, list[tuple[torch.Tensor, ...]]] = {1: [], 0: []}
+    calls: list[int] = []
+    old, old_mm = TM._new_buffer, torch._grouped_mm
+    TM._new_buffer, torch._grouped_mm = _nan_buffer, _counted(torch._grouped_mm, calls)
+    try:
+        for g in (1, 0, 1):
+            calls.clear()
+            out = TB.FusedExperts.apply(*args, {"wgrad": {"GROUPED_MM": g}})
+            runs[g].append(torch.autograd.grad(out, leaves, cot))
+            assert len(calls) == 2 * g, f"GROUPED_MM={g}: torch._grouped_mm ran {len(calls)} times"
+    finally:
+        TM._new_buffer, torch._grouped_mm = old, old_mm
+    (grouped, again), (triton,) = runs[1], runs[0]
+    args64 = _requires(tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                             for a in args), GRAD_ARGS)
+    leaves64 = [a for n, a in zip(ARGS, args64) if n in GRAD_ARGS and a is not None]
+    ref = torch.autograd.grad(M.reference(*args64), leaves64, cot.double())
+    for n, g, t, a, r in zip(names, grouped, triton, again, ref):
+        assert torch.equal(g, a), f"d {n}: two grouped_mm runs differ"
+        assert g.shape == t.shape and g.is_contiguous(), f"d {n}: {tuple(g.shape)}, {g.stride()}"
+        assert_matches(g, r, torch.bfloat16)
+        assert_matches(t, r, torch.bfloat16)
+        if n in ("gate_up_proj", "down_proj"):
+            assert_matches(g, t.double(), torch.bfloat16)
+        else:
+            assert torch.equal(g, t), f"d {n} differs between the two weight-gradient paths"
 
 
 def _graph_once(family: str, dtype: torch.dtype) -> None:

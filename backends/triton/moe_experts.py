@@ -79,8 +79,8 @@ _IDENTITY = -1  # GEMM2: no activation
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 __all__ = ["ACT_IDS", "CONFIG_FILE", "Saved", "TritonImpl", "align_block_size", "fused_experts_forward",
-           "moe_experts_triton", "pick_config", "register", "routing_tables",
-           "why_not_fused"]
+           "moe_experts_triton", "pick_config", "register", "routing_buffer", "routing_size", "routing_tables",
+           "routing_views", "spec_of", "why_not_fused"]
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -214,8 +214,9 @@ def _moe_gemm(
 
     GEMM1 (GATHER, not ROUTED): A = hidden_states (T, K), row = pair // top_k; W = gate_up
     seen as (E, 2N or N, K) through strides; out = activation (padded rows, N), row = the
-    sorted row; with SAVE_PRE also the pre-activation (after the bias, before the gate) into
-    ``pre`` (padded rows, 2N or N) in gate_up's column order, for the backward. GEMM2
+    sorted row, 0 at a padding row; with SAVE_PRE also the pre-activation (after the bias,
+    before the gate) into ``pre`` (padded rows, 2N or N) in gate_up's column order, for the
+    backward. GEMM2
     (ROUTED and SCALED, not GATHER): A = activation (padded rows, K), row = the sorted row;
     W = down seen as (E, N, K); out = (S, N) pair buffer, row = pair, scaled by the routing
     weight. ROUTED without SCALED: the backward's dgrad of GEMM1 (no routing weight). Either
@@ -270,11 +271,17 @@ def _moe_gemm(
                          mask=row_ok, other=0.0).to(tl.float32)
             y = y * rw[:, None]
         out_row = p.to(tl.int64)
+        out_mask = row_ok[:, None] & col_ok[None, :]  # a padding row maps to pair 0: never stored
     else:
+        # GEMM1's activation: a padding row of a block in use is stored as 0 (its value here
+        # is the gate of the bias alone): the backward's grouped weight gradients
+        # (torch._grouped_mm) read every row of an expert's padded run, and 0 * NaN of an
+        # unwritten row would poison them. GEMM2 masks padding rows on load either way.
         out_row = rows.to(tl.int64)
-    # Padding rows are not stored (GEMM2 masks them on load, so they are never read).
+        y = tl.where(row_ok[:, None], y, 0.0)
+        out_mask = col_ok[None, :]
     out_ptrs = out_ptr + out_row[:, None] * stride_om + cols[None, :] * stride_on
-    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @_jit
@@ -430,34 +437,63 @@ def routing_tables(top_k_index: torch.Tensor, num_experts: int,
     ``tables`` = each expert's run start among the sorted real pairs, its padded start (its
     first row in ``sorted_pair_ids``) and its count (the backward's weight gradients walk an
     expert's rows [padded start, padded start + count): all real pairs). Sizes are static
-    (:func:`num_blocks`), so this can be captured in a CUDA graph.
+    (:func:`num_blocks`), so this can be captured in a CUDA graph. All three are views of
+    one int32 buffer (:func:`routing_buffer`, :func:`routing_views`).
 
     A counting sort in three launches (per-chunk counts, one program's scan, placement)
     into one int32 buffer. ``torch.sort`` cost 100-250 us of host per call on the H200 box
     and 60 us of GPU at T = 4096, k = 8 (eight radix passes over int64 keys)."""
+    return _route(top_k_index, num_experts, block_m)[1:]
+
+
+def routing_views(buf: torch.Tensor, num_pairs: int, num_experts: int,
+                  block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_pair_ids, block_expert, tables) of :func:`routing_tables`, as views of the
+    buffer :func:`routing_buffer` filled (a saved buffer is one tensor to keep)."""
+    nb = num_blocks(num_pairs, num_experts, block_m)
+    cap = nb * block_m
+    return buf[:cap], buf[cap:cap + nb], buf[cap + nb:cap + nb + 3 * num_experts].view(3, num_experts)
+
+
+def routing_size(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Length of :func:`routing_buffer`'s int32 buffer: the padded pair list, the block
+    experts, the (3, E) tables, then the count kernel's per-chunk counts (E per chunk)."""
+    nb = num_blocks(num_pairs, num_experts, block_m)
+    if nb == 0:
+        return 3 * num_experts
+    return nb * block_m + nb + 3 * num_experts + num_experts * cdiv(num_pairs, ROUTE_CHUNK)
+
+
+def routing_buffer(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
+    """The routing of :func:`routing_tables` in its one int32 buffer (:func:`routing_size`)."""
+    return _route(top_k_index, num_experts, block_m)[0]
+
+
+def _route(top_k_index: torch.Tensor, num_experts: int, block_m: int, spec: Any = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(buffer, sorted_pair_ids, block_expert, tables). ``spec``: as :func:`launch_gemm`'s."""
     t, k = top_k_index.shape
     s = t * k
     nb = num_blocks(s, num_experts, block_m)
     dev = top_k_index.device
-    if nb == 0:
-        none = torch.empty((0,), dtype=torch.int32, device=dev)
-        return none, none.clone(), torch.zeros((3, num_experts), dtype=torch.int32, device=dev)
+    if nb == 0:  # no real pair can be routed: empty lists, zero tables
+        buf = torch.zeros((3 * num_experts,), dtype=torch.int32, device=dev)
+        return (buf, *routing_views(buf, s, num_experts, block_m))
     nc = cdiv(s, ROUTE_CHUNK)
     bins = next_pow2(num_experts)
     cap = nb * block_m
-    buf = torch.empty((cap + nb + 3 * num_experts + num_experts * nc,), dtype=torch.int32, device=dev)
-    sorted_pair_ids, block_expert = buf[:cap], buf[cap:cap + nb]
-    tables = buf[cap + nb:cap + nb + 3 * num_experts].view(3, num_experts)
+    buf = torch.empty((routing_size(s, num_experts, block_m),), dtype=torch.int32, device=dev)
+    sorted_pair_ids, block_expert, tables = routing_views(buf, s, num_experts, block_m)
     counts = buf[cap + nb + 3 * num_experts:]
     st, sk = top_k_index.stride()
-    launch(_route_count_kernel, (nc,), top_k_index, counts, s, k, st, sk, num_experts, nc, CHUNK=ROUTE_CHUNK,
-           BINS=bins, num_warps=4)
-    launch(_route_scan_kernel, (1,), counts, tables, num_experts, nc, BINS=bins,
+    launch(_route_count_kernel, (nc,), top_k_index, counts, s, k, st, sk, num_experts, nc, spec_key=spec,
+           CHUNK=ROUTE_CHUNK, BINS=bins, num_warps=4)
+    launch(_route_scan_kernel, (1,), counts, tables, num_experts, nc, spec_key=spec, BINS=bins,
            CB=max(1, min(next_pow2(nc), 8192 // bins)), BLOCK_M=block_m, num_warps=8)
     launch(_route_place_kernel, (nc,), top_k_index, counts, tables, sorted_pair_ids, block_expert, s, k, st, sk,
-           num_experts, nc, nb, CHUNK=ROUTE_CHUNK, BINS=bins, BLOCK_M=block_m,
+           num_experts, nc, nb, spec_key=spec, CHUNK=ROUTE_CHUNK, BINS=bins, BLOCK_M=block_m,
            BLOCK_B=max(1, min(64, 8192 // bins)), num_warps=4)
-    return sorted_pair_ids, block_expert, tables
+    return buf, sorted_pair_ids, block_expert, tables
 
 
 def align_block_size(top_k_index: torch.Tensor, num_experts: int,
@@ -553,9 +589,8 @@ def _nk_view(w: torch.Tensor, transposed: bool) -> torch.Tensor:
     return w.transpose(1, 2) if transposed else w
 
 
-@functools.lru_cache(maxsize=None)
-def _have_config_file() -> bool:
-    return os.path.exists(CONFIG_FILE)
+# Read once at import (a plain constant: torch.compile traces why_not_fused on the training path).
+_HAVE_CONFIG_FILE = os.path.exists(CONFIG_FILE)
 
 
 def why_not_fused(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -576,7 +611,7 @@ def why_not_fused(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
         return f"more than {MAX_EXPERTS} experts"
     if top_k_index.numel() >= 2**30:  # pair ids and padded rows are int32
         return "2**30 or more (token, slot) pairs"
-    if not _have_config_file():  # an install without the package data: don't fail the call
+    if not _HAVE_CONFIG_FILE:  # an install without the package data: don't fail the call
         return f"the block-size table {CONFIG_FILE} is missing"
     return None
 
@@ -594,8 +629,10 @@ class Saved(NamedTuple):
     routing (``sorted_pair_ids`` (R,), ``block_expert`` (R / BLOCK_M,), ``tables`` (3, E):
     run start, padded start, count; int32), GEMM1's output ``act`` (R, I) in hidden_states'
     dtype and its pre-activation ``pre`` (R, N) float32 (:data:`PRE_DTYPE`) in
-    gate_up_proj's column order (R = the padded rows; padding rows unwritten), and the
-    block configs used."""
+    gate_up_proj's column order (R = the padded rows; a padding row of a block in use is 0
+    in ``act`` and unwritten in ``pre``; blocks past the work list unwritten in both), the
+    block configs used, and ``routing``, the one buffer the three routing tables view
+    (:func:`routing_views` rebuilds them from it; None where the caller kept the views)."""
 
     sorted_pair_ids: torch.Tensor
     block_expert: torch.Tensor
@@ -603,6 +640,7 @@ class Saved(NamedTuple):
     act: torch.Tensor
     pre: torch.Tensor
     configs: dict[str, dict[str, int]]
+    routing: Optional[torch.Tensor] = None
 
 
 # The saved pre-activation is float32 whatever the input dtype: the forward's own accumulators,
@@ -634,55 +672,128 @@ def _has_tma(device_index: int) -> bool:
     return torch.version.cuda is not None and torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
+def _descriptor(t: torch.Tensor, box: list[int]) -> Any:
+    """A tensor descriptor of ``t`` with tiles of ``box`` (the caller checked :func:`_tma_ok`).
+    Triton validates a descriptor in its constructor (~12 us on the 2-core box); one
+    validated per (dtype, shape, strides, box) is copied with the new base instead."""
+    key = (t.dtype, tuple(t.shape), t.stride(), tuple(box))
+    template = _DESCRIPTORS.get(key)
+    if template is None:
+        template = _TensorDescriptor(t, list(t.shape), list(t.stride()), list(box))
+        template.base = None  # the template keeps no tensor alive
+        _remember(_DESCRIPTORS, key, template)
+    d = object.__new__(type(template))  # a copy without the constructor's checks
+    d.__dict__.update(template.__dict__)
+    d.base = t
+    return d
+
+
+_DESCRIPTORS: dict[Any, Any] = {}
+
+
 def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
                 bias: Optional[torch.Tensor], rw: torch.Tensor, out: torch.Tensor, pre: Optional[torch.Tensor],
                 sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, top_k: int, n: int, k: int,
                 gather: bool, routed: bool, scaled: bool = False, gated: bool = False, interleaved: bool = False,
-                act: int = _IDENTITY, alpha: float = 1.0, limit: float = math.inf) -> None:
+                act: int = _IDENTITY, alpha: float = 1.0, limit: float = math.inf, spec: Any = None) -> None:
     """One :func:`_moe_gemm` launch over the padded rows (``cfg["BLOCK_M"]`` = the routing's
     BLOCK_M). ``w_nk``: the weight seen as (E, N, K) (a view: either layout); ``bias``/``pre``
     None: none. ``cfg["TMA"]`` (default 1): load W's tiles, and A's where A is the sorted
     rows (not ``gather``), through tensor descriptors where :func:`_tma_ok` allows (not for
-    interleaved gate/up columns)."""
-    nb = block_expert.shape[0]
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    grid = (nb * cdiv(n, bn),)
-    finite = gated and math.isfinite(limit)
+    interleaved gate/up columns). ``spec``: a key that determines every argument's
+    metadata (see :func:`.launch.launch`): what follows from metadata alone is then reused."""
     b = bias if bias is not None else w_nk  # a valid pointer, never read
     p = pre if pre is not None else out  # likewise, never written
-    # fp32 stays fp32 (IEEE), as torch's default matmul is; half types ignore the setting.
-    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    static = _GEMM_STATIC.get(spec) if spec is not None else None
+    if static is None:
+        static = _gemm_static(cfg, a, w_nk, b, rw, out, p, block_expert, top_k, n, k, gather, routed, scaled,
+                              gated, interleaved, act, bias is not None, pre is not None, limit)
+        if spec is not None:
+            _remember(_GEMM_STATIC, spec, static)
+    grid, kmajor, w_box, a_box, head, tail, kwargs = static
+    w_desc = None if w_box is None else _descriptor(w_nk if kmajor else w_nk.transpose(1, 2), w_box)
+    a_desc = None if a_box is None else _descriptor(a, a_box)
+    finite = kwargs["HAS_LIMIT"]
+    launch(_moe_gemm, grid, a, w_nk, b, rw, out, p, sorted_pair_ids, block_expert, w_desc, a_desc,
+           *head, float(alpha), float(limit) if finite else 0.0, *tail, spec_key=spec, **kwargs)
+
+
+_GEMM_STATIC: dict[Any, tuple[Any, ...]] = {}
+
+
+def _gemm_static(cfg: dict[str, int], a: torch.Tensor, w_nk: torch.Tensor, b: torch.Tensor, rw: torch.Tensor,
+                 out: torch.Tensor, p: torch.Tensor, block_expert: torch.Tensor, top_k: int, n: int, k: int,
+                 gather: bool, routed: bool, scaled: bool, gated: bool, interleaved: bool, act: int,
+                 has_bias: bool, save_pre: bool, limit: float) -> tuple[Any, ...]:
+    """What :func:`launch_gemm` derives from metadata alone: (grid, W k-major, W's
+    descriptor box or None, A's or None, the int arguments before and after the two
+    floats, the constexprs and launch options)."""
+    nb = block_expert.shape[0]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tma = bool(cfg.get("TMA", 1))
-    w_desc = a_desc = None
     kmajor = w_nk.stride(2) == 1
     w_tiles = w_nk if kmajor else w_nk.transpose(1, 2)  # last dim contiguous, if either is
     w_box = [1, bn, bk] if kmajor else [1, bk, bn]
-    if tma and not (gated and interleaved) and _tma_ok(w_tiles, tuple(w_box)):
-        w_desc = _TensorDescriptor(w_tiles, list(w_tiles.shape), list(w_tiles.stride()), w_box)
-    if tma and not gather and _tma_ok(a, (bm, bk)) and a.shape[0] >= nb * bm:
-        a_desc = _TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, bk])
+    use_w = tma and not (gated and interleaved) and _tma_ok(w_tiles, tuple(w_box))
+    use_a = tma and not gather and _tma_ok(a, (bm, bk)) and a.shape[0] >= nb * bm
     sw = w_nk.stride()
-    launch(_moe_gemm, grid,
-           a, w_nk, b, rw, out, p, sorted_pair_ids, block_expert, w_desc, a_desc,
-           rw.shape[0] * top_k, top_k, n, k, nb, float(alpha), float(limit) if finite else 0.0,
-           a.stride(0), a.stride(1), sw[0], sw[1], sw[2], b.stride(0), b.stride(-1),
-           rw.stride(0), rw.stride(1), out.stride(0), out.stride(1), p.stride(0), p.stride(1),
-           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-           GATHER=gather, ROUTED=routed, SCALED=scaled, GATED=gated, INTERLEAVED=gated and interleaved,
-           ACT=act, HAS_BIAS=bias is not None, HAS_LIMIT=finite, SAVE_PRE=pre is not None,
-           DOT_PRECISION=precision, EVEN_K=k % bk == 0, W_TMA=w_desc is not None, W_KMAJOR=kmajor,
-           A_TMA=a_desc is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    head = (rw.shape[0] * top_k, top_k, n, k, nb)
+    tail = (a.stride(0), a.stride(1), sw[0], sw[1], sw[2], b.stride(0), b.stride(-1),
+            rw.stride(0), rw.stride(1), out.stride(0), out.stride(1), p.stride(0), p.stride(1))
+    # fp32 stays fp32 (IEEE), as torch's default matmul is; half types ignore the setting.
+    kwargs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+                  GATHER=gather, ROUTED=routed, SCALED=scaled, GATED=gated, INTERLEAVED=gated and interleaved,
+                  ACT=act, HAS_BIAS=has_bias, HAS_LIMIT=gated and math.isfinite(limit), SAVE_PRE=save_pre,
+                  DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", EVEN_K=k % bk == 0,
+                  W_TMA=use_w, W_KMAJOR=kmajor, A_TMA=use_a, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    return (nb * cdiv(n, bn),), kmajor, w_box if use_w else None, [bm, bk] if use_a else None, head, tail, kwargs
 
 
 def combine(pairs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_experts: int,
-            cfg: dict[str, int]) -> None:
+            cfg: dict[str, int], spec: Any = None) -> None:
     """out[t] = the sum over t's slots with an id in [0, E) of pair rows t*k + j, in slot
-    order, fp32 (:func:`_combine_kernel`); a token with none gets 0."""
+    order, fp32 (:func:`_combine_kernel`); a token with none gets 0. ``spec``: as
+    :func:`launch_gemm`'s."""
     t, h = out.shape
     bh = min(cfg["BLOCK_H"], next_pow2(h))
     launch(_combine_kernel, (t, cdiv(h, bh)),
            pairs, ids, out, h, ids.shape[1], num_experts, pairs.stride(0), pairs.stride(1), ids.stride(0),
-           ids.stride(1), out.stride(0), out.stride(1), BLOCK_H=bh, num_warps=cfg["num_warps"])
+           ids.stride(1), out.stride(0), out.stride(1), spec_key=spec, BLOCK_H=bh, num_warps=cfg["num_warps"])
+
+
+def _meta(a: Any) -> Any:
+    if not isinstance(a, torch.Tensor):
+        return a
+    return (a.device, a.dtype, a.shape, a.stride(), a.data_ptr() % 16 == 0)
+
+
+def spec_of(*args: Any) -> tuple[Any, ...]:
+    """The op's arguments' metadata, what the checks and every launch of one forward follow
+    from: each tensor's device, dtype, shape, strides and 16-byte alignment, the other
+    arguments by value (the buffers the forward allocates are aligned, and their views'
+    offsets follow from the shapes)."""
+    return tuple(map(_meta, args))
+
+
+_CONFIGS: dict[Any, tuple[dict[str, int], dict[str, int], dict[str, int]]] = {}
+_MEMO_LIMIT = 4096  # entries per memo (one per distinct input metadata: serving sees many T)
+
+
+def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
+    if len(memo) >= _MEMO_LIMIT:
+        memo.clear()
+    memo[key] = value
+
+
+def _configs(picked: dict[str, dict[str, int]], rows_per_expert: float, n1: int, h: int, i: int, k: int,
+             dtype: torch.dtype) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """(gemm1, gemm2, combine) configs: ``picked``'s over the table's; gemm2's BLOCK_M is gemm1's."""
+    c1 = picked.get("gemm1") or pick_config("gemm1", rows_per_expert, n1, h, dtype)
+    c2 = dict(picked.get("gemm2") or pick_config("gemm2", rows_per_expert, h, i, dtype, block_m=c1["BLOCK_M"]))
+    c2["BLOCK_M"] = c1["BLOCK_M"]
+    cc = picked.get("combine") or pick_config("combine", rows_per_expert, h, k, dtype)
+    return c1, c2, cc
 
 
 def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -690,14 +801,15 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
                           down_proj: torch.Tensor, down_bias: Optional[torch.Tensor], activation: str,
                           gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float,
                           *, configs: Optional[dict[str, dict[str, int]]] = None,
-                          save: bool = False) -> Any:
+                          save: bool = False, spec: Any = None) -> Any:
     """The op's forward with the fused kernels: (T, H) in hidden_states' dtype. Arguments as
     the op's (checked by the caller; :func:`why_not_fused` must be None). ``configs``
     overrides :func:`pick_config` ({"gemm1": ..., "gemm2": ..., "combine": ...}; gemm2's
     BLOCK_M is gemm1's), for tests and tuning. ``save``: returns ``(out, saved)``, with
     ``saved`` the :class:`Saved` the backward
     (:func:`opreg.backends.triton.moe_experts_backward.fused_experts_backward`) reads, or
-    None when there is no slot (every gradient is then zero)."""
+    None when there is no slot (every gradient is then zero). ``spec``: :func:`spec_of`
+    these arguments, if the caller has it."""
     x, ids, rw, w1, w2 = hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj
     t, h = x.shape
     k = ids.shape[1]
@@ -708,33 +820,39 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     if s == 0 or h == 0:
         out0 = x.new_zeros((t, h))  # no slot: an empty sum
         return (out0, None) if save else out0
-    picked = configs or {}
-    rows_per_expert = s / e
-    c1 = picked.get("gemm1") or pick_config("gemm1", rows_per_expert, n1, h, x.dtype)
+    # The launches' specialisation follows from the inputs' metadata (and ``save``): one key
+    # for the host-side work of every launch (configs, grids, descriptor checks, launcher
+    # keys). Given configs (tests, tuning) take the full path.
+    if configs is not None:
+        spec = None
+    else:
+        spec = (spec or spec_of(x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed,
+                                interleaved, alpha, limit), save)
+    picked = _CONFIGS.get(spec) if spec is not None else None
+    if picked is None:
+        picked = _configs(configs or {}, s / e, n1, h, i, k, x.dtype)
+        if spec is not None:
+            _remember(_CONFIGS, spec, picked)
+    c1, c2, cc = picked
     bm = c1["BLOCK_M"]
-    c2 = dict(picked.get("gemm2") or pick_config("gemm2", rows_per_expert, h, i, x.dtype, block_m=bm))
-    c2["BLOCK_M"] = bm
-    cc = picked.get("combine") or pick_config("combine", rows_per_expert, h, k, x.dtype)
-
-    sorted_pair_ids, block_expert, tables = routing_tables(ids, e, bm)
-    nb = block_expert.shape[0]
-    act = _new_buffer((nb * bm, i), x.dtype, x.device)
-    pre = _new_buffer((nb * bm, n1), PRE_DTYPE, x.device) if save else None
-    pairs = _new_buffer((s, h), x.dtype, x.device)
-    out = _new_buffer((t, h), x.dtype, x.device)
-    routing = dict(rw=rw, sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k)
-
     with _device_ctx(x):
+        route_buf, sorted_pair_ids, block_expert, tables = _route(ids, e, bm, spec and (spec, "routing"))
+        nb = block_expert.shape[0]
+        act = _new_buffer((nb * bm, i), x.dtype, x.device)
+        pre = _new_buffer((nb * bm, n1), PRE_DTYPE, x.device) if save else None
+        pairs = _new_buffer((s, h), x.dtype, x.device)
+        out = _new_buffer((t, h), x.dtype, x.device)
+        routing = dict(rw=rw, sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k)
         launch_gemm(c1, a=x, w_nk=_nk_view(w1, transposed), bias=gate_up_bias, out=act, pre=pre,
                     n=i, k=h, gather=True, routed=False, gated=gated, interleaved=interleaved,
-                    act=ACT_IDS[activation], alpha=alpha, limit=limit, **routing)
+                    act=ACT_IDS[activation], alpha=alpha, limit=limit, spec=spec and (spec, "gemm1"), **routing)
         launch_gemm(c2, a=act, w_nk=_nk_view(w2, transposed), bias=down_bias, out=pairs, pre=None,
-                    n=h, k=i, gather=False, routed=True, scaled=True, **routing)
-        combine(pairs, ids, out, e, cc)
+                    n=h, k=i, gather=False, routed=True, scaled=True, spec=spec and (spec, "gemm2"), **routing)
+        combine(pairs, ids, out, e, cc, spec=spec and (spec, "combine"))
     if not save:
         return out
     return out, Saved(sorted_pair_ids, block_expert, tables, act, pre,
-                      {"gemm1": dict(c1), "gemm2": c2, "combine": dict(cc)})
+                      {"gemm1": dict(c1), "gemm2": c2, "combine": dict(cc)}, route_buf)
 
 
 # ----------------------------------------------------------------------------- registration
@@ -761,19 +879,28 @@ def _why_not_here() -> Optional[str]:
 
 def moe_experts_triton(*args: Any) -> torch.Tensor:
     """The ``triton`` implementation's kernel (the op's positional arguments): the fused
-    kernels, or the ``grouped`` path for inputs they don't take (logged once per cause)."""
-    M.check(*args)
+    kernels, or the ``grouped`` path for inputs they don't take (logged once per cause).
+    The checks follow from the arguments' metadata (:func:`spec_of`): run once per spec."""
+    spec = spec_of(*args)
+    why = _CHECKED.get(spec, _UNCHECKED)
+    if why is _UNCHECKED:
+        M.check(*args)
+        why = why_not_fused(*args)
+        _remember(_CHECKED, spec, why)
     # Negative ids raise as in the op's other paths: always off CUDA, on CUDA only when
     # asked (the check synchronises); unchecked, they contribute nothing.
     if M.checks_ids_here(args[1]):
         M.check_ids(args[1])
-    why = why_not_fused(*args)
     with torch.no_grad():  # the op's autograd is its own (the reference's): record nothing
         if why is not None:
             log_once((M.NAME, "triton", why), logging.INFO,
                      "opreg: moe_experts/triton runs the grouped path: %s", why)
             return M.grouped(*args)
-        return fused_experts_forward(*args)
+        return fused_experts_forward(*args, spec=spec)
+
+
+_CHECKED: dict[Any, Optional[str]] = {}  # spec -> why_not_fused (passed M.check)
+_UNCHECKED = object()
 
 
 def register() -> None:

@@ -20,21 +20,36 @@ padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    rows of L[r, m] * R[r, n], each operand read directly or gathered through pair ->
    token, L optionally times rw; written through the weight's own strides, so either
    layout comes out as the weight's. d down_proj[e] = (rw * dout[t])^T act, d
-   gate_up_proj[e] = d_pre^T x[t]; the bias gradients are the column sums of L, fused
-   (the programs of the first N tile). An expert with no rows writes exact zeros.
+   gate_up_proj[e] = d_pre^T x[t]; the bias gradients are the column sums of L, in a
+   separate bias-only launch. An expert with no rows writes exact zeros.
+   **bf16 on sm90** (:func:`grouped_mm_wgrad_default`; ``configs["wgrad"]["GROUPED_MM"]``
+   forces it either way): the weight gradients are ``torch._grouped_mm`` (CUTLASS) in its
+   2-D x 2-D form instead, groups along the reduction dim = each expert's padded run of
+   sorted rows (``offs`` = the padded ends). The gathered operands (x[t], and rw * dout[t]
+   rounded to bf16 as ``_moe_wgrad`` rounds it) are first copied into sorted-padded order
+   by :func:`_wgrad_rows_kernel`, 0 at padding rows; ``act`` and ``d_pre`` are 0 at the
+   padding rows of blocks in use (so a padding row adds exact zeros, and no unwritten NaN
+   meets a 0). Rows past the last used block (the ``offs[-1]``-th on) are unwritten in
+   ``act`` and ``d_pre``: this assumes ``torch._grouped_mm`` reads no row past
+   ``offs[-1]`` (its groups end there), which the tests check with NaN-filled buffers (the
+   CPU's bf16 path in the interpreter cases, torch 2.14; CUTLASS in the CUDA tests).
+   The bias gradients stay on ``_moe_wgrad``'s bias-only launch.
 
 Deterministic (every sum in a fixed order, no atomics), fp32 accumulation, fp32 GEMMs in
 IEEE fp32; every launch on the current stream, no host sync, static buffer sizes (CUDA-graph
-capturable). Padding rows and sentinel slots are never read (a NaN routing weight there
-reaches no gradient). Kernels run under ``TRITON_INTERPRET=1`` as the forward's do
-(``tests/test_moe_triton_backward.py``).
+capturable). Sentinel slots are never read (a NaN routing weight there reaches no
+gradient); padding rows are read only as the zeros written there (``act``, ``d_pre`` and
+the gathered rows of the grouped weight gradients). Kernels run under
+``TRITON_INTERPRET=1`` as the forward's do (``tests/test_moe_triton_backward.py``).
 
 **Not the op's training path yet**: :func:`fused_experts` / :class:`FusedExperts` are
 called explicitly. On the H200 (2026-12-01, bf16, T = 4096, ``bench/moe_backward_profile.py``)
 the fused forward+backward is slower than the grouped path's torch autograd (Mixtral 4111
 vs 2880 us, Qwen3-MoE 4014 vs 3623): the weight gradients run at ~210 TF/s (1.96 ms of
 the 4.1 ms; no split over an expert's rows, pointer loads) and GEMM2's dgrad at ~230 TF/s
-(605 us). Training keeps the grouped path until these beat it.
+(605 us). Training keeps the grouped path until these beat it. Since then the weight
+gradients of bf16 on sm90 run on ``torch._grouped_mm`` by default (item 4; not yet timed
+on the H200: ``bench/moe_backward_profile.py`` prints the fused step on both paths).
 """
 import functools
 import math
@@ -47,7 +62,8 @@ from opreg.backends.triton import moe_experts as F
 from opreg.backends.triton.launch import launch
 from opreg.backends.triton.moe_experts import _IDENTITY, _act, _jit, _mma, _tile, tl
 
-__all__ = ["FusedExperts", "clamp_ties", "fused_experts", "fused_experts_backward"]
+__all__ = ["FusedExperts", "clamp_ties", "fused_experts", "fused_experts_backward", "grouped_mm_unfit",
+           "grouped_mm_wgrad_default"]
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -139,7 +155,7 @@ def _dgrad_act_kernel(
     g = dout[token] @ down[e] (W = down seen as (E, I, H): N = I, K = H), then the gate's
     backward: d_pre (padded rows, N or 2N, gate_up's column order) from rw * g and ``pre``;
     and part[pair, pid_n] = sum over the tile's columns of g * gate(pre) (d top_k_weights'
-    partial sum). Padding rows: nothing read, nothing written."""
+    partial sum). Padding rows: nothing read; d_pre written as 0 there."""
     pid_m, pid_n, expert = _tile(block_expert_ptr, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if expert < 0:
         return
@@ -171,10 +187,15 @@ def _dgrad_act_kernel(
     d0, d1, y = _gate_grad(p0, p1, g * rw[:, None], alpha, limit, GATED, ACT, HAS_LIMIT,
                            GATE_TIE, UP_LO_TIE, UP_HI_TIE)
     if WRITE_DPRE:
+        # Every row of the block, a padding row as 0: the grouped weight gradients
+        # (torch._grouped_mm) read all of an expert's padded run, where an unwritten NaN
+        # would poison the sum even times a zero row of x.
         d_rows = dpre_ptr + rows.to(tl.int64)[:, None] * stride_gm
-        tl.store(d_rows + pcol0[None, :] * stride_gn, d0.to(dpre_ptr.dtype.element_ty), mask=mask)
+        d0 = tl.where(row_ok[:, None], d0, 0.0)
+        tl.store(d_rows + pcol0[None, :] * stride_gn, d0.to(dpre_ptr.dtype.element_ty), mask=col_ok[None, :])
         if GATED:
-            tl.store(d_rows + pcol1[None, :] * stride_gn, d1.to(dpre_ptr.dtype.element_ty), mask=mask)
+            d1 = tl.where(row_ok[:, None], d1, 0.0)
+            tl.store(d_rows + pcol1[None, :] * stride_gn, d1.to(dpre_ptr.dtype.element_ty), mask=col_ok[None, :])
     if ROUTE_GRAD:
         part = tl.sum(tl.where(mask, g * y, 0.0), axis=1)
         tl.store(part_ptr + p.to(tl.int64) * stride_qm + pid_n * stride_qn, part, mask=row_ok)
@@ -277,6 +298,35 @@ def _moe_wgrad(
                  mask=m_ok & (pid_n == 0))
 
 
+@_jit
+def _wgrad_rows_kernel(
+    src_ptr, route_w_ptr, out_ptr, pair_ids_ptr, num_pairs, top_k, num_rows, C,
+    stride_st, stride_sc, stride_rt, stride_rk, stride_om, stride_oc,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SCALED: tl.constexpr,
+):
+    """The grouped weight gradients' gathered operand in sorted-padded order: out[r] =
+    src[t] for the sorted row r holding pair p = t*k + j; SCALED: times rw[t, j] in fp32,
+    then rounded to out's dtype (``_moe_wgrad``'s L_SCALED operand, the same bits). 0 at a
+    padding row and at every row past the used blocks (their ids are the sentinel), so all
+    ``num_rows`` rows are written and a sentinel slot's weight is never read.
+    Grid: (row blocks, C blocks)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_list = rows < num_rows
+    pair = tl.load(pair_ids_ptr + rows, mask=in_list, other=num_pairs)
+    row_ok = pair < num_pairs
+    p = tl.where(row_ok, pair, 0)
+    tok = (p // top_k).to(tl.int64)
+    col_ok = cols < C
+    v = tl.load(src_ptr + tok[:, None] * stride_st + cols[None, :] * stride_sc,
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    if SCALED:  # 0 * 0 at a padding row: neither load reads there
+        w = tl.load(route_w_ptr + tok * stride_rt + (p % top_k) * stride_rk, mask=row_ok, other=0.0)
+        v = v.to(tl.float32) * w.to(tl.float32)[:, None]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_oc,
+             v.to(out_ptr.dtype.element_ty), mask=in_list[:, None] & col_ok[None, :])
+
+
 # ----------------------------------------------------------------------------- launcher
 
 @functools.cache
@@ -284,12 +334,12 @@ def clamp_ties() -> tuple[bool, bool, bool]:
     """Whether torch's clamp passes the gradient at a value exactly at its bound: for
     ``clamp(max=l)`` at l (the gate's clamp), and ``clamp(min=-l, max=l)`` at -l and at l
     (the up half's). torch changed this (1 through 2.1x's earlier releases, 0 later), so
-    the kernels ask the torch they run with, to match its autograd of ``apply_gate``."""
-    with torch.enable_grad():
-        g = torch.ones((), dtype=torch.float64, requires_grad=True)
-        (dg,) = torch.autograd.grad(g.clamp(max=1.0), g)
-        u = torch.tensor([-1.0, 1.0], dtype=torch.float64, requires_grad=True)
-        (du,) = torch.autograd.grad(u.clamp(min=-1.0, max=1.0).sum(), u)
+    the kernels ask the torch they run with, to match its autograd of ``apply_gate``.
+    torch.func, not torch.autograd: the first call may come from a custom op's kernel
+    (``moe_experts_train``), which runs below the autograd keys."""
+    dg = torch.func.grad(lambda g: g.clamp(max=1.0))(torch.ones((), dtype=torch.float64))
+    du = torch.func.grad(lambda u: u.clamp(min=-1.0, max=1.0).sum())(
+        torch.tensor([-1.0, 1.0], dtype=torch.float64))
     return bool(dg == 1), bool(du[0] == 1), bool(du[1] == 1)
 
 
@@ -301,14 +351,63 @@ def _oi_strides(w: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
 
 def _configs(rows_per_expert: float, dtype: torch.dtype, bm: int, n1: int, h: int, i: int,
              picked: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    """The backward's block configs: ``picked`` (a test's or tuning run's) over the table's.
-    The dgrads walk the forward's padded rows, so their BLOCK_M is the forward's."""
-    cfg = {"dgrad2": dict(picked.get("dgrad2") or F.pick_config("dgrad2", rows_per_expert, i, h, dtype, block_m=bm)),
-           "dgrad1": dict(picked.get("dgrad1") or F.pick_config("dgrad1", rows_per_expert, h, n1, dtype, block_m=bm)),
-           "wgrad": dict(picked.get("wgrad") or F.pick_config("wgrad", rows_per_expert, n1, h, dtype)),
-           "combine": dict(picked.get("combine") or F.pick_config("combine", rows_per_expert, h, 0, dtype))}
+    """The backward's block configs: ``picked`` (a test's or tuning run's) over the table's,
+    key by key (so ``{"wgrad": {"GROUPED_MM": 0}}`` keeps the table's blocks). The dgrads
+    walk the forward's padded rows, so their BLOCK_M is the forward's."""
+    def over(gemm: str, table: dict[str, int]) -> dict[str, int]:
+        return {**table, **(picked.get(gemm) or {})}
+
+    cfg = {"dgrad2": over("dgrad2", F.pick_config("dgrad2", rows_per_expert, i, h, dtype, block_m=bm)),
+           "dgrad1": over("dgrad1", F.pick_config("dgrad1", rows_per_expert, h, n1, dtype, block_m=bm)),
+           "wgrad": over("wgrad", F.pick_config("wgrad", rows_per_expert, n1, h, dtype)),
+           "combine": over("combine", F.pick_config("combine", rows_per_expert, h, 0, dtype))}
     cfg["dgrad2"]["BLOCK_M"] = cfg["dgrad1"]["BLOCK_M"] = bm
     return cfg
+
+
+def grouped_mm_unfit(x: torch.Tensor, n1: int, i: int) -> str | None:
+    """Why the weight gradients can't run on ``torch._grouped_mm`` for these inputs, or
+    None. It takes bfloat16 only here (fp16 and fp32 keep ``_moe_wgrad``: fp16 grouped_mm
+    needs cuBLASLt's, and fp32 GEMMs stay IEEE), and rows 16-byte aligned: H, the gate_up
+    width N1 and I multiples of 8, as :func:`opreg.ops.moe_experts.uses_grouped_mm` asks."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "this torch has no _grouped_mm"
+    if x.dtype != torch.bfloat16:
+        return f"hidden_states is {x.dtype}, not bfloat16"
+    if x.shape[1] % 8 or n1 % 8 or i % 8:
+        return f"H = {x.shape[1]}, N1 = {n1}, I = {i}: not all multiples of 8 (16-byte rows)"
+    return None
+
+
+@functools.cache
+def _sm90(device_index: int) -> bool:
+    return torch.version.cuda is not None and torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def grouped_mm_wgrad_default(x: torch.Tensor, n1: int, i: int) -> bool:
+    """Whether the weight gradients run on ``torch._grouped_mm`` (CUTLASS) by default, else
+    on ``_moe_wgrad``: where it can (:func:`grouped_mm_unfit`), on CUDA sm90 (H100/H200:
+    ~600 vs ~210 TF/s of the Triton kernel on the H200). Not on sm100+ yet: there it gave
+    non-zero weight gradients for an empty group (pytorch/pytorch#172439, open; an expert
+    with no rows is one here), and elsewhere torch's grouped_mm is a loop that reads the
+    offsets on the host (see ``uses_grouped_mm``)."""
+    return (x.is_cuda and grouped_mm_unfit(x, n1, i) is None
+            and _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+def _sorted_rows(src: torch.Tensor, rw: torch.Tensor, sorted_pair_ids: torch.Tensor, top_k: int,
+                 scaled: bool, spec: Any = None) -> torch.Tensor:
+    """(R, C) copy of ``src``'s token rows (T, C) in sorted-padded order (times the routing
+    weight if ``scaled``), 0 at padding rows and past the used blocks
+    (:func:`_wgrad_rows_kernel`): a grouped weight gradient's gathered operand."""
+    r, c = sorted_pair_ids.shape[0], src.shape[1]
+    out = F._new_buffer((r, c), src.dtype, src.device)
+    br, bc = 32, min(128, F.next_pow2(c))
+    launch(_wgrad_rows_kernel, (F.cdiv(r, br), F.cdiv(c, bc)),
+           src, rw, out, sorted_pair_ids, rw.shape[0] * top_k, top_k, r, c, src.stride(0), src.stride(1),
+           rw.stride(0), rw.stride(1), out.stride(0), out.stride(1), spec_key=spec,
+           BLOCK_R=br, BLOCK_C=bc, SCALED=scaled, num_warps=4)
+    return out
 
 
 def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -325,7 +424,10 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     ``needs``: which of the six to compute (default: all present); the others are None,
     and the kernels only they need do not run. Each gradient in its input's dtype (a fresh
     tensor of the input's shape). ``configs``: block configs over the table's
-    ({"dgrad2", "dgrad1", "wgrad", "combine"})."""
+    ({"dgrad2", "dgrad1", "wgrad", "combine"}); ``configs["wgrad"]["GROUPED_MM"]`` 1 / 0
+    forces the weight gradients onto ``torch._grouped_mm`` or off it (default:
+    :func:`grouped_mm_wgrad_default`; 1 where :func:`grouped_mm_unfit` says why not raises
+    ValueError)."""
     x, ids, rw, w1, b1, w2, b2 = hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, \
         down_proj, down_bias
     inputs = (x, rw, w1, b1, w2, b2)
@@ -344,10 +446,21 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     bm = saved.configs["gemm1"]["BLOCK_M"]
     nb = saved.block_expert.shape[0]
     cfg = _configs(s / e, x.dtype, bm, n1, h, i, configs or {})
+    grouped = bool(cfg["wgrad"].get("GROUPED_MM", grouped_mm_wgrad_default(x, n1, i)))
+    if grouped and (why := grouped_mm_unfit(x, n1, i)) is not None:
+        raise ValueError(f"fused_experts_backward: configs['wgrad']['GROUPED_MM'] = 1, but {why}")
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     dout = grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)
     sorted_pair_ids, pstart, count = saved.sorted_pair_ids, saved.tables[1], saved.tables[2]
     out: list[torch.Tensor | None] = [None] * 6
+    # Every launch's metadata follows from the inputs', the upstream gradient's and what is
+    # asked (the saved tensors are the forward's, of the same inputs): one launcher key for
+    # each launch (see F.launch_gemm), unless a test or tuning run passes configs.
+    spec = None if configs else (F.spec_of(x, ids, rw, w1, b1, w2, b2, activation, gated, transposed,
+                                           interleaved, alpha, limit), F.spec_of(dout), tuple(want))
+
+    def key(name: Any) -> Any:
+        return None if spec is None else (spec, name)
 
     need_dpre = need_x or need_w1 or need_b1
     with F._device_ctx(x):
@@ -367,7 +480,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                    BLOCK_M=bm, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"],
                    GATED=gated, INTERLEAVED=gated and interleaved, ACT=F.ACT_IDS[activation], HAS_LIMIT=finite,
                    GATE_TIE=ties[0], UP_LO_TIE=ties[1], UP_HI_TIE=ties[2], WRITE_DPRE=need_dpre,
-                   ROUTE_GRAD=need_rw, DOT_PRECISION=precision, num_warps=c["num_warps"], num_stages=c["num_stages"])
+                   ROUTE_GRAD=need_rw, DOT_PRECISION=precision, num_warps=c["num_warps"], num_stages=c["num_stages"],
+                   spec_key=key("dgrad2"))
         if need_rw:
             drw = F._new_buffer(tuple(rw.shape), rw.dtype, dev)
             bp, bh = 32, min(128, F.next_pow2(h))
@@ -375,22 +489,39 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             launch(_route_grad_kernel, (F.cdiv(s, bp),),
                    part, dout, bias, ids, drw, s, k, e, h, nnb, part.stride(0), part.stride(-1),
                    dout.stride(0), dout.stride(1), bias.stride(0), bias.stride(-1), ids.stride(0), ids.stride(1),
-                   drw.stride(0), drw.stride(1), BLOCK_P=bp, BLOCK_H=bh, HAS_BIAS=b2 is not None, num_warps=4)
+                   drw.stride(0), drw.stride(1), BLOCK_P=bp, BLOCK_H=bh, HAS_BIAS=b2 is not None, num_warps=4,
+                   spec_key=key("route grad"))
             out[1] = drw
         if need_x:
             pairs = F._new_buffer((s, h), x.dtype, dev)
             F.launch_gemm(cfg["dgrad1"], a=d_pre, w_nk=F._nk_view(w1, not transposed), bias=None,
                           rw=rw, out=pairs, pre=None, sorted_pair_ids=sorted_pair_ids,
                           block_expert=saved.block_expert, top_k=k, n=h, k=n1, gather=False, routed=True,
-                          scaled=False, act=_IDENTITY)
+                          scaled=False, act=_IDENTITY, spec=key("dgrad1"))
             dx = F._new_buffer((t, h), x.dtype, dev)
-            F.combine(pairs, ids, dx, e, cfg["combine"])
+            F.combine(pairs, ids, dx, e, cfg["combine"], spec=key("combine"))
             out[0] = dx
+
+        if grouped and (need_w1 or need_w2):
+            # torch._grouped_mm's groups along the reduction dim: each expert's padded end row
+            # (the padded runs lie end to end from row 0). An expert with no rows is an empty
+            # group: zeros from the CPU's grouped_mm (the interpreter cases) and from CUTLASS
+            # on sm90 (pytorch/pytorch#172439 saw zeros on the H800; the CUDA cases check it).
+            offs = pstart + (count + (bm - 1)) // bm * bm
 
         def wgrad(lhs: torch.Tensor, rhs: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, m: int, n: int,
                   l_gather: bool, l_scaled: bool, r_gather: bool, do_w: bool, do_b: bool) -> tuple[Any, Any]:
             c = cfg["wgrad"]
-            dw = F._new_buffer(tuple(w.shape), w.dtype, dev) if do_w else None
+            dw = None
+            if do_w and grouped:  # CUTLASS over the sorted-padded rows (the module docstring)
+                lrows = (_sorted_rows(lhs, rw, sorted_pair_ids, k, l_scaled, key(("rows", l_scaled)))
+                         if l_gather else lhs)
+                rrows = _sorted_rows(rhs, rw, sorted_pair_ids, k, False, key(("rows", False))) if r_gather else rhs
+                # out[e] = L_e^T R_e is (E, out, in); the (E, in, out) weight takes R_e^T L_e
+                dw = (torch._grouped_mm(rrows.t(), lrows, offs=offs) if transposed
+                      else torch._grouped_mm(lrows.t(), rrows, offs=offs))
+            elif do_w:
+                dw = F._new_buffer(tuple(w.shape), w.dtype, dev)
             db = F._new_buffer(tuple(b.shape), b.dtype, dev) if do_b and b is not None else None
             so = _oi_strides(dw, transposed) if dw is not None else (0, 0, 0)
             # The weight and the bias gradient in separate launches: both in one (the
@@ -399,7 +530,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             # (bench/RESULTS.md, seventh session); apart, every config is exact. The bias
             # pass reads L once more: (rows x M) elements, small next to the GEMM.
             for weight in (True, False):
-                if (dw if weight else db) is None:
+                if (dw if weight else db) is None or (weight and grouped):
                     continue
                 do = dw if weight else lhs  # valid pointers, never written
                 dob = lhs if weight else db
@@ -410,7 +541,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                        so[0], so[1], so[2], dob.stride(0), dob.stride(-1),
                        BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], L_GATHER=l_gather,
                        L_SCALED=l_scaled, R_GATHER=r_gather, WEIGHT_GRAD=weight, BIAS_GRAD=not weight,
-                       DOT_PRECISION=precision, num_warps=c["num_warps"], num_stages=c["num_stages"])
+                       DOT_PRECISION=precision, num_warps=c["num_warps"], num_stages=c["num_stages"],
+                       spec_key=key(("wgrad", weight, l_gather)))
             return dw, db
 
         if need_w2 or need_b2:  # d down_proj[e] = (rw * dout[t])^T act, d down_bias[e] = sum rw * dout[t]

@@ -18,9 +18,11 @@ float64, which grouped_mm does not take, the eager loop of the first class in th
 whose ``forward`` is transformers' dispatch wrapper), with one log line naming why
 (``logging.getLogger("opreg")``).
 
-Training: when gradients are needed the module runs :func:`opreg.ops.moe_experts.grouped`,
-the same grouped computation differentiated by torch autograd (scatter_combine's own
-backward for the combine), not the op's reference gradients.
+Training: when gradients are needed and the op runs its ``triton`` implementation there,
+the fused kernels forward and backward (:mod:`opreg.backends.triton.moe_experts_train`);
+otherwise :func:`opreg.ops.moe_experts.grouped`, the same grouped computation
+differentiated by torch autograd (scatter_combine's own backward for the combine). Never
+the op's reference gradients.
 """
 from __future__ import annotations
 
@@ -39,6 +41,11 @@ from ..loops import LoopFinding, ModuleRewrite, find_loops, register_module_rewr
 from ..loops.wrappers import wrapped
 from ..ops import moe_experts as spec
 from .transformers_gate import Plan, decision, plan_for
+
+try:  # the fused kernels' training path (needs triton; without it, training takes the grouped path)
+    from ..backends.triton import moe_experts_train as _fused_train
+except ImportError:
+    _fused_train = None
 
 __all__ = ["NAME", "Plan", "eager_forward", "experts_forward", "plan_for", "register"]
 
@@ -155,13 +162,17 @@ def _forward(module: nn.Module, call: tuple[Any, ...], kwargs: dict[str, Any], f
 
 
 def _experts(op_args: tuple[Any, ...], needs_grad: bool) -> torch.Tensor:
-    """Without gradients: the op. Training: the differentiable grouped path (its backward is
-    grouped GEMMs too), except where tracing it would leave data-dependent sizes in the graph
-    (one GEMM per expert after a host read: off bf16 ``_grouped_mm``), which Inductor can't
-    lower (GuardOnDataDependentSymNode) and Dynamo without fullgraph splits at every
-    projection: there the op itself, one node whose backward is an op of its own."""
+    """Without gradients: the op. Training: the fused kernels forward and backward where
+    the op runs its Triton implementation (:mod:`opreg.backends.triton.moe_experts_train`,
+    eager and traced); else the differentiable grouped path (its backward is grouped GEMMs
+    too), except where tracing it would leave data-dependent sizes in the graph (one GEMM
+    per expert after a host read: off bf16 ``_grouped_mm``), which Inductor can't lower
+    (GuardOnDataDependentSymNode) and Dynamo without fullgraph splits at every projection:
+    there the op itself, one node whose backward is an op of its own."""
     if not needs_grad:
         return torch.ops.opreg.moe_experts(*op_args)
+    if _fused_train is not None and _fused_train.fused_trains(op_args):
+        return _fused_train.train(*op_args)
     x, w1, w2, transposed = op_args[0], op_args[3], op_args[5], op_args[9]
     if torch.compiler.is_compiling() and not spec.grouped_traces_whole(x, w1, w2, transposed):
         return torch.ops.opreg.moe_experts(*op_args)

@@ -1,0 +1,189 @@
+"""The fused MoE kernels as a training path: two custom ops joined by ``register_autograd``.
+
+``opreg::moe_experts_fused`` runs the fused forward (:func:`.moe_experts.fused_experts_forward`
+with ``save=True``) and returns, beside the output, what the backward reads: the routing
+buffer, GEMM1's activation and its pre-activation. ``opreg::moe_experts_fused_backward``
+runs :func:`.moe_experts_backward.fused_experts_backward` on them. As custom ops they are
+one opaque node each in a traced graph: under ``torch.compile`` AOT autograd puts the
+first in the forward graph and the second in the backward graph, and Inductor compiles
+the rest of the model around them (the launcher's direct kernel calls are not traceable,
+and the saved tensors' sizes are static, so the fake kernels can give them).
+
+:func:`fused_trains` says whether a call takes this path; :func:`train` runs it: the
+custom ops when traced, in eager :class:`.moe_experts_backward.FusedExperts` (an
+``autograd.Function`` over the same two functions, cheaper on the host; it also takes
+block configs, for tests and tuning).
+
+No forward mode (``forward_ad``, ``torch.func.jvp``), double backward or ``torch.func``
+transforms here: :func:`fused_trains` sends those to the op's differentiable grouped path.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from opreg import registry
+from opreg.ops import moe_experts as M
+
+from . import moe_experts as F
+from . import moe_experts_backward as B
+
+__all__ = ["fused_trains", "train"]
+
+
+def _layout(x: Tensor, ids: Tensor, w1: Tensor, gated: bool, transposed: bool
+            ) -> Optional[tuple[int, int, int, int]]:
+    """(padded rows, routing buffer length, I, N1) of the forward's saved tensors, or None
+    where it saves nothing (no slot, or H = 0). The same config pick as the forward's."""
+    t, h = x.shape
+    k, e = ids.shape[1], w1.shape[0]
+    n1 = w1.shape[2] if transposed else w1.shape[1]
+    i = n1 // 2 if gated else n1
+    s = t * k
+    if s == 0 or h == 0:
+        return None
+    bm = _block_m(x, ids, w1, transposed)
+    return F.num_blocks(s, e, bm) * bm, F.routing_size(s, e, bm), i, n1
+
+
+@torch.library.custom_op("opreg::moe_experts_fused", mutates_args=())
+def _fused(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor,
+           gate_up_bias: Optional[Tensor], down_proj: Tensor, down_bias: Optional[Tensor], activation: str,
+           gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float
+           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out (T, H), routing (int32), act (R, I), pre (R, N1) float32): the fused forward
+    and what its backward reads (empty where it saves nothing)."""
+    args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias,
+            activation, gated, transposed, interleaved, alpha, limit)
+    out, saved = F.fused_experts_forward(*args, save=True)
+    if saved is None:
+        return (out, *_nothing_saved(hidden_states, gate_up_proj, gated, transposed))
+    return out, saved.routing, saved.act, saved.pre
+
+
+def _nothing_saved(x: Tensor, w1: Tensor, gated: bool, transposed: bool) -> tuple[Tensor, Tensor, Tensor]:
+    n1 = w1.shape[2] if transposed else w1.shape[1]
+    i = n1 // 2 if gated else n1
+    return (x.new_empty((0,), dtype=torch.int32), x.new_empty((0, i)),
+            x.new_empty((0, n1), dtype=F.PRE_DTYPE))
+
+
+@_fused.register_fake
+def _(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor,
+      gate_up_bias: Optional[Tensor], down_proj: Tensor, down_bias: Optional[Tensor], activation: str,
+      gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float
+      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    out = hidden_states.new_empty(hidden_states.shape)
+    lay = _layout(hidden_states, top_k_index, gate_up_proj, gated, transposed)
+    if lay is None:
+        return (out, *_nothing_saved(hidden_states, gate_up_proj, gated, transposed))
+    rows, length, i, n1 = lay
+    x = hidden_states
+    return (out, x.new_empty((length,), dtype=torch.int32), x.new_empty((rows, i)),
+            x.new_empty((rows, n1), dtype=F.PRE_DTYPE))
+
+
+_GRAD_INPUTS = (0, 2, 3, 4, 5, 6)  # hidden_states, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias
+
+
+@torch.library.custom_op("opreg::moe_experts_fused_backward", mutates_args=())
+def _fused_backward(grad: Tensor, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                    gate_up_proj: Tensor, gate_up_bias: Optional[Tensor], down_proj: Tensor,
+                    down_bias: Optional[Tensor], routing: Tensor, act: Tensor, pre: Tensor, activation: str,
+                    gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float,
+                    needs: list[bool]) -> list[Tensor]:
+    """Gradients for (hidden_states, top_k_weights, gate_up_proj, gate_up_bias, down_proj,
+    down_bias), each where ``needs`` asks and the input is present, else an empty tensor."""
+    x, ids, w1 = hidden_states, top_k_index, gate_up_proj
+    saved = None
+    if act.shape[0] > 0:  # else nothing was saved: no slot, or H = 0 (every gradient 0)
+        s, e = ids.shape[0] * ids.shape[1], w1.shape[0]
+        bm = _block_m(x, ids, w1, transposed)
+        spi, block_expert, tables = F.routing_views(routing, s, e, bm)
+        saved = F.Saved(spi, block_expert, tables, act, pre, {"gemm1": {"BLOCK_M": bm}}, routing)
+    grads = B.fused_experts_backward(grad, x, ids, top_k_weights, w1, gate_up_bias, down_proj, down_bias,
+                                     activation, gated, transposed, interleaved, alpha, limit, saved,
+                                     needs=tuple(needs))
+    return [g if g is not None else x.new_empty(0) for g in grads]
+
+
+def _block_m(x: Tensor, ids: Tensor, w1: Tensor, transposed: bool) -> int:
+    """The forward's BLOCK_M (its GEMM1 config, picked from the sizes alone)."""
+    n1 = w1.shape[2] if transposed else w1.shape[1]
+    s, e = ids.shape[0] * ids.shape[1], w1.shape[0]
+    return F.pick_config("gemm1", s / e, n1, x.shape[1], x.dtype)["BLOCK_M"]
+
+
+@_fused_backward.register_fake
+def _(grad: Tensor, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor,
+      gate_up_bias: Optional[Tensor], down_proj: Tensor, down_bias: Optional[Tensor], routing: Tensor,
+      act: Tensor, pre: Tensor, activation: str, gated: bool, transposed: bool, interleaved: bool,
+      alpha: float, limit: float, needs: list[bool]) -> list[Tensor]:
+    inputs = (hidden_states, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias)
+    return [t.new_empty(t.shape) if t is not None and need else hidden_states.new_empty(0)
+            for t, need in zip(inputs, needs)]
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    _, routing, act, pre = output
+    ctx.save_for_backward(*inputs[:7], routing, act, pre)
+    ctx.rest = inputs[7:]
+    # The saved tensors are outputs only for the backward's sake: without this, autograd
+    # fills a zero gradient for each (the pre-activation alone is R x N1 float32, 268 MB at
+    # Mixtral's T = 4096) before every backward, ~4x this path's host time on the CPU.
+    ctx.mark_non_differentiable(routing, act, pre)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, grad: Tensor, *_unused: Any) -> tuple[Optional[Tensor], ...]:
+    x, ids, rw, w1, b1, w2, b2, routing, act, pre = ctx.saved_tensors
+    needs = [bool(ctx.needs_input_grad[j]) for j in _GRAD_INPUTS]
+    grads = torch.ops.opreg.moe_experts_fused_backward(grad, x, ids, rw, w1, b1, w2, b2, routing, act, pre,
+                                                       *ctx.rest, needs)
+    out: list[Optional[Tensor]] = [None] * (7 + len(ctx.rest))
+    for j, g, need in zip(_GRAD_INPUTS, grads, needs):
+        out[j] = g if need else None
+    return tuple(out)
+
+
+_fused.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.compiler.assume_constant_result
+def _bound(device_type: str) -> Optional[str]:
+    """The moe_experts implementation a call on ``device_type`` runs now (its ``use()``
+    scope's, else the default); a constant to Dynamo, which need not trace the registry."""
+    return registry.bound(M.NAME, device_type) or registry.resolve(M.NAME, device_type).name
+
+
+def fused_trains(args: tuple[Any, ...]) -> bool:
+    """Does a differentiable call with the op's arguments ``args`` (checked) train through
+    the fused kernels? Where the op runs its ``triton`` implementation on these inputs
+    (:func:`.moe_experts.why_not_fused` None), in plain reverse mode (no forward-mode dual
+    level, not inside a ``torch.func`` transform), and, traced, with static sizes (the
+    saved tensors' sizes come from the block config, picked per size)."""
+    x = args[0]
+    if F.why_not_fused(*args) is not None or _bound(x.device.type) != "triton":
+        return False
+    if torch.compiler.is_compiling():  # traced: no functorch level or dual tensors here
+        return not any(isinstance(d, torch.SymInt) for t in (x, args[1]) for d in t.shape)
+    return (torch._C._functorch.maybe_current_level() is None
+            and getattr(torch.autograd.forward_ad, "_current_level", -1) < 0)
+
+
+def train(*args: Any) -> Tensor:
+    """The op (its positional arguments) with the fused kernels forward and backward; the
+    caller has checked :func:`fused_trains`. Arguments are checked as the op checks them.
+    Traced: the custom ops. Eager: the same kernels through :class:`FusedExperts`, an
+    ``autograd.Function``: a custom op's Python dispatch (argument defaults, redispatch,
+    its generated Function) cost ~0.35 ms of host per forward + backward on the 2-core box
+    (0.88 vs 0.53 ms with the launches stubbed), and an eager MoE step at T <= 4096 waits
+    on its host."""
+    M.check(*args)
+    if M.checks_ids_here(args[1]):  # as the op's other paths: traced, the graph checks
+        args = (args[0], M.checked_ids(args[1]), *args[2:])
+    if torch.compiler.is_compiling():
+        return torch.ops.opreg.moe_experts_fused(*args)[0]
+    return B.FusedExperts.apply(*args)

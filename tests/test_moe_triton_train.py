@@ -1,0 +1,226 @@
+"""moe_experts' fused training path (backends/triton/moe_experts_train.py): the custom ops
+``opreg::moe_experts_fused`` / ``opreg::moe_experts_fused_backward`` joined by
+``register_autograd``, and the transformers integration training through them.
+
+As tests/test_moe_triton.py: without a GPU the kernels run under Triton's interpreter on CPU
+tensors in ONE child process (this file run as a script), one pytest test per case reading
+the child's verdict. Every case draws fresh inputs, fills every buffer the kernels allocate
+with NaN first, and compares every gradient against ``torch.autograd.grad`` of the op's
+reference in float64. On CUDA (``cuda``-marked) the same in bf16, against the grouped path,
+with determinism.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import zlib
+from typing import Any, Callable
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # run as the interpreter child: `python tests/test_moe_triton_train.py`
+    sys.path.insert(0, HERE)
+
+from test_moe_experts import FAMILIES, make  # noqa: E402
+from test_moe_triton import interpreter_child, interpreter_verdicts  # noqa: E402
+
+from opreg.ops import moe_experts as M  # noqa: E402
+from opreg.testing import assert_matches  # noqa: E402
+
+try:
+    from opreg.backends.triton import moe_experts as TM
+    from opreg.backends.triton import moe_experts_train as TR
+except ImportError:  # pragma: no cover - the package itself imports without triton
+    TM = TR = None
+
+HAVE_TRITON = TM is not None and TM.triton is not None
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+GRAD_POS = (0, 2, 3, 4, 5, 6)  # hidden_states, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias
+
+
+def _leaves(args: tuple, only: tuple[int, ...] = GRAD_POS) -> tuple[tuple, list[torch.Tensor]]:
+    """``args`` with the float tensors at ``only`` made leaves that require grad."""
+    out = list(args)
+    for j in only:
+        if isinstance(out[j], torch.Tensor):
+            out[j] = out[j].detach().requires_grad_()
+    return tuple(out), [out[j] for j in only if isinstance(out[j], torch.Tensor)]
+
+
+def _fused(*args: Any) -> torch.Tensor:
+    return torch.ops.opreg.moe_experts_fused(*args)[0]
+
+
+def _check_grads(fn: Callable[..., torch.Tensor], args: tuple, only: tuple[int, ...] = GRAD_POS,
+                 seed: int = 0) -> list[torch.Tensor]:
+    """``fn``'s output and the gradients of the leaves at ``only`` against the float64
+    reference's, for a random cotangent; returns the gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    args, leaves = _leaves(args, only)
+    out = fn(*args)
+    dtype = args[0].dtype
+    cot = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=dtype)
+    got = torch.autograd.grad(out, leaves, cot)
+    a64, l64 = _leaves(tuple(a.detach().double() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                             else a for a in args), only)
+    ref = M.reference(*a64)
+    assert_matches(out, ref, dtype)
+    want = torch.autograd.grad(ref, l64, cot.double())
+    for g, w in zip(got, want):
+        assert_matches(g, w, dtype)
+    return list(got)
+
+
+# ------------------------------------------------------------------ interpreted cases
+
+def _case_op(seed: int, family: str, dtype: torch.dtype, only: tuple[int, ...] = GRAD_POS) -> None:
+    dims, opts = FAMILIES[family]
+    torch.manual_seed(seed)
+    _check_grads(_fused, make(*dims, dtype, "cpu", **opts), only, seed)
+
+
+def _case_compiled(seed: int) -> None:
+    """Traced (Dynamo, AOT autograd, fullgraph): one node each way, the same bits as eager."""
+    dims, opts = FAMILIES["gpt_oss biases"]
+    torch.manual_seed(seed)
+    args = make(*dims, torch.float32, "cpu", **opts)
+    eager = _check_grads(_fused, args, seed=seed)
+    torch._dynamo.reset()
+    compiled = _check_grads(torch.compile(_fused, backend="aot_eager", fullgraph=True), args, seed=seed)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), "compiled gradients differ from eager"
+
+
+def _case_opcheck(seed: int) -> None:
+    """Schema, fake kernels (the saved tensors' sizes), autograd registration. Not opcheck's
+    AOT-dispatch test: it compares every output of eager and traced runs, and the saved
+    buffers' padding rows hold whatever the allocator gave (the backward never reads
+    them); the "compiled" case compares the traced gradients with eager's bit for bit."""
+    torch.manual_seed(seed)
+    args, _ = _leaves(make(*FAMILIES["sentinels"][0], torch.float32, "cpu", **FAMILIES["sentinels"][1]))
+    torch.library.opcheck(torch.ops.opreg.moe_experts_fused.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def _case_no_slot(seed: int) -> None:
+    """No token: an empty output and zero gradients, nothing launched on the saved buffers."""
+    args = make(0, 2, 16, 8, 4, torch.float32, "cpu", bias=True)
+    args, leaves = _leaves(args)
+    out = _fused(*args)
+    grads = torch.autograd.grad(out.sum() + sum(t.sum() * 0 for t in leaves), leaves)
+    assert out.shape == (0, 16) and all(bool((g == 0).all()) for g in grads)
+
+
+def _case_transformers(seed: int) -> None:
+    """A transformers MoE block (Qwen3-MoE layout) trained with experts_implementation
+    "opreg" takes the fused path (counted) and matches HF's eager block in float64."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    import opreg.integrations.transformers  # noqa: F401  (registers "opreg")
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=32, intermediate_size=16, moe_intermediate_size=16,
+                                      num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    torch.manual_seed(seed)
+    block = Qwen3MoeSparseMoeBlock(cfg).float()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, p.shape[-1] ** -0.5)
+    ref = copy.deepcopy(block).double()
+    ref.experts.config._experts_implementation = "eager"
+    block.experts.config._experts_implementation = "opreg"
+    calls = []
+    real, bound = TR.train, TR._bound
+    TR.train = lambda *a: calls.append(1) or real(*a)
+    TR._bound = lambda device_type: "triton"  # the CPU binds "grouped"; the interpreter runs the kernels here
+    try:
+        x = torch.randn(1, 7, 32)
+        out = block(x)
+        out = out[0] if isinstance(out, tuple) else out
+        cot = torch.randn(out.shape)
+        (out * cot).sum().backward()
+    finally:
+        TR.train, TR._bound = real, bound
+    assert calls == [1], f"the fused training path ran {len(calls)} times"
+    want = ref(x.double())
+    want = want[0] if isinstance(want, tuple) else want
+    (want * cot.double()).sum().backward()
+    assert_matches(out, want, torch.float32)
+    for (name, p), q in zip(block.named_parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        assert_matches(p.grad, q.grad, torch.float32)
+
+
+CASES: dict[str, Callable[[int], None]] = {
+    "op fp32 gpt_oss biases": lambda s: _case_op(s, "gpt_oss biases", torch.float32),
+    "op fp16 relu2 ungated": lambda s: _case_op(s, "relu2 ungated", torch.float16),
+    "op fp32 sentinels, hidden_states only": lambda s: _case_op(s, "sentinels", torch.float32, (0,)),
+    "op fp32 empty experts, weights only": lambda s: _case_op(s, "k=1 empty experts", torch.float32, (3, 5)),
+    "compiled": _case_compiled,
+    "opcheck": _case_opcheck,
+    "no slot": _case_no_slot,
+    "transformers block": _case_transformers,
+}
+CASE_IDS = list(CASES)
+
+
+def run_case(case_id: str, seed: int) -> None:
+    CASES[case_id](seed ^ zlib.crc32(case_id.encode()))
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return interpreter_verdicts(tmp_path_factory, __file__, "triton-interpreter-train")
+
+
+@needs_triton
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_interpreted(case_id: str, interpreted: dict[str, str]) -> None:
+    assert interpreted.get(case_id) == "ok", interpreted.get(case_id, "not run")
+
+
+# ------------------------------------------------------------------ in process
+
+@needs_triton
+def test_fused_trains_only_where_triton_runs() -> None:
+    """On the CPU the op binds ``grouped``: the integration trains through the grouped path."""
+    args = make(5, 2, 16, 8, 4, torch.float32, "cpu")
+    assert not TR.fused_trains(args)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available() or not HAVE_TRITON, reason="needs CUDA and triton")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("family", ["mixtral silu", "gpt_oss biases", "relu2 ungated", "sentinels"])
+def test_cuda_train_matches_reference(family: str) -> None:
+    """bf16 on the GPU (the weight gradients on torch._grouped_mm where it applies): every
+    gradient against float64, and two runs bit-identical."""
+    dims, opts = FAMILIES[family]
+    torch.manual_seed(zlib.crc32(family.encode()))
+    args = make(*dims, torch.bfloat16, "cuda", **opts)
+    assert TR.fused_trains(args)
+    first = _check_grads(_fused, args)
+    second = _check_grads(_fused, args)
+    assert all(torch.equal(a, b) for a, b in zip(first, second)), "two runs differ"
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_train_compiled_with_inductor() -> None:
+    """Under Inductor the two ops stay single nodes: gradients equal eager's."""
+    dims, opts = FAMILIES["mixtral silu"]
+    torch.manual_seed(3)
+    args = make(*dims, torch.bfloat16, "cuda", **opts)
+    eager = _check_grads(_fused, args)
+    torch._dynamo.reset()
+    compiled = _check_grads(torch.compile(_fused, fullgraph=True), args)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+
+
+if __name__ == "__main__":
+    interpreter_child(CASE_IDS, run_case)
+    sys.exit(0)
