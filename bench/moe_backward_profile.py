@@ -73,6 +73,9 @@ def main() -> None:
                 us = median_us(step(lambda *x, g=g: B.FusedExperts.apply(*x, {"wgrad": {"GROUPED_MM": g}})),
                                a.reps, True)
                 print(f"  weight gradients on {path}: fused fwd+bwd {us:.0f} us (default: {default})", flush=True)
+            # GEMM2's dgrad with down_proj's tiles through pointer loads (the default: TMA)
+            us = median_us(step(lambda *x: B.FusedExperts.apply(*x, {"dgrad2": {"TMA": 0}})), a.reps, True)
+            print(f"  GEMM2's dgrad with pointer loads of W: fused fwd+bwd {us:.0f} us (default: TMA)", flush=True)
             from torch.profiler import ProfilerActivity, profile
             step(lambda *x: B.FusedExperts.apply(*x))()
             torch.cuda.synchronize()

@@ -98,6 +98,13 @@ CASES: dict[str, dict] = {
     "all slots sentinel": dict(dims=(5, 2, 16, 8, 4), opts=dict(bias=True), special="all_out"),
     "empty expert": dict(dims=(6, 2, 16, 8, 8), opts=dict(bias=True), special="skip_expert"),
     "T=1": dict(dims=(1, 2, 24, 16, 4), opts=dict(bias=True)),
+    # GEMM2's dgrad loads down_proj's tiles through a tensor descriptor by default (here the
+    # interpreter's); this case keeps its pointer loads covered, both weight layouts
+    "dgrad2 pointer loads": dict(dims=(11, 2, 16, 8, 3), opts=dict(bias=True),
+                                 configs={**SMALL_BWD, "dgrad2": {**SMALL_BWD["dgrad2"], "TMA": 0}}),
+    "dgrad2 pointer loads, transposed": dict(dims=(11, 2, 16, 8, 3), opts=dict(transposed=True),
+                                             dtypes=["float32"],
+                                             configs={**SMALL_BWD, "dgrad2": {**SMALL_BWD["dgrad2"], "TMA": 0}}),
     "k=1": dict(dims=(7, 1, 24, 16, 4), opts=dict(activation="gelu", interleaved=True)),
     "T=0": dict(dims=(0, 2, 16, 8, 4), opts=dict(bias=True), dtypes=["float32"]),
     "int32 ids, strided inputs, expanded grad": dict(dims=(8, 4, 24, 16, 8), opts=dict(idx_dtype=torch.int32),

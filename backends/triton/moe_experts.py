@@ -31,7 +31,12 @@ float16, bfloat16 and float32 (fp32 GEMMs in IEEE fp32, not TF32); other dtypes 
 and degenerate sizes run the op's ``grouped`` path (:func:`why_not_fused` says why, logged
 once). The op's gradients are its reference's; ``fused_experts_forward(..., save=True)``
 also keeps what the fused backward (:mod:`.moe_experts_backward`, GEMM1's pre-activation
-included) needs, for training through ``FusedExperts``.
+included) needs, for the training path (:mod:`.moe_experts_train`).
+
+Host time: a forward's launches, checks and configs follow from its inputs' metadata
+(:func:`spec_of`), so they are worked out once per spec and reused: the launcher keys
+each launch by the spec instead of by its ~45 arguments, and tensor descriptors are
+copied from a validated one.
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU
 tensors: that is how ``tests/test_moe_triton.py`` checks them without a GPU (float32 and

@@ -42,14 +42,13 @@ gradient); padding rows are read only as the zeros written there (``act``, ``d_p
 the gathered rows of the grouped weight gradients). Kernels run under
 ``TRITON_INTERPRET=1`` as the forward's do (``tests/test_moe_triton_backward.py``).
 
-**Not the op's training path yet**: :func:`fused_experts` / :class:`FusedExperts` are
-called explicitly. On the H200 (2026-12-01, bf16, T = 4096, ``bench/moe_backward_profile.py``)
-the fused forward+backward is slower than the grouped path's torch autograd (Mixtral 4111
-vs 2880 us, Qwen3-MoE 4014 vs 3623): the weight gradients run at ~210 TF/s (1.96 ms of
-the 4.1 ms; no split over an expert's rows, pointer loads) and GEMM2's dgrad at ~230 TF/s
-(605 us). Training keeps the grouped path until these beat it. Since then the weight
-gradients of bf16 on sm90 run on ``torch._grouped_mm`` by default (item 4; not yet timed
-on the H200: ``bench/moe_backward_profile.py`` prints the fused step on both paths).
+**The transformers integration's training path** (:mod:`.moe_experts_train`; tests and
+tuning call :func:`fused_experts` / :class:`FusedExperts`). On the H200 (2026-12-02, bf16,
+T = 4096, ``bench/moe_backward_profile.py``, the op alone) forward + backward takes 2524 /
+2781 / 2961 us (Mixtral / Qwen3-MoE / OLMoE) against 3411 / 4672 / 3836 for the grouped
+path under torch autograd; with the weight gradients on Triton's ``_moe_wgrad`` (~210
+TF/s) it was 4111 / 4014 (2026-12-01). GEMM2's dgrad (``_dgrad_act_kernel``, ~230 TF/s,
+544 us at Qwen3-MoE) is the next kernel to speed up.
 """
 import functools
 import math
@@ -138,7 +137,7 @@ def _gate_grad(p0, p1, dy, alpha, limit, GATED: tl.constexpr, ACT: tl.constexpr,
 
 @_jit
 def _dgrad_act_kernel(
-    dout_ptr, w_ptr, pre_ptr, route_w_ptr, dpre_ptr, part_ptr, pair_ids_ptr, block_expert_ptr,
+    dout_ptr, w_ptr, pre_ptr, route_w_ptr, dpre_ptr, part_ptr, pair_ids_ptr, block_expert_ptr, w_desc,
     num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
     stride_dt, stride_dh,
     stride_we, stride_wn, stride_wk,
@@ -150,12 +149,14 @@ def _dgrad_act_kernel(
     GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr,
     GATE_TIE: tl.constexpr, UP_LO_TIE: tl.constexpr, UP_HI_TIE: tl.constexpr,
     WRITE_DPRE: tl.constexpr, ROUTE_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr = False, W_TMA: tl.constexpr = False, W_KMAJOR: tl.constexpr = True,
 ):
     """One (BLOCK_M padded rows) x (BLOCK_N of the I columns) tile of GEMM2's dgrad:
     g = dout[token] @ down[e] (W = down seen as (E, I, H): N = I, K = H), then the gate's
     backward: d_pre (padded rows, N or 2N, gate_up's column order) from rw * g and ``pre``;
     and part[pair, pid_n] = sum over the tile's columns of g * gate(pre) (d top_k_weights'
-    partial sum). Padding rows: nothing read; d_pre written as 0 there."""
+    partial sum). Padding rows: nothing read; d_pre written as 0 there. W_TMA: W's tiles
+    through the descriptor ``w_desc``, as the forward's (:func:`_mma`)."""
     pid_m, pid_n, expert = _tile(block_expert_ptr, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if expert < 0:
         return
@@ -167,7 +168,8 @@ def _dgrad_act_kernel(
     col_ok = cols < N
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     g, _unused = _mma(dout_ptr, (p // top_k).to(tl.int64), row_ok, stride_dt, stride_dh, w_base, cols, cols,
-                      col_ok, stride_wn, stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_PRECISION)
+                      col_ok, stride_wn, stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_PRECISION, EVEN_K,
+                      w_desc, expert, pid_n * BLOCK_N, pid_n * BLOCK_N, W_TMA, W_KMAJOR)
 
     if INTERLEAVED:
         pcol0 = 2 * cols
@@ -395,6 +397,19 @@ def grouped_mm_wgrad_default(x: torch.Tensor, n1: int, i: int) -> bool:
             and _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
+def _w_descriptor(w_nk: torch.Tensor, cfg: dict[str, int]) -> tuple[Any, bool]:
+    """(a tensor descriptor of W's tiles or None, W k-major) for a (E, N, K) weight view, as
+    the forward's GEMMs load theirs (``cfg["TMA"]``, default 1, where :func:`F._tma_ok` allows).
+    GEMM2's dgrad reads down_proj transposed (N = I, K = H): with the pointer loads it ran at
+    ~230 TF/s on the H200, where the forward's GEMMs went 11-14 % faster with TMA."""
+    kmajor = w_nk.stride(2) == 1
+    tiles = w_nk if kmajor else w_nk.transpose(1, 2)
+    box = [1, cfg["BLOCK_N"], cfg["BLOCK_K"]] if kmajor else [1, cfg["BLOCK_K"], cfg["BLOCK_N"]]
+    if not cfg.get("TMA", 1) or not F._tma_ok(tiles, tuple(box)):
+        return None, kmajor
+    return F._descriptor(tiles, box), kmajor
+
+
 def _sorted_rows(src: torch.Tensor, rw: torch.Tensor, sorted_pair_ids: torch.Tensor, top_k: int,
                  scaled: bool, spec: Any = None) -> torch.Tensor:
     """(R, C) copy of ``src``'s token rows (T, C) in sorted-padded order (times the routing
@@ -471,16 +486,19 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             part = F._new_buffer((s, nnb), torch.float32, dev) if need_rw else saved.act
             finite = gated and math.isfinite(limit)
             ties = clamp_ties()
-            sw = F._nk_view(w2, not transposed).stride()  # down seen as (E, I, H)
+            w_nk = F._nk_view(w2, not transposed)  # down seen as (E, I, H)
+            sw = w_nk.stride()
+            w_desc, kmajor = _w_descriptor(w_nk, c)
             launch(_dgrad_act_kernel, (nb * nnb,),
-                   dout, w2, saved.pre, rw, d_pre, part, sorted_pair_ids, saved.block_expert,
+                   dout, w2, saved.pre, rw, d_pre, part, sorted_pair_ids, saved.block_expert, w_desc,
                    s, k, i, h, nb, float(alpha), float(limit) if finite else 0.0,
                    dout.stride(0), dout.stride(1), sw[0], sw[1], sw[2], saved.pre.stride(0), saved.pre.stride(1),
                    rw.stride(0), rw.stride(1), d_pre.stride(0), d_pre.stride(1), part.stride(0), part.stride(-1),
                    BLOCK_M=bm, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"],
                    GATED=gated, INTERLEAVED=gated and interleaved, ACT=F.ACT_IDS[activation], HAS_LIMIT=finite,
                    GATE_TIE=ties[0], UP_LO_TIE=ties[1], UP_HI_TIE=ties[2], WRITE_DPRE=need_dpre,
-                   ROUTE_GRAD=need_rw, DOT_PRECISION=precision, num_warps=c["num_warps"], num_stages=c["num_stages"],
+                   ROUTE_GRAD=need_rw, DOT_PRECISION=precision, EVEN_K=h % c["BLOCK_K"] == 0,
+                   W_TMA=w_desc is not None, W_KMAJOR=kmajor, num_warps=c["num_warps"], num_stages=c["num_stages"],
                    spec_key=key("dgrad2"))
         if need_rw:
             drw = F._new_buffer(tuple(rw.shape), rw.dtype, dev)
