@@ -83,7 +83,7 @@ ACT_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4, "sigmoid
 _IDENTITY = -1  # GEMM2: no activation
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-__all__ = ["ACT_IDS", "CONFIG_FILE", "Saved", "TritonImpl", "align_block_size", "fused_experts_forward",
+__all__ = ["ACT_IDS", "CONFIG_FILE", "Saved", "TritonImpl", "align_block_size", "checked", "fused_experts_forward",
            "moe_experts_triton", "pick_config", "register", "routing_buffer", "routing_size", "routing_tables",
            "routing_views", "spec_of", "why_not_fused"]
 
@@ -886,12 +886,7 @@ def moe_experts_triton(*args: Any) -> torch.Tensor:
     """The ``triton`` implementation's kernel (the op's positional arguments): the fused
     kernels, or the ``grouped`` path for inputs they don't take (logged once per cause).
     The checks follow from the arguments' metadata (:func:`spec_of`): run once per spec."""
-    spec = spec_of(*args)
-    why = _CHECKED.get(spec, _UNCHECKED)
-    if why is _UNCHECKED:
-        M.check(*args)
-        why = why_not_fused(*args)
-        _remember(_CHECKED, spec, why)
+    spec, why = checked(args)
     # Negative ids raise as in the op's other paths: always off CUDA, on CUDA only when
     # asked (the check synchronises); unchecked, they contribute nothing.
     if M.checks_ids_here(args[1]):
@@ -902,6 +897,19 @@ def moe_experts_triton(*args: Any) -> torch.Tensor:
                      "opreg: moe_experts/triton runs the grouped path: %s", why)
             return M.grouped(*args)
         return fused_experts_forward(*args, spec=spec)
+
+
+def checked(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Optional[str]]:
+    """(:func:`spec_of` the op's arguments, :func:`why_not_fused` them) after the op's
+    checks (raising what they find), each run once per spec: the checks read metadata only.
+    Eager calls only (a traced call has no data pointers to key by)."""
+    spec = spec_of(*args)
+    why = _CHECKED.get(spec, _UNCHECKED)
+    if why is _UNCHECKED:
+        M.check(*args)
+        why = why_not_fused(*args)
+        _remember(_CHECKED, spec, why)
+    return spec, why
 
 
 _CHECKED: dict[Any, Optional[str]] = {}  # spec -> why_not_fused (passed M.check)

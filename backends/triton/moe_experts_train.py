@@ -181,9 +181,13 @@ def train(*args: Any) -> Tensor:
     its generated Function) cost ~0.35 ms of host per forward + backward on the 2-core box
     (0.88 vs 0.53 ms with the launches stubbed), and an eager MoE step at T <= 4096 waits
     on its host."""
-    M.check(*args)
+    traced = torch.compiler.is_compiling()
+    if traced:
+        M.check(*args)
+    else:
+        F.checked(args)  # the same checks, once per input metadata
     if M.checks_ids_here(args[1]):  # as the op's other paths: traced, the graph checks
         args = (args[0], M.checked_ids(args[1]), *args[2:])
-    if torch.compiler.is_compiling():
+    if traced:
         return torch.ops.opreg.moe_experts_fused(*args)[0]
     return B.FusedExperts.apply(*args)
