@@ -154,7 +154,9 @@ _fused.register_autograd(_backward, setup_context=_setup_context)
 @torch.compiler.assume_constant_result
 def _bound(device_type: str) -> Optional[str]:
     """The moe_experts implementation a call on ``device_type`` runs now (its ``use()``
-    scope's, else the default); a constant to Dynamo, which need not trace the registry."""
+    scope's, else the default); a constant to Dynamo, which need not trace the registry, so
+    a compiled model's training path is the one bound when it was compiled (a ``use()``
+    scope entered later changes it after a recompile, e.g. ``torch._dynamo.reset()``)."""
     return registry.bound(M.NAME, device_type) or registry.resolve(M.NAME, device_type).name
 
 
