@@ -84,7 +84,7 @@ _IDENTITY = -1  # GEMM2: no activation
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 __all__ = ["ACT_IDS", "CONFIG_FILE", "Saved", "TritonImpl", "align_block_size", "checked", "fused_experts_forward",
-           "moe_experts_triton", "pick_config", "register", "routing_buffer", "routing_size", "routing_tables",
+           "moe_experts_triton", "pick_config", "register", "routing_size", "routing_tables",
            "routing_views", "spec_of", "why_not_fused"]
 
 
@@ -443,7 +443,7 @@ def routing_tables(top_k_index: torch.Tensor, num_experts: int,
     first row in ``sorted_pair_ids``) and its count (the backward's weight gradients walk an
     expert's rows [padded start, padded start + count): all real pairs). Sizes are static
     (:func:`num_blocks`), so this can be captured in a CUDA graph. All three are views of
-    one int32 buffer (:func:`routing_buffer`, :func:`routing_views`).
+    one int32 buffer (:func:`routing_views`; the forward keeps it as ``Saved.routing``).
 
     A counting sort in three launches (per-chunk counts, one program's scan, placement)
     into one int32 buffer. ``torch.sort`` cost 100-250 us of host per call on the H200 box
@@ -454,24 +454,19 @@ def routing_tables(top_k_index: torch.Tensor, num_experts: int,
 def routing_views(buf: torch.Tensor, num_pairs: int, num_experts: int,
                   block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_pair_ids, block_expert, tables) of :func:`routing_tables`, as views of the
-    buffer :func:`routing_buffer` filled (a saved buffer is one tensor to keep)."""
+    routing's one int32 buffer (a saved buffer is one tensor to keep)."""
     nb = num_blocks(num_pairs, num_experts, block_m)
     cap = nb * block_m
     return buf[:cap], buf[cap:cap + nb], buf[cap + nb:cap + nb + 3 * num_experts].view(3, num_experts)
 
 
 def routing_size(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Length of :func:`routing_buffer`'s int32 buffer: the padded pair list, the block
+    """Length of the routing's int32 buffer: the padded pair list, the block
     experts, the (3, E) tables, then the count kernel's per-chunk counts (E per chunk)."""
     nb = num_blocks(num_pairs, num_experts, block_m)
     if nb == 0:
         return 3 * num_experts
     return nb * block_m + nb + 3 * num_experts + num_experts * cdiv(num_pairs, ROUTE_CHUNK)
-
-
-def routing_buffer(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
-    """The routing of :func:`routing_tables` in its one int32 buffer (:func:`routing_size`)."""
-    return _route(top_k_index, num_experts, block_m)[0]
 
 
 def _route(top_k_index: torch.Tensor, num_experts: int, block_m: int, spec: Any = None
