@@ -44,7 +44,7 @@ def _layout(x: Tensor, ids: Tensor, w1: Tensor, gated: bool, transposed: bool
     s = t * k
     if s == 0 or h == 0:
         return None
-    bm = _block_m(x, ids, w1, transposed)
+    bm = _block_m(x, ids, w1, gated, transposed)
     return F.num_blocks(s, e, bm) * bm, F.routing_size(s, e, bm), i, n1
 
 
@@ -100,7 +100,7 @@ def _fused_backward(grad: Tensor, hidden_states: Tensor, top_k_index: Tensor, to
     saved = None
     if act.shape[0] > 0:  # else nothing was saved: no slot, or H = 0 (every gradient 0)
         s, e = ids.shape[0] * ids.shape[1], w1.shape[0]
-        bm = _block_m(x, ids, w1, transposed)
+        bm = _block_m(x, ids, w1, gated, transposed)
         spi, block_expert, tables = F.routing_views(routing, s, e, bm)
         saved = F.Saved(spi, block_expert, tables, act, pre, {"gemm1": {"BLOCK_M": bm}}, routing)
     grads = B.fused_experts_backward(grad, x, ids, top_k_weights, w1, gate_up_bias, down_proj, down_bias,
@@ -109,11 +109,11 @@ def _fused_backward(grad: Tensor, hidden_states: Tensor, top_k_index: Tensor, to
     return [g if g is not None else x.new_empty(0) for g in grads]
 
 
-def _block_m(x: Tensor, ids: Tensor, w1: Tensor, transposed: bool) -> int:
-    """The forward's BLOCK_M (its GEMM1 config, picked from the sizes alone)."""
+def _block_m(x: Tensor, ids: Tensor, w1: Tensor, gated: bool, transposed: bool) -> int:
+    """The forward's BLOCK_M: its own config pick (:func:`F._configs`), from the sizes alone."""
     n1 = w1.shape[2] if transposed else w1.shape[1]
-    s, e = ids.shape[0] * ids.shape[1], w1.shape[0]
-    return F.pick_config("gemm1", s / e, n1, x.shape[1], x.dtype)["BLOCK_M"]
+    (t, k), e = ids.shape, w1.shape[0]
+    return F._configs({}, t * k / e, n1, x.shape[1], n1 // 2 if gated else n1, k, x.dtype)[0]["BLOCK_M"]
 
 
 @_fused_backward.register_fake
