@@ -7,7 +7,7 @@ path (torch autograd over ``torch._grouped_mm``) and of the fused kernels
 (``FusedExperts``), each timed alone (CUDA events, median); the fused forward+backward with
 its weight gradients on each path (``torch._grouped_mm``, the sm90 bf16 default, and
 Triton's ``_moe_wgrad``: ``configs["wgrad"]["GROUPED_MM"]``); the fused backward's kernels
-by device time (torch.profiler, default path); then each backward GEMM's candidate configs,
+by device time (torch.profiler, default path); then each backward GEMM's candidate configs (``--gemms``),
 one at a time with the others at their defaults (the time of the whole forward+backward;
 the wgrad candidates are Triton's, so they run with GROUPED_MM 0).
 """
@@ -29,8 +29,12 @@ CANDIDATES = {
     "wgrad": [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, GROUPED_MM=0)
               for m, n, k, w, s in [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 128, 64, 4, 4),
                                     (128, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 64, 64, 4, 4)]],
-    "dgrad2": [dict(BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
-               for n, k, w, s in [(64, 64, 8, 4), (128, 64, 8, 3), (64, 128, 8, 3), (32, 64, 4, 4)]],
+    # SPLIT 0: the fused kernel (GEMM + the gate's backward in its epilogue); 1: the
+    # forward's GEMM into a buffer of g, then the gate's backward as its own pass
+    "dgrad2": [dict(BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s, SPLIT=sp)
+               for n, k, w, s, sp in [(64, 64, 8, 4, 0), (128, 64, 8, 3, 0), (64, 128, 8, 3, 0), (32, 64, 4, 4, 0),
+                                      (128, 64, 8, 4, 1), (128, 64, 8, 3, 1), (256, 64, 8, 3, 1),
+                                      (128, 128, 8, 3, 1), (64, 64, 4, 4, 1)]],
     "dgrad1": [dict(BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
                for n, k, w, s in [(128, 64, 8, 4), (256, 64, 8, 3), (128, 64, 4, 4)]],
 }
@@ -42,6 +46,8 @@ def main() -> None:
     p.add_argument("--configs", nargs="*", default=["mixtral", "qwen3_moe"])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--no-tune", action="store_true")
+    p.add_argument("--gemms", nargs="*", default=list(CANDIDATES), choices=list(CANDIDATES),
+                   help="whose candidate configs to time (default: all)")
     a = p.parse_args()
     for name in a.configs:
         e, h, i, k = SHAPES[name]
@@ -73,9 +79,14 @@ def main() -> None:
                 us = median_us(step(lambda *x, g=g: B.FusedExperts.apply(*x, {"wgrad": {"GROUPED_MM": g}})),
                                a.reps, True)
                 print(f"  weight gradients on {path}: fused fwd+bwd {us:.0f} us (default: {default})", flush=True)
-            # GEMM2's dgrad with down_proj's tiles through pointer loads (the default: TMA)
-            us = median_us(step(lambda *x: B.FusedExperts.apply(*x, {"dgrad2": {"TMA": 0}})), a.reps, True)
-            print(f"  GEMM2's dgrad with pointer loads of W: fused fwd+bwd {us:.0f} us (default: TMA)", flush=True)
+            # GEMM2's dgrad as one kernel (the gate's backward in its epilogue, 64-wide tiles)
+            # beside the table's default (split where many rows per expert)
+            split = B._configs(t * k / e, torch.bfloat16, fused.pick_config("gemm1", t * k / e, n1, h,
+                               torch.bfloat16)["BLOCK_M"], n1, h, n1 // 2, {})["dgrad2"].get("SPLIT", 0)
+            fused_cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4, "SPLIT": 0}
+            us = median_us(step(lambda *x: B.FusedExperts.apply(*x, {"dgrad2": fused_cfg})), a.reps, True)
+            print(f"  GEMM2's dgrad fused (one kernel, 64-wide tiles): fused fwd+bwd {us:.0f} us "
+                  f"(default: {'split' if split else 'fused'})", flush=True)
             from torch.profiler import ProfilerActivity, profile
             step(lambda *x: B.FusedExperts.apply(*x))()
             torch.cuda.synchronize()
@@ -85,8 +96,8 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=40))
             if a.no_tune:
                 continue
-            for gemm, cands in CANDIDATES.items():
-                for c in cands:
+            for gemm in a.gemms:
+                for c in CANDIDATES[gemm]:
                     try:
                         us = median_us(step(lambda *x, c=c, g=gemm: B.FusedExperts.apply(*x, {g: c})), a.reps, True)
                     except Exception as ex:  # noqa: BLE001 - out of resources: report and go on

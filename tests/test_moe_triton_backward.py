@@ -52,6 +52,9 @@ SMALL_BWD = {**SMALL,
 # The weight gradients forced onto torch._grouped_mm (the sm90 bf16 default; here the CPU's
 # bf16 grouped_mm), the rest as SMALL_BWD: BLOCK_M = 16 padded runs.
 GROUPED_BWD = {**SMALL_BWD, "wgrad": {**SMALL_BWD["wgrad"], "GROUPED_MM": 1}}
+# GEMM2's dgrad split (the table's default at many rows per expert): the forward's GEMM into
+# a buffer of g, then the gate's backward as its own pass (_gate_grad_kernel)
+SPLIT_BWD = {**SMALL_BWD, "dgrad2": {**SMALL_BWD["dgrad2"], "SPLIT": 1}}
 
 
 # ------------------------------------------------------------------ interpreted cases
@@ -105,6 +108,17 @@ CASES: dict[str, dict] = {
     "dgrad2 pointer loads, transposed": dict(dims=(11, 2, 16, 8, 3), opts=dict(transposed=True),
                                              dtypes=["float32"],
                                              configs={**SMALL_BWD, "dgrad2": {**SMALL_BWD["dgrad2"], "TMA": 0}}),
+    "dgrad2 split": dict(dims=(24, 3, 40, 24, 3), opts=dict(bias=True), configs=SPLIT_BWD,
+                         forbid=("TB._dgrad_act_kernel",)),
+    "dgrad2 split gpt_oss": dict(dims=(21, 2, 50, 18, 3), configs=SPLIT_BWD, clamps=True,
+                                 forbid=("TB._dgrad_act_kernel",), opts=dict(
+        activation=M.GPT_OSS, transposed=True, interleaved=True, bias=True, alpha=1.702, limit=1.0, gain=3.0)),
+    "dgrad2 split, sentinels, empty expert": dict(dims=(6, 2, 16, 8, 8), opts=dict(bias=True, sentinels=3),
+                                                  special="nan+skip_expert", configs=SPLIT_BWD,
+                                                  forbid=("TB._dgrad_act_kernel",)),
+    "dgrad2 split ungated, routing weights only": dict(
+        dims=(9, 2, 24, 16, 3), opts=dict(activation="relu2", gated=False, bias=True), dtypes=["float32"],
+        configs=SPLIT_BWD, requires=("top_k_weights",), forbid=("TB._dgrad_act_kernel", "TB._moe_wgrad")),
     "k=1": dict(dims=(7, 1, 24, 16, 4), opts=dict(activation="gelu", interleaved=True)),
     "T=0": dict(dims=(0, 2, 16, 8, 4), opts=dict(bias=True), dtypes=["float32"]),
     "int32 ids, strided inputs, expanded grad": dict(dims=(8, 4, 24, 16, 8), opts=dict(idx_dtype=torch.int32),
@@ -135,6 +149,9 @@ CASES: dict[str, dict] = {
     "grouped_mm wgrad gated transposed interleaved, default blocks": {
         "dims": (30, 2, 24, 16, 3), "opts": {"transposed": True, "interleaved": True, "bias": True},
         "configs": {"wgrad": {"GROUPED_MM": 1}}, "dtypes": ["bfloat16"], "grouped": True},
+    "grouped_mm wgrad, dgrad2 split (the sm90 default at many rows)": {
+        "dims": (30, 2, 24, 16, 3), "opts": {"bias": True}, "configs": {**GROUPED_BWD, "dgrad2": SPLIT_BWD["dgrad2"]},
+        "dtypes": ["bfloat16"], "grouped": True, "forbid": ("TB._dgrad_act_kernel",)},
     "grouped_mm wgrad, down_proj only, a full block": {
         "dims": (16, 2, 24, 16, 3), "opts": {"bias": True}, "special": "full_block", "configs": GROUPED_BWD,
         "dtypes": ["bfloat16"], "grouped": True, "requires": ("down_proj", "down_bias"),

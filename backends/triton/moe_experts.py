@@ -289,6 +289,9 @@ def _moe_gemm(
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+_INTERPRETING = triton is not None and type(_moe_gemm).__name__ == "InterpretedFunction"
+
+
 @_jit
 def _combine_kernel(
     pair_ptr, ids_ptr, out_ptr, H, top_k, num_experts,
@@ -323,8 +326,11 @@ def next_pow2(n: int) -> int:
 
 
 def interpreting() -> bool:
-    """Do the kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1 at import)?"""
-    return triton is not None and type(_moe_gemm).__name__ == "InterpretedFunction"
+    """Do the kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1 at import)?
+    A bool fixed at import (``_INTERPRETING``, set below the kernels): Dynamo on torch 2.11
+    cannot take ``type()`` of a Triton kernel ("TritonKernelVariable() has no type"), and
+    ``why_not_fused`` asks this inside compiled training."""
+    return _INTERPRETING
 
 
 # ----------------------------------------------------------------------------- routing

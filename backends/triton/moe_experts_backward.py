@@ -204,6 +204,69 @@ def _dgrad_act_kernel(
 
 
 @_jit
+def _gate_grad_kernel(
+    g_ptr, pre_ptr, route_w_ptr, dpre_ptr, part_ptr, pair_ids_ptr, block_expert_ptr,
+    num_pairs, top_k, N, block_m, alpha, limit,
+    stride_fm, stride_fn,
+    stride_pm, stride_pn,
+    stride_rt, stride_rk,
+    stride_gm, stride_gn,
+    stride_qm,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    GATE_TIE: tl.constexpr, UP_LO_TIE: tl.constexpr, UP_HI_TIE: tl.constexpr,
+    WRITE_DPRE: tl.constexpr, ROUTE_GRAD: tl.constexpr,
+):
+    """GEMM2's dgrad, split (``configs["dgrad2"]["SPLIT"]``), second pass: for BLOCK_R padded
+    rows (a slice of one M block of ``block_m`` rows) the gate's backward of
+    :func:`_dgrad_act_kernel`'s epilogue on g (fp32, padded rows x N, the GEMM's output):
+    d_pre from rw * g and ``pre`` (0 at padding rows), and part[pair] = the sum over all N
+    columns of g * gate(pre), in column order. Rows of blocks past the work list: nothing."""
+    r0 = tl.program_id(0) * BLOCK_R
+    expert = tl.load(block_expert_ptr + r0 // block_m)
+    if expert < 0:
+        return
+    rows = r0 + tl.arange(0, BLOCK_R)
+    pair = tl.load(pair_ids_ptr + rows)
+    row_ok = pair < num_pairs
+    p = tl.where(row_ok, pair, 0)
+    rw = tl.load(route_w_ptr + (p // top_k).to(tl.int64) * stride_rt + (p % top_k) * stride_rk,
+                 mask=row_ok, other=0.0).to(tl.float32)
+    rows64 = rows.to(tl.int64)[:, None]
+    part = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        mask = row_ok[:, None] & col_ok[None, :]
+        if INTERLEAVED:
+            pcol0 = 2 * cols
+            pcol1 = 2 * cols + 1
+        else:
+            pcol0 = cols
+            pcol1 = cols + N
+        g = tl.load(g_ptr + rows64 * stride_fm + cols[None, :] * stride_fn, mask=mask, other=0.0)
+        p0 = tl.load(pre_ptr + rows64 * stride_pm + pcol0[None, :] * stride_pn, mask=mask, other=0.0).to(tl.float32)
+        if GATED:
+            p1 = tl.load(pre_ptr + rows64 * stride_pm + pcol1[None, :] * stride_pn, mask=mask,
+                         other=0.0).to(tl.float32)
+        else:
+            p1 = p0
+        d0, d1, y = _gate_grad(p0, p1, g * rw[:, None], alpha, limit, GATED, ACT, HAS_LIMIT,
+                               GATE_TIE, UP_LO_TIE, UP_HI_TIE)
+        if WRITE_DPRE:  # every row, a padding row as 0 (see _dgrad_act_kernel)
+            d_rows = dpre_ptr + rows64 * stride_gm
+            tl.store(d_rows + pcol0[None, :] * stride_gn, tl.where(row_ok[:, None], d0, 0.0).to(
+                dpre_ptr.dtype.element_ty), mask=col_ok[None, :])
+            if GATED:
+                tl.store(d_rows + pcol1[None, :] * stride_gn, tl.where(row_ok[:, None], d1, 0.0).to(
+                    dpre_ptr.dtype.element_ty), mask=col_ok[None, :])
+        if ROUTE_GRAD:
+            part += tl.sum(tl.where(mask, g * y, 0.0), axis=1)
+    if ROUTE_GRAD:
+        tl.store(part_ptr + p.to(tl.int64) * stride_qm, part, mask=row_ok)
+
+
+@_jit
 def _route_grad_kernel(
     part_ptr, dout_ptr, bias_ptr, ids_ptr, out_ptr, num_pairs, top_k, num_experts, H, num_parts,
     stride_qm, stride_qn, stride_dt, stride_dh, stride_be, stride_bh, stride_it, stride_ik,
@@ -481,25 +544,43 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     with F._device_ctx(x):
         if need_dpre or need_rw:
             c = cfg["dgrad2"]
-            nnb = F.cdiv(i, c["BLOCK_N"])
+            split = bool(c.get("SPLIT", 0))
+            nnb = 1 if split else F.cdiv(i, c["BLOCK_N"])
             d_pre = F._new_buffer((nb * bm, n1), x.dtype, dev) if need_dpre else saved.act
             part = F._new_buffer((s, nnb), torch.float32, dev) if need_rw else saved.act
             finite = gated and math.isfinite(limit)
             ties = clamp_ties()
             w_nk = F._nk_view(w2, not transposed)  # down seen as (E, I, H)
             sw = w_nk.stride()
-            w_desc, kmajor = _w_descriptor(w_nk, c)
-            launch(_dgrad_act_kernel, (nb * nnb,),
-                   dout, w2, saved.pre, rw, d_pre, part, sorted_pair_ids, saved.block_expert, w_desc,
-                   s, k, i, h, nb, float(alpha), float(limit) if finite else 0.0,
-                   dout.stride(0), dout.stride(1), sw[0], sw[1], sw[2], saved.pre.stride(0), saved.pre.stride(1),
-                   rw.stride(0), rw.stride(1), d_pre.stride(0), d_pre.stride(1), part.stride(0), part.stride(-1),
-                   BLOCK_M=bm, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"],
-                   GATED=gated, INTERLEAVED=gated and interleaved, ACT=F.ACT_IDS[activation], HAS_LIMIT=finite,
-                   GATE_TIE=ties[0], UP_LO_TIE=ties[1], UP_HI_TIE=ties[2], WRITE_DPRE=need_dpre,
-                   ROUTE_GRAD=need_rw, DOT_PRECISION=precision, EVEN_K=h % c["BLOCK_K"] == 0,
-                   W_TMA=w_desc is not None, W_KMAJOR=kmajor, num_warps=c["num_warps"], num_stages=c["num_stages"],
-                   spec_key=key("dgrad2"))
+            gate = dict(GATED=gated, INTERLEAVED=gated and interleaved, ACT=F.ACT_IDS[activation], HAS_LIMIT=finite,
+                        GATE_TIE=ties[0], UP_LO_TIE=ties[1], UP_HI_TIE=ties[2], WRITE_DPRE=need_dpre,
+                        ROUTE_GRAD=need_rw)
+            if split:
+                # g = dout[t] @ down[e] on the forward's GEMM (a plain tile, any width), fp32 at
+                # the padded rows; then the gate's backward as its own pass (see the table's about)
+                g = F._new_buffer((nb * bm, i), torch.float32, dev)
+                F.launch_gemm(c, a=dout, w_nk=w_nk, bias=None, rw=rw, out=g, pre=None,
+                              sorted_pair_ids=sorted_pair_ids, block_expert=saved.block_expert, top_k=k, n=i, k=h,
+                              gather=True, routed=False, act=_IDENTITY, spec=key("dgrad2"))
+                br = min(bm, 32)
+                launch(_gate_grad_kernel, (nb * bm // br,),
+                       g, saved.pre, rw, d_pre, part, sorted_pair_ids, saved.block_expert,
+                       s, k, i, bm, float(alpha), float(limit) if finite else 0.0,
+                       g.stride(0), g.stride(1), saved.pre.stride(0), saved.pre.stride(1),
+                       rw.stride(0), rw.stride(1), d_pre.stride(0), d_pre.stride(1), part.stride(0),
+                       BLOCK_R=br, BLOCK_N=min(64, F.next_pow2(i)), num_warps=4, spec_key=key("gate grad"), **gate)
+            else:
+                w_desc, kmajor = _w_descriptor(w_nk, c)
+                launch(_dgrad_act_kernel, (nb * nnb,),
+                       dout, w2, saved.pre, rw, d_pre, part, sorted_pair_ids, saved.block_expert, w_desc,
+                       s, k, i, h, nb, float(alpha), float(limit) if finite else 0.0,
+                       dout.stride(0), dout.stride(1), sw[0], sw[1], sw[2], saved.pre.stride(0),
+                       saved.pre.stride(1), rw.stride(0), rw.stride(1), d_pre.stride(0), d_pre.stride(1),
+                       part.stride(0), part.stride(-1),
+                       BLOCK_M=bm, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"],
+                       DOT_PRECISION=precision, EVEN_K=h % c["BLOCK_K"] == 0, W_TMA=w_desc is not None,
+                       W_KMAJOR=kmajor, num_warps=c["num_warps"], num_stages=c["num_stages"],
+                       spec_key=key("dgrad2"), **gate)
         if need_rw:
             drw = F._new_buffer(tuple(rw.shape), rw.dtype, dev)
             bp, bh = 32, min(128, F.next_pow2(h))
