@@ -10,7 +10,14 @@ padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    forward's): g[r] = dout[t] @ down_proj[e] (dout rows gathered through the pair ids),
    then in the epilogue the gate's backward on ``pre``: d_pre[r] (gate_up_proj's column
    order) from dact = rw * g, and per row and I block the partial sum of g * gate(pre)
-   for d top_k_weights into a (S, I blocks) fp32 buffer at the pair's row.
+   for d top_k_weights into a (S, I blocks) fp32 buffer at the pair's row. **Split**
+   (``configs["dgrad2"]["SPLIT"]``, the table's default at many rows per expert): g comes
+   from the forward's GEMM (``_moe_gemm``, gathered rows, any tile width) into an fp32
+   (padded rows, I) buffer, and :func:`_gate_grad_kernel` runs the same epilogue as its own
+   pass (one partial per pair). The fused kernel's tile is 64 wide (its epilogue holds g,
+   both pre halves and both gradient halves) and ran at ~190 TF/s on the H200; split, the
+   op's forward + backward took 2400 / 2689 / 2792 us against 2564 / 2795 / 2980 fused
+   (Mixtral / Qwen3-MoE / OLMoE, T = 4096, 2026-12-02), g's extra write and read included.
 2. **d top_k_weights** (:func:`_route_grad_kernel`): each valid slot's partials summed in
    block order, plus dout[t] . down_bias[e]; 0 at a slot whose id is outside [0, E).
 3. **dgrad of GEMM1** (the forward's ``_moe_gemm``, ROUTED without the routing weight):
@@ -44,11 +51,10 @@ the gathered rows of the grouped weight gradients). Kernels run under
 
 **The transformers integration's training path** (:mod:`.moe_experts_train`; tests and
 tuning call :func:`fused_experts` / :class:`FusedExperts`). On the H200 (2026-12-02, bf16,
-T = 4096, ``bench/moe_backward_profile.py``, the op alone) forward + backward takes 2524 /
-2781 / 2961 us (Mixtral / Qwen3-MoE / OLMoE) against 3411 / 4672 / 3836 for the grouped
+T = 4096, ``bench/moe_backward_profile.py``, the op alone) forward + backward takes 2400 /
+2689 / 2792 us (Mixtral / Qwen3-MoE / OLMoE) against 2888 / 3605 / 3799 for the grouped
 path under torch autograd; with the weight gradients on Triton's ``_moe_wgrad`` (~210
-TF/s) it was 4111 / 4014 (2026-12-01). GEMM2's dgrad (``_dgrad_act_kernel``, ~230 TF/s,
-544 us at Qwen3-MoE) is the next kernel to speed up.
+TF/s) it was 4111 / 4014 (2026-12-01).
 """
 import functools
 import math
