@@ -29,14 +29,10 @@ CANDIDATES = {
     "wgrad": [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, GROUPED_MM=0)
               for m, n, k, w, s in [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 128, 64, 4, 4),
                                     (128, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 64, 64, 4, 4)]],
-    # SPLIT 0: the fused kernel (GEMM + the gate's backward in its epilogue); 1: the
-    # forward's GEMM into a buffer of g, then the gate's backward as its own pass
-    "dgrad2": [dict(BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s, SPLIT=sp)
-               for n, k, w, s, sp in [(64, 64, 8, 4, 0), (128, 64, 8, 3, 0), (64, 128, 8, 3, 0), (32, 64, 4, 4, 0),
-                                      (128, 64, 8, 4, 1), (128, 64, 8, 3, 1), (256, 64, 8, 3, 1),
-                                      (128, 128, 8, 3, 1), (64, 64, 4, 4, 1)]],
-    "dgrad1": [dict(BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
-               for n, k, w, s in [(128, 64, 8, 4), (256, 64, 8, 3), (128, 64, 4, 4)]],
+    # the tuner's (python -m opreg tune moe_experts --backward): SPLIT 0 the fused kernel,
+    # 1 the forward's GEMM into a buffer of g, then the gate's backward as its own pass
+    "dgrad2": [tune._dgrad(c) for c in tune.DGRAD2],
+    "dgrad1": [tune._dgrad(c) for c in tune.DGRAD1],
 }
 
 

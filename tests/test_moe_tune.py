@@ -47,6 +47,26 @@ def test_record_keeps_only_a_faster_right_config(best_us, error, kept):
         TM.pick_config("gemm1", 4.0, 2 * i, h, torch.bfloat16, table=_table())
 
 
+@pytest.mark.parametrize("best_us, error, kept", [(90.0, 1e-3, True), (99.0, 1e-3, False), (90.0, 5e-2, False)])
+def test_record_backward_keeps_only_a_faster_right_config(best_us, error, kept):
+    """The backward's winners go where the backward's pick_config looks (N, K as it asks),
+    for their bucket only; a GEMM left at its default (None) writes nothing."""
+    e, h, i, k, t = 128, 2048, 768, 8, 4096
+    rpe = t * k / e
+    table = _table()
+    dgrad2 = dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, SPLIT=1)
+    found = {"default_us": 100.0, "best_us": best_us, "rows_per_expert": rpe, "error": error,
+             "dgrad2": dgrad2, "dgrad1": None}
+    assert tune.record_backward(table, e, h, i, k, t, torch.bfloat16, found) is kept
+    picked = {key: v for key, v in TM.pick_config("dgrad2", rpe, i, h, torch.bfloat16, block_m=128,
+                                                  table=table).items() if key != "BLOCK_M"}
+    assert (picked == dgrad2) is kept
+    assert TM.pick_config("dgrad1", rpe, h, 2 * i, torch.bfloat16, block_m=128, table=table) == \
+        TM.pick_config("dgrad1", rpe, h, 2 * i, torch.bfloat16, block_m=128, table=_table())
+    assert TM.pick_config("dgrad2", 4.0, i, h, torch.bfloat16, block_m=64, table=table) == \
+        TM.pick_config("dgrad2", 4.0, i, h, torch.bfloat16, block_m=64, table=_table())
+
+
 def test_needs_a_gpu_or_the_interpreter(capsys):
     if torch.cuda.is_available() or TM.interpreting():
         pytest.skip("there is a GPU (or the interpreter) here")
@@ -61,11 +81,12 @@ def test_a_whole_run(tmp_path):
     out = tmp_path / "configs.json"
     env = {**os.environ, **({} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"})}
     run = fresh.run(["-m", "opreg", "tune", "moe_experts", "--shapes", "4:32:16:2", "--tokens", "8",
-                     "--reps", "1", "--max-candidates", "2", "--dtype", "float32", "--out", str(out)],
-                    env=env, timeout=300)
+                     "--reps", "1", "--max-candidates", "2", "--dtype", "float32", "--out", str(out),
+                     "--backward"], env=env, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "E=4 H=32 I=16 k=2 T=8: default" in run.stdout and f"wrote {out}" in run.stdout
     assert "4 of 4 candidates tried" in run.stdout  # the budget (600 s) is not spent on a build
+    assert "  backward: default" in run.stdout and run.stdout.count("4 of 4 candidates tried") == 2
     table = json.loads(out.read_text())
     assert table["tuned_on"]["device"] == (torch.cuda.get_device_name() if torch.cuda.is_available()
                                            else "cpu (interpreter)")

@@ -10,6 +10,12 @@ at its default, then GEMM2's with GEMM1's best. Coordinate descent, not the full
 bucket of T * k / E rows per expert), which :func:`moe_experts.pick_config` reads; a
 config that does not beat the default by more than the timing noise (2 %) is not written.
 
+``--backward`` also tunes the backward's dgrad GEMMs for the transformers integration's
+training path: GEMM2's dgrad (fused, or split into the forward's GEMM and the gate's
+backward) and GEMM1's, timed as the fused forward + backward (:class:`FusedExperts`) with
+the forward at this run's winners; its winners are kept as the forward's are (faster by
+more than the noise, gradients within the dtype's error of the grouped path's).
+
 It is bounded: ``--budget-s`` stops it starting new candidates (what it found is still
 written), and it runs only when asked -- a user's first call never tunes. On the CPU under
 ``TRITON_INTERPRET=1`` it runs (tiny shapes, for the tests); the times mean nothing there.
@@ -41,6 +47,15 @@ GEMM1 = [(64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (64, 128, 64, 8, 8, 3), 
 # (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
 GEMM2 = [(64, 64, 8, 4, 4), (128, 64, 8, 4, 4), (128, 64, 8, 8, 4), (256, 64, 8, 8, 4), (256, 64, 8, 8, 3),
          (128, 128, 8, 8, 3), (256, 128, 8, 8, 3)]
+# The backward's (``--backward``), timed as forward + backward with the forward at this
+# run's winners, one GEMM at a time (dgrad2, then dgrad1 with dgrad2's best); BLOCK_M is the
+# forward's. dgrad2: (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT): SPLIT 0 the
+# fused kernel (GEMM + the gate's backward in its epilogue, tiles 64 wide at most: its
+# epilogue holds five of them), 1 the forward's GEMM into a buffer of g and the gate's
+# backward as its own pass. dgrad1: (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).
+DGRAD2 = [(64, 64, 8, 8, 4, 0), (64, 128, 8, 8, 3, 0), (32, 64, 8, 4, 4, 0), (128, 64, 8, 8, 4, 1),
+          (128, 64, 8, 8, 3, 1), (256, 64, 8, 8, 3, 1), (128, 128, 8, 8, 3, 1), (64, 64, 8, 4, 4, 1)]
+DGRAD1 = [(128, 64, 8, 8, 4), (256, 64, 8, 8, 3), (128, 64, 8, 4, 4), (128, 128, 8, 8, 3)]
 NOISE = 0.02
 # Normwise error of the winner against the grouped path (same inputs, same dtype): both
 # round to the dtype, so about its epsilon times a small factor.
@@ -53,6 +68,10 @@ def _gemm1(c: tuple[int, ...]) -> dict[str, int]:
 
 def _gemm2(c: tuple[int, ...]) -> dict[str, int]:
     return dict(zip(("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"), c))
+
+
+def _dgrad(c: tuple[int, ...]) -> dict[str, int]:
+    return dict(zip(("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT"), c))
 
 
 def inputs(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, device: str) -> tuple[Any, ...]:
@@ -117,6 +136,57 @@ def tune_shape(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, devic
             "error": error, "tried": tried, "of": len(gemm1) + len(gemm2)}
 
 
+def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, device: str, reps: int,
+                  deadline: float, forward: dict[str, dict[str, int]], dgrad2: list[tuple[int, ...]] = DGRAD2,
+                  dgrad1: list[tuple[int, ...]] = DGRAD1) -> dict[str, Any]:
+    """The backward's dgrad configs for one shape, ``forward`` = {"gemm1", "gemm2"} the
+    forward's (its BLOCK_M is theirs); returns {"default_us", "best_us", "dgrad2", "dgrad1",
+    "rows_per_expert", "error", "tried", "of"}: times of forward + backward, the error the
+    largest normwise one of the winner's gradients against the grouped path's."""
+    from . import moe_experts_backward as B
+
+    args = list(inputs(e, h, i, k, t, dtype, device))
+    grad_at = (0, 2, 3, 5)  # hidden_states, top_k_weights, gate_up_proj, down_proj
+    for j in grad_at:
+        args[j] = args[j].detach().requires_grad_()
+    leaves = [args[j] for j in grad_at]
+    cot = torch.randn(t, h, device=device, dtype=dtype)
+    rpe = t * k / e
+    bm = forward["gemm1"]["BLOCK_M"]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+
+    def grads(picked: dict[str, dict[str, int]]) -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(B.FusedExperts.apply(*args, {**forward, **picked}), leaves, cot)
+
+    def run(picked: dict[str, dict[str, int]]) -> float:
+        for c in picked.values():  # as the forward's: tiles that don't fit are another candidate
+            if fused._fit_smem({**c, "BLOCK_M": bm}, itemsize, 1) != {**c, "BLOCK_M": bm}:
+                return math.inf
+        try:
+            return median_us(lambda: grads(picked), reps, device == "cuda")
+        except fused.triton.runtime.errors.OutOfResources:
+            return math.inf
+
+    default_us = run({})
+    best: dict[str, dict[str, int]] = {}
+    best_us, tried = default_us, 0
+    for gemm, cands, make in (("dgrad2", dgrad2, _dgrad), ("dgrad1", dgrad1, _dgrad)):
+        for c in cands:
+            if time.monotonic() > deadline:
+                break
+            tried += 1
+            us = run({**best, gemm: make(c)})
+            if us < best_us:
+                best, best_us = {**best, gemm: make(c)}, us
+    got = grads(best)
+    want = torch.autograd.grad(fused.M.grouped(*args), leaves, cot)
+    error = max(float((g.double() - w.double()).norm() / w.double().norm().clamp_min(1e-30))
+                for g, w in zip(got, want))
+    return {"default_us": default_us, "best_us": best_us, "dgrad2": best.get("dgrad2"),
+            "dgrad1": best.get("dgrad1"), "rows_per_expert": rpe, "error": error, "tried": tried,
+            "of": len(dgrad2) + len(dgrad1)}
+
+
 def record(table: dict[str, Any], e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype,
            found: dict[str, Any]) -> bool:
     """Write ``found`` into ``table["tuned"]`` if it beats the default by more than NOISE
@@ -126,6 +196,23 @@ def record(table: dict[str, Any], e: int, h: int, i: int, k: int, t: int, dtype:
     dname = str(dtype).replace("torch.", "")
     rpe = found["rows_per_expert"]
     for gemm, n, kk in (("gemm1", 2 * i, h), ("gemm2", h, i)):
+        bucket = fused._bucket(rpe, list(table["default"][gemm]))
+        entry = table.setdefault("tuned", {}).setdefault(dname, {}).setdefault(f"N={n},K={kk}", {})
+        entry.setdefault(gemm, {})[bucket] = found[gemm]
+    return True
+
+
+def record_backward(table: dict[str, Any], e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype,
+                    found: dict[str, Any]) -> bool:
+    """As :func:`record`, for :func:`tune_backward`'s winners (those that differ from the
+    table's default: the others are not found, None)."""
+    if found["best_us"] > found["default_us"] * (1 - NOISE) or not found["error"] <= MAX_ERROR[dtype]:
+        return False
+    dname = str(dtype).replace("torch.", "")
+    rpe = found["rows_per_expert"]
+    for gemm, n, kk in (("dgrad2", i, h), ("dgrad1", h, 2 * i)):  # N, K as pick_config is asked
+        if found[gemm] is None:
+            continue
         bucket = fused._bucket(rpe, list(table["default"][gemm]))
         entry = table.setdefault("tuned", {}).setdefault(dname, {}).setdefault(f"N={n},K={kk}", {})
         entry.setdefault(gemm, {})[bucket] = found[gemm]
@@ -142,6 +229,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--budget-s", type=float, default=600.0, help="start no candidate after this")
     p.add_argument("--max-candidates", type=int, default=None, help="the first N of each list (tests)")
     p.add_argument("--out", default=fused.CONFIG_FILE, help="the table to update (default: the package's)")
+    p.add_argument("--backward", action="store_true",
+                   help="also the backward's dgrad configs (timed as forward + backward, the forward at "
+                        "this run's winners)")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not fused.interpreting() else "cpu"
     if device == "cpu" and not fused.interpreting():
@@ -168,6 +258,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"gemm1={found['gemm1']} gemm2={found['gemm2']}: "
                   f"{'written' if kept else 'default kept'}",
                   flush=True)
+            if not a.backward:
+                continue
+            fwd = {"gemm1": found["gemm1"], "gemm2": {**found["gemm2"], "BLOCK_M": found["gemm1"]["BLOCK_M"]}}
+            back = tune_backward(e, h, i, k, t, dtype, device, a.reps, deadline, fwd,
+                                 DGRAD2[:a.max_candidates], DGRAD1[:a.max_candidates])
+            kept = record_backward(table, e, h, i, k, t, dtype, back)
+            print(f"  backward: default {back['default_us']:.0f} us, best {back['best_us']:.0f} us "
+                  f"({back['default_us'] / back['best_us']:.2f}x) error {back['error']:.1e}, "
+                  f"{back['tried']} of {back['of']} candidates tried; dgrad2={back['dgrad2']} "
+                  f"dgrad1={back['dgrad1']}: {'written' if kept else 'default kept'}", flush=True)
     table["tuned_on"] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
                          "torch": torch.__version__, "triton": getattr(fused.triton, "__version__", None),
                          "date": datetime.date.today().isoformat()}
