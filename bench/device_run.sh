@@ -5,7 +5,8 @@
 #   STAGE=moe bash bench/device_run.sh     the MoE layer: the block vs HF's grouped_mm + Inductor over
 #                                          TOKENS_MOE (default 64,4096,16384), host vs GPU time eager and
 #                                          compiled (moe_profile.py --inductor), the GEMMs per config
-#                                          (moe_gemms.py); MOE_BACKWARD=1: the fused backward's kernels
+#                                          (moe_gemms.py); MOE_BACKWARD=1: the fused backward's kernels;
+#                                          MOE_TUNE=1: `opreg tune moe_experts --backward` into $OUT
 #   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
 # TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
 # 16 cores) runs it with xdist; FIRST_CALL=0 skips the first-call timing.
@@ -63,4 +64,9 @@ if [ "$STAGE" = moe ]; then
   timeout 100 python3 bench/moe_gemms.py --tokens 4096 2>&1 | tee "$OUT/moe_gemms.log" | grep -E "^[a-z]|fused"
   [ "${MOE_BACKWARD:-0}" = 1 ] && (cd bench && timeout 150 python3 moe_backward_profile.py --no-tune 2>&1 \
     | tee "$OUT/moe_backward_profile.log" | grep -E "T=")
+  # MOE_TUNE=1: the block configs for the three shapes, forward and the training path's
+  # dgrads, into a copy of the table in $OUT (commit it as backends/triton/moe_experts_configs.json)
+  [ "${MOE_TUNE:-0}" = 1 ] && timeout $((${TUNE_S:-240} + 60)) python3 -m opreg tune moe_experts --backward \
+    --tokens "${TOKENS_TUNE:-4096}" --budget-s "${TUNE_S:-240}" --out "$OUT/moe_experts_configs.json" 2>&1 \
+    | tee "$OUT/tune.log" | grep -E "E=|backward|wrote"
 fi
