@@ -365,43 +365,44 @@ def _route_count_kernel(ids_ptr, counts_ptr, num_pairs, top_k, stride_t, stride_
 
 
 @_jit
-def _route_scan_kernel(counts_ptr, tables_ptr, num_experts, num_chunks,
-                       BINS: tl.constexpr, CB: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One program. Each expert's total over the chunks, its run start among the sorted
-    pairs and its padded start (runs padded to BLOCK_M, laid end to end) -> tables; then, in
-    place, counts[e, c] -> the first row of chunk c's pairs of expert e (padded start + the
-    rows of chunks before c), CB chunks at a time."""
-    e = tl.arange(0, BINS)
-    real = e < num_experts
-    total = tl.zeros((BINS,), dtype=tl.int32)
+def _route_scan_kernel(counts_ptr, tables_ptr, num_experts, num_chunks, CB: tl.constexpr):
+    """Program e (one per expert): expert e's row in place, counts[e, c] -> the rows of its
+    pairs in chunks before c (an exclusive scan, CB chunks at a time), and its total into
+    tables[2, e]. The padded starts need every expert's total: the place kernel adds them.
+    (One program for the whole (E, chunks) matrix walked it serially: 17 us at E = 128,
+    T = 4096, k = 8 on the H200, 2026-12-02.)"""
+    e = tl.program_id(0)
+    row = counts_ptr + e * num_chunks
+    run = tl.zeros((), dtype=tl.int32)
     for c0 in range(0, num_chunks, CB):
         cs = c0 + tl.arange(0, CB)
-        m = real[:, None] & (cs < num_chunks)[None, :]
-        total += tl.sum(tl.load(counts_ptr + e[:, None] * num_chunks + cs[None, :], mask=m, other=0), axis=1)
-    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    pstart = tl.cumsum(padded, 0) - padded
-    tl.store(tables_ptr + e, tl.cumsum(total, 0) - total, mask=real)
-    tl.store(tables_ptr + num_experts + e, pstart, mask=real)
-    tl.store(tables_ptr + 2 * num_experts + e, total, mask=real)
-    nxt = pstart
-    for c0 in range(0, num_chunks, CB):
-        cs = c0 + tl.arange(0, CB)
-        m = real[:, None] & (cs < num_chunks)[None, :]
-        ptrs = counts_ptr + e[:, None] * num_chunks + cs[None, :]
-        cnt = tl.load(ptrs, mask=m, other=0)
-        tl.store(ptrs, nxt[:, None] + tl.cumsum(cnt, 1) - cnt, mask=m)
-        nxt += tl.sum(cnt, axis=1)
+        m = cs < num_chunks
+        cnt = tl.load(row + cs, mask=m, other=0)
+        tl.store(row + cs, run + tl.cumsum(cnt, 0) - cnt, mask=m)
+        run += tl.sum(cnt, axis=0)
+    tl.store(tables_ptr + 2 * num_experts + e, run)
 
 
 @_jit
 def _route_place_kernel(ids_ptr, offsets_ptr, tables_ptr, out_ptr, block_expert_ptr,
                         num_pairs, top_k, stride_t, stride_k, num_experts, num_chunks, num_m_blocks,
                         CHUNK: tl.constexpr, BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Program c: chunk c's pairs go to out[offsets[e, c] + their rank among the chunk's pairs
-    of expert e] (pair order kept: a stable counting sort); then the expert of M blocks
-    [c * bpp, (c+1) * bpp) (-1 past the last padded row) and the sentinel S in their padding
-    rows. Every out entry is written once."""
+    """Program c: the experts' run starts and padded starts (runs padded to BLOCK_M, laid
+    end to end) from their totals, into tables[0] and tables[1] (every program writes the
+    same values); chunk c's pairs go to out[padded start of e + offsets[e, c] + their rank
+    among the chunk's pairs of expert e] (pair order kept: a stable counting sort); then
+    the expert of M blocks [c * bpp, (c+1) * bpp) (-1 past the last padded row) and the
+    sentinel S in their padding rows. Every out entry is written once."""
     c = tl.program_id(0)
+    e = tl.arange(0, BINS)
+    real = e < num_experts
+    total = tl.load(tables_ptr + 2 * num_experts + e, mask=real, other=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pstart = tl.cumsum(padded, 0) - padded
+    pend = pstart + padded
+    tl.store(tables_ptr + e, tl.cumsum(total, 0) - total, mask=real)
+    tl.store(tables_ptr + num_experts + e, pstart, mask=real)
+    tl.debug_barrier()  # this program's stores seen by its own threads' loads below
     q = tl.arange(0, CHUNK)
     p = c * CHUNK + q
     ids = tl.load(ids_ptr + (p // top_k).to(tl.int64) * stride_t + (p % top_k) * stride_k, mask=p < num_pairs,
@@ -409,14 +410,11 @@ def _route_place_kernel(ids_ptr, offsets_ptr, tables_ptr, out_ptr, block_expert_
     valid = (ids >= 0) & (ids < num_experts)
     b = tl.where(valid, ids, -1).to(tl.int32)
     rank = tl.sum(((b[:, None] == b[None, :]) & (q[None, :] < q[:, None])).to(tl.int32), axis=1)
-    dest = tl.load(offsets_ptr + tl.where(valid, b, 0) * num_chunks + c, mask=valid, other=0) + rank
+    bb = tl.where(valid, b, 0)
+    dest = tl.load(tables_ptr + num_experts + bb, mask=valid, other=0) \
+        + tl.load(offsets_ptr + bb * num_chunks + c, mask=valid, other=0) + rank
     tl.store(out_ptr + dest, p, mask=valid)
     # this program's M blocks
-    e = tl.arange(0, BINS)
-    real = e < num_experts
-    pstart = tl.load(tables_ptr + num_experts + e, mask=real, other=0)
-    total = tl.load(tables_ptr + 2 * num_experts + e, mask=real, other=0)
-    pend = pstart + (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     bpp = tl.cdiv(num_m_blocks, num_chunks)
     b_end = tl.minimum((c + 1) * bpp, num_m_blocks)
     r = tl.arange(0, BLOCK_M)
@@ -451,7 +449,7 @@ def routing_tables(top_k_index: torch.Tensor, num_experts: int,
     (:func:`num_blocks`), so this can be captured in a CUDA graph. All three are views of
     one int32 buffer (:func:`routing_views`; the forward keeps it as ``Saved.routing``).
 
-    A counting sort in three launches (per-chunk counts, one program's scan, placement)
+    A counting sort in three launches (per-chunk counts, a scan per expert, placement)
     into one int32 buffer. ``torch.sort`` cost 100-250 us of host per call on the H200 box
     and 60 us of GPU at T = 4096, k = 8 (eight radix passes over int64 keys)."""
     return _route(top_k_index, num_experts, block_m)[1:]
@@ -494,8 +492,8 @@ def _route(top_k_index: torch.Tensor, num_experts: int, block_m: int, spec: Any 
     st, sk = top_k_index.stride()
     launch(_route_count_kernel, (nc,), top_k_index, counts, s, k, st, sk, num_experts, nc, spec_key=spec,
            CHUNK=ROUTE_CHUNK, BINS=bins, num_warps=4)
-    launch(_route_scan_kernel, (1,), counts, tables, num_experts, nc, spec_key=spec, BINS=bins,
-           CB=max(1, min(next_pow2(nc), 8192 // bins)), BLOCK_M=block_m, num_warps=8)
+    launch(_route_scan_kernel, (num_experts,), counts, tables, num_experts, nc, spec_key=spec,
+           CB=min(next_pow2(nc), 1024), num_warps=4)
     launch(_route_place_kernel, (nc,), top_k_index, counts, tables, sorted_pair_ids, block_expert, s, k, st, sk,
            num_experts, nc, nb, spec_key=spec, CHUNK=ROUTE_CHUNK, BINS=bins, BLOCK_M=block_m,
            BLOCK_B=max(1, min(64, 8192 // bins)), num_warps=4)
