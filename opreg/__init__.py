@@ -32,17 +32,22 @@ __all__ = [
 
 
 def register_impl(op: str, name: str, *, devices: Sequence[str] = ("cpu", "cuda"),
-                  priority: int = 10, dtypes: Sequence[torch.dtype] | None = None
+                  priority: int = 10, dtypes: Sequence[torch.dtype] | None = None,
+                  train: Callable[..., Any] | None = None
                   ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: add a Python implementation ``name`` of ``op``.
 
     It runs when asked for (``get(op, impl=name)``, ``use(op=name)``), or by default on
     ``devices`` if its ``priority`` beats the built-ins (100; the reference is 0).
     With ``dtypes``, other dtypes go to the reference. Duplicate names raise ValueError.
+    ``train`` (ops whose gradients are their reference's, e.g. from :func:`register_op`):
+    where a call that gradients can flow through binds this implementation, ``train(*args)``
+    runs it recording its own backward (an ``autograd.Function``; returns the output), or
+    returns None where it does not take those arguments (the reference's gradients then).
     """
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         _add_impl(op, Impl(name, op, tuple(devices), priority, fn=fn,
-                           dtypes=frozenset(dtypes) if dtypes else None))
+                           dtypes=frozenset(dtypes) if dtypes else None, train=train))
         return fn
 
     return deco

@@ -55,17 +55,33 @@ def differentiating(args: Sequence[Any]) -> bool:
 
 
 def reference_autograd(op: Any) -> Callable[..., Any]:
-    """The Python fallback's Autograd kernel: where a gradient or tangent can flow, run the
-    reference, which torch differentiates in every mode and to any order (reverse, double
-    backward, forward mode, functorch); otherwise the bound kernel below autograd."""
-
+    """The Python fallback's Autograd kernel: where a gradient or tangent can flow, the
+    bound implementation's own training run where it has one that takes the call
+    (``Impl.train``), else the reference, which torch differentiates in every mode and to
+    any order (reverse, double backward, forward mode, functorch); otherwise the bound
+    kernel below autograd."""
     def kernel(*args: Any) -> Any:
         if differentiating(args):
-            return op.reference(*args)
+            out = _trained(op, args) if any(i.train is not None for i in op.impls.values()) else None
+            return op.reference(*args) if out is None else out
         with torch._C._AutoDispatchBelowAutograd():
             return op.torch_op(*args)
 
     return kernel
+
+
+def _trained(op: Any, args: Sequence[Any]) -> Any:
+    """The output of the bound implementation's ``train`` on ``args``, or None (no tensor,
+    no ``train``, or it does not take them)."""
+    from . import registry  # imports this module
+
+    t = first_tensor(args)
+    if t is None:
+        return None
+    device = t.device.type
+    name = registry.bound(op.name, device) or registry.resolve(op.name, device).name
+    train = getattr(op.impls.get(name), "train", None)
+    return None if train is None else train(*args)
 
 
 def run_python(op: Any, impl: Any, args: Sequence[Any]) -> Any:

@@ -29,6 +29,10 @@ class Impl:
     ``fn`` is a Python kernel with the op's signature; ``extension`` a kernel library
     whose ``TORCH_LIBRARY_IMPL`` registers the kernel itself. ``devices`` are device
     types (``"cpu"``, ``"cuda"``) or ``"*"`` for any. ``dtypes=None`` means all.
+    ``train`` (ops whose autograd is the Python fallback's): where a call that gradients
+    can flow through binds this implementation, a run with the op's arguments that records
+    its own backward (returns the output), or None where it does not take them (the
+    reference's gradients then).
     """
 
     name: str
@@ -38,6 +42,7 @@ class Impl:
     fn: Callable[..., Any] | None = None
     extension: Extension | None = None
     dtypes: frozenset[torch.dtype] | None = None
+    train: Callable[..., Any] | None = None
 
     def supports(self, device: str) -> bool:
         return ANY_DEVICE in self.devices or device in self.devices

@@ -32,9 +32,10 @@ from opreg.testing import assert_matches  # noqa: E402
 
 try:
     from opreg.backends.triton import moe_experts as TM
+    from opreg.backends.triton import moe_experts_backward as B
     from opreg.backends.triton import moe_experts_train as TR
 except ImportError:  # pragma: no cover - the package itself imports without triton
-    TM = TR = None
+    TM = B = TR = None
 
 HAVE_TRITON = TM is not None and TM.triton is not None
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
@@ -153,6 +154,60 @@ def _case_transformers(seed: int) -> None:
         assert_matches(p.grad, q.grad, torch.float32)
 
 
+def _case_op_itself(seed: int) -> None:
+    """The op called with gradients (``torch.ops.opreg.moe_experts``, what ``opreg.get``
+    returns) where it binds ``triton`` trains through the same fused path (counted), not
+    through its reference: the implementation's ``train`` (``Impl.train``). With a
+    ``use("reference")`` scope it takes the reference's gradients again."""
+    from opreg import registry
+
+    op = registry.lookup(M.NAME)
+    name = registry.bound(M.NAME, "cpu") or registry.resolve(M.NAME, "cpu").name
+    calls = []
+    real, bound, impl_train = TR.train, TR._bound, op.impls[name].train
+    TR.train = lambda *a: calls.append(1) or real(*a)
+    TR._bound = lambda device_type: "triton"  # the CPU binds another; the interpreter runs the kernels here
+    op.impls[name].train = TM.moe_experts_triton_train  # as the triton implementation declares it on CUDA
+    try:
+        dims, opts = FAMILIES["gpt_oss biases"]
+        torch.manual_seed(seed)
+        _check_grads(torch.ops.opreg.moe_experts, make(*dims, torch.float32, "cpu", **opts), seed=seed)
+        assert calls == [1], f"the fused training path ran {len(calls)} times"
+        import opreg
+
+        with opreg.use(moe_experts="reference"):
+            _check_grads(torch.ops.opreg.moe_experts, make(*dims, torch.float32, "cpu", **opts), seed=seed)
+        assert calls == [1], "a use('reference') scope still trained through the fused path"
+    finally:
+        TR.train, TR._bound = real, bound
+        op.impls[name].train = impl_train
+
+
+def _case_double_backward(seed: int) -> None:
+    """A second derivative through the fused path (``create_graph``): the backward then
+    differentiates the reference, so it is right (vs float64), not zeros or an error."""
+    dims, opts = FAMILIES["mixtral silu"]
+    torch.manual_seed(seed)
+    args = make(*dims, torch.float32, "cpu", **opts)
+
+    def second(fn: Callable[..., torch.Tensor], a: tuple) -> tuple[torch.Tensor, ...]:
+        a, leaves = _leaves(a, (0, 3))
+        out = fn(*a)
+        gen = torch.Generator().manual_seed(seed)
+        v = torch.randn(out.shape, generator=gen).to(out.dtype)
+        g = torch.autograd.grad(out, leaves, v, create_graph=True)
+        w = [torch.randn(t.shape, generator=gen).to(t.dtype) for t in g]
+        s = sum((gi * wi).sum() for gi, wi in zip(g, w))
+        return torch.autograd.grad(s, leaves)
+
+    got = second(lambda *a: B.FusedExperts.apply(*a), args)
+    want = second(M.reference, tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                                     for a in args))
+    for g, w in zip(got, want):
+        assert_matches(g, w, torch.float32)
+        assert bool(g.abs().sum() > 0)
+
+
 CASES: dict[str, Callable[[int], None]] = {
     "op fp32 gpt_oss biases": lambda s: _case_op(s, "gpt_oss biases", torch.float32),
     "op fp16 relu2 ungated": lambda s: _case_op(s, "relu2 ungated", torch.float16),
@@ -162,6 +217,8 @@ CASES: dict[str, Callable[[int], None]] = {
     "opcheck": _case_opcheck,
     "no slot": _case_no_slot,
     "transformers block": _case_transformers,
+    "the op itself trains fused": _case_op_itself,
+    "double backward": _case_double_backward,
 }
 CASE_IDS = list(CASES)
 
@@ -206,6 +263,25 @@ def test_cuda_train_matches_reference(family: str) -> None:
     first = _check_grads(_fused, args)
     second = _check_grads(_fused, args)
     assert all(torch.equal(a, b) for a, b in zip(first, second)), "two runs differ"
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_op_itself_trains_fused() -> None:
+    """``torch.ops.opreg.moe_experts`` called with gradients on CUDA, where it binds
+    ``triton``, trains through the fused kernels (``Impl.train``): counted, every gradient
+    against float64, and the same bits as the fused path called directly."""
+    dims, opts = FAMILIES["gpt_oss biases"]
+    torch.manual_seed(11)
+    args = make(*dims, torch.bfloat16, "cuda", **opts)
+    calls, real = [], TR.train
+    TR.train = lambda *a: calls.append(1) or real(*a)
+    try:
+        got = _check_grads(torch.ops.opreg.moe_experts, args)
+    finally:
+        TR.train = real
+    assert calls == [1], f"the fused training path ran {len(calls)} times"
+    assert all(torch.equal(a, b) for a, b in zip(got, _check_grads(lambda *a: B.FusedExperts.apply(*a), args)))
 
 
 @pytest.mark.cuda

@@ -156,6 +156,56 @@ def test_register_new_op_with_autograd():
     assert opreg.get(name, impl="reference") is scaled_add
 
 
+def test_an_implementation_that_trains_itself():
+    """``register_impl(..., train=)``: a call with gradients that binds the implementation
+    runs its ``train`` (its own backward); None from it, a ``use()`` scope binding another,
+    or no gradient: the reference's gradients / the plain kernel, as before."""
+    name = f"test_cube_{next(_names)}"
+
+    @opreg.register_op(name, "(Tensor x) -> Tensor")
+    def cube(x):
+        return x * x * x
+
+    class Cube(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x ** 3
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g * 3 * x * x
+
+    trained = []
+
+    def train(x):
+        if x.dtype != torch.float64:
+            return None  # this one trains float64 only
+        trained.append(1)
+        return Cube.apply(x)
+
+    @opreg.register_impl(name, "mine", devices=("cpu",), priority=200, train=train)
+    def mine(x):
+        return x ** 3
+
+    op = getattr(torch.ops.opreg, name).default
+    x = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    y = op(x)
+    assert trained == [1] and type(y.grad_fn).__name__ == "CubeBackward"
+    (g,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(g, 3 * x.detach() ** 2)
+    assert torch.autograd.gradcheck(op, (x,))  # through train, both ways
+    n = len(trained)
+    (g32,) = torch.autograd.grad(op(x.float()).sum(), x)  # train says no: the reference's
+    torch.testing.assert_close(g32.float(), 3 * x.detach().float() ** 2)  # float32 arithmetic
+    with opreg.use(**{name: "reference"}):
+        op(x)
+    with torch.no_grad():
+        op(x)
+    assert len(trained) == n, "train ran where it should not"
+
+
 def test_failing_build_falls_back_with_one_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("OPREG_CACHE_DIR", str(tmp_path / "cache"))
     src = tmp_path / "kernels"

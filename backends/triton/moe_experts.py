@@ -898,6 +898,21 @@ def moe_experts_triton(*args: Any) -> torch.Tensor:
         return fused_experts_forward(*args, spec=spec)
 
 
+def moe_experts_triton_train(*args: Any) -> Optional[torch.Tensor]:
+    """The ``triton`` implementation's training run (``Impl.train``: the op called with
+    gradients): the fused kernels forward and backward
+    (:func:`.moe_experts_train.train`) where :func:`.moe_experts_train.fused_trains` takes
+    the call, else None (the op's reference gradients). Traced calls keep the op's traced
+    reference (the transformers integration traces the fused custom ops itself)."""
+    if M._tracing(args[0]):
+        return None
+    from . import moe_experts_train as T  # imports this module
+
+    if checked(args)[1] is not None or not T.fused_trains(args):
+        return None
+    return T.train(*args)
+
+
 def checked(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Optional[str]]:
     """(:func:`spec_of` the op's arguments, :func:`why_not_fused` them) after the op's
     checks (raising what they find), each run once per spec: the checks read metadata only.
@@ -920,4 +935,5 @@ def register() -> None:
     ``grouped``). Idempotent."""
     if "triton" in registry.lookup(M.NAME).impls:
         return
-    registry.add_impl(M.NAME, TritonImpl("triton", M.NAME, ("cuda",), priority=110, fn=moe_experts_triton))
+    registry.add_impl(M.NAME, TritonImpl("triton", M.NAME, ("cuda",), priority=110, fn=moe_experts_triton,
+                                         train=moe_experts_triton_train))

@@ -61,11 +61,11 @@ import math
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from opreg.backends.triton import moe_experts as F
 from opreg.backends.triton.launch import launch
 from opreg.backends.triton.moe_experts import _IDENTITY, _act, _jit, _mma, _tile, tl
+from opreg.ops import moe_experts as M
 
 __all__ = ["FusedExperts", "clamp_ties", "fused_experts", "fused_experts_backward", "grouped_mm_unfit",
            "grouped_mm_wgrad_default"]
@@ -680,8 +680,9 @@ class FusedExperts(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():  # create_graph: gradients that are differentiable themselves
+            return _reference_grads(ctx, grad)
         tensors = ctx.saved_tensors
         args, kept = tensors[:7], tensors[7:]
         saved = F.Saved(*kept, ctx.fwd_configs) if kept else None
@@ -692,11 +693,26 @@ class FusedExperts(torch.autograd.Function):
         return (dx, None, drw, dw1, db1, dw2, db2) + (None,) * (len(n) - 7)
 
 
+def _reference_grads(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """:class:`FusedExperts`' gradients where the graph of the backward is wanted
+    (``create_graph``, a double backward): the op's reference recomputed from the saved
+    inputs and differentiated by torch, so second derivatives are right (the fused kernels
+    record no graph); slower than the kernels, but this is not the training step's path."""
+    args = list(ctx.saved_tensors[:7]) + list(ctx.rest)
+    n = ctx.needs_input_grad
+    at = [j for j in (0, 2, 3, 4, 5, 6) if n[j] and args[j] is not None]
+    with torch.enable_grad():
+        out = M.reference(*args)
+        got = torch.autograd.grad(out, [args[j] for j in at], grad, create_graph=True, allow_unused=True)
+    grads: list[torch.Tensor | None] = [None] * len(n)
+    for j, g in zip(at, got):
+        grads[j] = torch.zeros_like(args[j]) if g is None else g
+    return tuple(grads)
+
+
 def fused_experts(*args: Any, configs: dict[str, dict[str, int]] | None = None) -> torch.Tensor:
     """The op (its positional arguments), differentiable, for training: :class:`FusedExperts`
     where the fused kernels take the inputs, else the op's differentiable ``grouped`` path."""
-    from opreg.ops import moe_experts as M
-
     M.check(*args)
     if M.checks_ids_here(args[1]):
         M.check_ids(args[1])
