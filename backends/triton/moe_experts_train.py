@@ -14,8 +14,11 @@ custom ops when traced, in eager :class:`.moe_experts_backward.FusedExperts` (an
 ``autograd.Function`` over the same two functions, cheaper on the host; it also takes
 block configs, for tests and tuning).
 
-No forward mode (``forward_ad``, ``torch.func.jvp``), double backward or ``torch.func``
-transforms here: :func:`fused_trains` sends those to the op's differentiable grouped path.
+No forward mode (``forward_ad``, ``torch.func.jvp``) or ``torch.func`` transforms here:
+:func:`fused_trains` sends those to the op's differentiable grouped path. A double backward
+(``create_graph``) in eager differentiates the op's reference inside ``FusedExperts``'
+backward. The op itself called with gradients takes this path too, through the ``triton``
+implementation's ``train`` (:func:`.moe_experts.moe_experts_triton_train`).
 """
 from __future__ import annotations
 

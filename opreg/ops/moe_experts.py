@@ -35,7 +35,8 @@ by ``searchsorted``: no host sync), grouped GEMMs (``torch._grouped_mm`` for bf1
 which is CUDA-graph capturable; elsewhere one GEMM per expert after one host read of the
 offsets), the gate, and ``scatter_combine`` for the weighted combine (deterministic, fp32
 accumulation); sentinel rows are zero going in and zeroed coming out. Gradients of the op
-are its reference's; :func:`grouped` itself is differentiable (torch autograd,
+are its reference's, except where the bound implementation trains itself (``Impl.train``:
+``triton``'s fused kernels, eager); :func:`grouped` itself is differentiable (torch autograd,
 scatter_combine's own; under ``torch.func`` transforms torch's ``index_add`` instead, and
 under ``torch.compile`` one GEMM per expert of unbacked size), which the transformers
 integration uses to train.
