@@ -200,6 +200,19 @@ def _mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_o
 
 
 @_jit
+def _halves(cols, N, INTERLEAVED: tl.constexpr):
+    """gate_up's columns of the gate and up halves for output columns ``cols``: (cols,
+    cols + N), or (2 cols, 2 cols + 1) where the halves are interleaved."""
+    if INTERLEAVED:
+        c0 = 2 * cols
+        c1 = 2 * cols + 1
+    else:
+        c0 = cols
+        c1 = cols + N
+    return c0, c1
+
+
+@_jit
 def _moe_gemm(
     a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, w_desc, a_desc,
     num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
@@ -241,13 +254,7 @@ def _moe_gemm(
         a_row = rows.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    # Weight columns of the two halves: gate = cols, up = cols + N, or even/odd if interleaved.
-    if INTERLEAVED:
-        wcol0 = 2 * cols
-        wcol1 = 2 * cols + 1
-    else:
-        wcol0 = cols
-        wcol1 = cols + N
+    wcol0, wcol1 = _halves(cols, N, INTERLEAVED)
     w_base = w_ptr + expert.to(tl.int64) * stride_we  # int64: E * N * K may pass 2**31
     acc0, acc1 = _mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_ok,
                       stride_wn, stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, GATED, DOT_PRECISION, EVEN_K,

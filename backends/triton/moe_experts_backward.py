@@ -64,7 +64,7 @@ import torch
 
 from opreg.backends.triton import moe_experts as F
 from opreg.backends.triton.launch import launch
-from opreg.backends.triton.moe_experts import _IDENTITY, _act, _jit, _mma, _tile, tl
+from opreg.backends.triton.moe_experts import _IDENTITY, _act, _halves, _jit, _mma, _tile, tl
 from opreg.ops import moe_experts as M
 
 __all__ = ["FusedExperts", "clamp_ties", "fused_experts", "fused_experts_backward", "grouped_mm_unfit",
@@ -142,6 +142,37 @@ def _gate_grad(p0, p1, dy, alpha, limit, GATED: tl.constexpr, ACT: tl.constexpr,
 
 
 @_jit
+def _gate_grad_tile(g, rw, rows, row_ok, cols, col_ok, pre_ptr, stride_pm, stride_pn, dpre_ptr, stride_gm,
+                    stride_gn, N, alpha, limit, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+                    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, GATE_TIE: tl.constexpr,
+                    UP_LO_TIE: tl.constexpr, UP_HI_TIE: tl.constexpr, WRITE_DPRE: tl.constexpr):
+    """GEMM2's dgrad epilogue on one (rows x cols) tile of g = dL/d(gate output) (fp32,
+    before the routing weight ``rw``, one per row): d_pre (padded rows, N or 2N, gate_up's
+    column order) from rw * g and ``pre``, written at every row, a padding row as 0 (the
+    grouped weight gradients, torch._grouped_mm, read all of an expert's padded run, where
+    an unwritten NaN would poison the sum even times a zero row of x). Returns each row's
+    sum over the tile's columns of g * gate(pre) (d top_k_weights' partial sum)."""
+    pcol0, pcol1 = _halves(cols, N, INTERLEAVED)
+    mask = row_ok[:, None] & col_ok[None, :]
+    pre_rows = pre_ptr + rows.to(tl.int64)[:, None] * stride_pm
+    p0 = tl.load(pre_rows + pcol0[None, :] * stride_pn, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        p1 = tl.load(pre_rows + pcol1[None, :] * stride_pn, mask=mask, other=0.0).to(tl.float32)
+    else:
+        p1 = p0
+    d0, d1, y = _gate_grad(p0, p1, g * rw[:, None], alpha, limit, GATED, ACT, HAS_LIMIT,
+                           GATE_TIE, UP_LO_TIE, UP_HI_TIE)
+    if WRITE_DPRE:
+        d_rows = dpre_ptr + rows.to(tl.int64)[:, None] * stride_gm
+        d0 = tl.where(row_ok[:, None], d0, 0.0)
+        tl.store(d_rows + pcol0[None, :] * stride_gn, d0.to(dpre_ptr.dtype.element_ty), mask=col_ok[None, :])
+        if GATED:
+            d1 = tl.where(row_ok[:, None], d1, 0.0)
+            tl.store(d_rows + pcol1[None, :] * stride_gn, d1.to(dpre_ptr.dtype.element_ty), mask=col_ok[None, :])
+    return tl.sum(tl.where(mask, g * y, 0.0), axis=1)
+
+
+@_jit
 def _dgrad_act_kernel(
     dout_ptr, w_ptr, pre_ptr, route_w_ptr, dpre_ptr, part_ptr, pair_ids_ptr, block_expert_ptr, w_desc,
     num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
@@ -177,35 +208,12 @@ def _dgrad_act_kernel(
                       col_ok, stride_wn, stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_PRECISION, EVEN_K,
                       w_desc, expert, pid_n * BLOCK_N, pid_n * BLOCK_N, W_TMA, W_KMAJOR)
 
-    if INTERLEAVED:
-        pcol0 = 2 * cols
-        pcol1 = 2 * cols + 1
-    else:
-        pcol0 = cols
-        pcol1 = cols + N
-    mask = row_ok[:, None] & col_ok[None, :]
-    pre_rows = pre_ptr + rows.to(tl.int64)[:, None] * stride_pm
-    p0 = tl.load(pre_rows + pcol0[None, :] * stride_pn, mask=mask, other=0.0).to(tl.float32)
-    if GATED:
-        p1 = tl.load(pre_rows + pcol1[None, :] * stride_pn, mask=mask, other=0.0).to(tl.float32)
-    else:
-        p1 = p0
     rw = tl.load(route_w_ptr + (p // top_k).to(tl.int64) * stride_rt + (p % top_k) * stride_rk,
                  mask=row_ok, other=0.0).to(tl.float32)
-    d0, d1, y = _gate_grad(p0, p1, g * rw[:, None], alpha, limit, GATED, ACT, HAS_LIMIT,
-                           GATE_TIE, UP_LO_TIE, UP_HI_TIE)
-    if WRITE_DPRE:
-        # Every row of the block, a padding row as 0: the grouped weight gradients
-        # (torch._grouped_mm) read all of an expert's padded run, where an unwritten NaN
-        # would poison the sum even times a zero row of x.
-        d_rows = dpre_ptr + rows.to(tl.int64)[:, None] * stride_gm
-        d0 = tl.where(row_ok[:, None], d0, 0.0)
-        tl.store(d_rows + pcol0[None, :] * stride_gn, d0.to(dpre_ptr.dtype.element_ty), mask=col_ok[None, :])
-        if GATED:
-            d1 = tl.where(row_ok[:, None], d1, 0.0)
-            tl.store(d_rows + pcol1[None, :] * stride_gn, d1.to(dpre_ptr.dtype.element_ty), mask=col_ok[None, :])
+    part = _gate_grad_tile(g, rw, rows, row_ok, cols, col_ok, pre_ptr, stride_pm, stride_pn, dpre_ptr, stride_gm,
+                           stride_gn, N, alpha, limit, GATED, INTERLEAVED, ACT, HAS_LIMIT, GATE_TIE, UP_LO_TIE,
+                           UP_HI_TIE, WRITE_DPRE)
     if ROUTE_GRAD:
-        part = tl.sum(tl.where(mask, g * y, 0.0), axis=1)
         tl.store(part_ptr + p.to(tl.int64) * stride_qm + pid_n * stride_qn, part, mask=row_ok)
 
 
@@ -238,36 +246,15 @@ def _gate_grad_kernel(
     p = tl.where(row_ok, pair, 0)
     rw = tl.load(route_w_ptr + (p // top_k).to(tl.int64) * stride_rt + (p % top_k) * stride_rk,
                  mask=row_ok, other=0.0).to(tl.float32)
-    rows64 = rows.to(tl.int64)[:, None]
     part = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        mask = row_ok[:, None] & col_ok[None, :]
-        if INTERLEAVED:
-            pcol0 = 2 * cols
-            pcol1 = 2 * cols + 1
-        else:
-            pcol0 = cols
-            pcol1 = cols + N
-        g = tl.load(g_ptr + rows64 * stride_fm + cols[None, :] * stride_fn, mask=mask, other=0.0)
-        p0 = tl.load(pre_ptr + rows64 * stride_pm + pcol0[None, :] * stride_pn, mask=mask, other=0.0).to(tl.float32)
-        if GATED:
-            p1 = tl.load(pre_ptr + rows64 * stride_pm + pcol1[None, :] * stride_pn, mask=mask,
-                         other=0.0).to(tl.float32)
-        else:
-            p1 = p0
-        d0, d1, y = _gate_grad(p0, p1, g * rw[:, None], alpha, limit, GATED, ACT, HAS_LIMIT,
-                               GATE_TIE, UP_LO_TIE, UP_HI_TIE)
-        if WRITE_DPRE:  # every row, a padding row as 0 (see _dgrad_act_kernel)
-            d_rows = dpre_ptr + rows64 * stride_gm
-            tl.store(d_rows + pcol0[None, :] * stride_gn, tl.where(row_ok[:, None], d0, 0.0).to(
-                dpre_ptr.dtype.element_ty), mask=col_ok[None, :])
-            if GATED:
-                tl.store(d_rows + pcol1[None, :] * stride_gn, tl.where(row_ok[:, None], d1, 0.0).to(
-                    dpre_ptr.dtype.element_ty), mask=col_ok[None, :])
-        if ROUTE_GRAD:
-            part += tl.sum(tl.where(mask, g * y, 0.0), axis=1)
+        g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_fm + cols[None, :] * stride_fn,
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        part += _gate_grad_tile(g, rw, rows, row_ok, cols, col_ok, pre_ptr, stride_pm, stride_pn, dpre_ptr,
+                                stride_gm, stride_gn, N, alpha, limit, GATED, INTERLEAVED, ACT, HAS_LIMIT,
+                                GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE)
     if ROUTE_GRAD:
         tl.store(part_ptr + p.to(tl.int64) * stride_qm, part, mask=row_ok)
 
