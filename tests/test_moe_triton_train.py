@@ -178,6 +178,18 @@ def _case_op_itself(seed: int) -> None:
         with opreg.use(moe_experts="reference"):
             _check_grads(torch.ops.opreg.moe_experts, make(*dims, torch.float32, "cpu", **opts), seed=seed)
         assert calls == [1], "a use('reference') scope still trained through the fused path"
+        # inside torch.func (functorch's wrapped tensors have no data pointer), and forward
+        # mode: the reference's derivatives, right, before anything reads a data pointer
+        args = make(*dims, torch.float32, "cpu", **opts)
+        w = args[2]
+        got = torch.func.grad(lambda rw: torch.ops.opreg.moe_experts(*args[:2], rw, *args[3:]).sum())(w)
+        want = torch.func.grad(lambda rw: M.reference(*args[:2], rw, *args[3:]).sum())(w)
+        assert_matches(got, want, torch.float32)
+        tangent = torch.randn_like(args[0])
+        _, got_t = torch.func.jvp(lambda x: torch.ops.opreg.moe_experts(x, *args[1:]), (args[0],), (tangent,))
+        _, want_t = torch.func.jvp(lambda x: M.reference(x, *args[1:]), (args[0],), (tangent,))
+        assert_matches(got_t, want_t, torch.float32)
+        assert calls == [1], "a torch.func transform trained through the fused path"
     finally:
         TR.train, TR._bound = real, bound
         op.impls[name].train = impl_train

@@ -910,9 +910,11 @@ def moe_experts_triton_train(*args: Any) -> Optional[torch.Tensor]:
     gradients): the fused kernels forward and backward
     (:func:`.moe_experts_train.train`) where :func:`.moe_experts_train.fused_trains` takes
     the call, else None (the op's reference gradients). Traced calls keep the op's traced
-    reference (the transformers integration traces the fused custom ops itself)."""
-    if M._tracing(args[0]):
-        return None
+    reference (the transformers integration traces the fused custom ops itself), and so do
+    ``torch.func`` transforms and forward mode, before anything reads a data pointer."""
+    if M._tracing(args[0]) or torch._C._functorch.maybe_current_level() is not None \
+            or getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0:
+        return None  # traced, inside a torch.func transform, or forward mode: the reference
     from . import moe_experts_train as T  # imports this module
 
     if checked(args)[1] is not None or not T.fused_trains(args):
