@@ -908,8 +908,8 @@ def moe_experts_triton(*args: Any) -> torch.Tensor:
 def moe_experts_triton_train(*args: Any) -> Optional[torch.Tensor]:
     """The ``triton`` implementation's training run (``Impl.train``: the op called with
     gradients): the fused kernels forward and backward
-    (:func:`.moe_experts_train.train`) where :func:`.moe_experts_train.fused_trains` takes
-    the call, else None (the op's reference gradients). Traced calls keep the op's traced
+    (:func:`.moe_experts_train.train`) where they take the inputs (:func:`why_not_fused`),
+    else None (the op's reference gradients). Traced calls keep the op's traced
     reference (the transformers integration traces the fused custom ops itself), and so do
     ``torch.func`` transforms and forward mode, before anything reads a data pointer."""
     if M._tracing(args[0]) or torch._C._functorch.maybe_current_level() is not None \
@@ -917,9 +917,9 @@ def moe_experts_triton_train(*args: Any) -> Optional[torch.Tensor]:
         return None  # traced, inside a torch.func transform, or forward mode: the reference
     from . import moe_experts_train as T  # imports this module
 
-    if checked(args)[1] is not None or not T.fused_trains(args):
-        return None
-    return T.train(*args)
+    # What else moe_experts_train.fused_trains asks holds here: this is the bound
+    # implementation, and the call is eager, outside torch.func, in reverse mode.
+    return None if checked(args)[1] is not None else T.train(*args)
 
 
 def checked(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Optional[str]]:
