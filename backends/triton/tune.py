@@ -170,14 +170,14 @@ def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, de
     default_us = run({})
     best: dict[str, dict[str, int]] = {}
     best_us, tried = default_us, 0
-    for gemm, cands, make in (("dgrad2", dgrad2, _dgrad), ("dgrad1", dgrad1, _dgrad)):
+    for gemm, cands in (("dgrad2", dgrad2), ("dgrad1", dgrad1)):
         for c in cands:
             if time.monotonic() > deadline:
                 break
             tried += 1
-            us = run({**best, gemm: make(c)})
+            us = run({**best, gemm: _dgrad(c)})
             if us < best_us:
-                best, best_us = {**best, gemm: make(c)}, us
+                best, best_us = {**best, gemm: _dgrad(c)}, us
     got = grads(best)
     want = torch.autograd.grad(fused.M.grouped(*args), leaves, cot)
     error = max(float((g.double() - w.double()).norm() / w.double().norm().clamp_min(1e-30))
