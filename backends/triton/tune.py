@@ -5,7 +5,7 @@ random bf16 inputs (uniform routing, SiLU-gated, transformers' layout), it times
 fused forward (:func:`moe_experts.fused_experts_forward`) with each candidate config:
 first GEMM1's (which also fixes BLOCK_M, the padded row block both GEMMs walk) with GEMM2
 at its default, then GEMM2's with GEMM1's best. Coordinate descent, not the full product:
-11 x 7 candidates would be 77 compiles per shape, this is 18. The winners go into the table
+13 x 9 candidates would be 117 compiles per shape, this is 22. The winners go into the table
 ``moe_experts_configs.json`` under ``tuned[dtype]["N=<n>,K=<k>"][gemm][bucket]`` (the
 bucket of T * k / E rows per expert), which :func:`moe_experts.pick_config` reads; a
 config that does not beat the default by more than the timing noise (2 %) is not written.
@@ -41,12 +41,16 @@ SHAPES = {"mixtral": (8, 2048, 4096, 2), "qwen3_moe": (128, 2048, 768, 8), "olmo
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages); the defaults' "inf" entries
 # among them. Large-M tiles for many rows per expert, 16/32-row tiles for decode.
+# The last two of each list: wider swizzle groups (GROUP_M 32), as vLLM's H200 tables pick
+# for fused_moe at 4096 tokens (E=8, N=4096: 128 x 256 x 64, GROUP_M 32, 8 warps, 4 stages;
+# E=128, N=768: the same tile, GROUP_M 16); gate + up here are two 128-wide accumulators.
 GEMM1 = [(64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (64, 128, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3),
          (128, 64, 64, 8, 4, 4), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3),
-         (128, 128, 128, 8, 8, 3), (16, 64, 128, 1, 4, 4), (32, 128, 64, 8, 4, 4)]
+         (128, 128, 128, 8, 8, 3), (16, 64, 128, 1, 4, 4), (32, 128, 64, 8, 4, 4),
+         (128, 128, 64, 16, 8, 4), (128, 128, 64, 32, 8, 4)]
 # (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
 GEMM2 = [(64, 64, 8, 4, 4), (128, 64, 8, 4, 4), (128, 64, 8, 8, 4), (256, 64, 8, 8, 4), (256, 64, 8, 8, 3),
-         (128, 128, 8, 8, 3), (256, 128, 8, 8, 3)]
+         (128, 128, 8, 8, 3), (256, 128, 8, 8, 3), (256, 64, 16, 8, 4), (256, 64, 32, 8, 4)]
 # The backward's (``--backward``), timed as forward + backward with the forward at this
 # run's winners, one GEMM at a time (dgrad2, then dgrad1 with dgrad2's best); BLOCK_M is the
 # forward's. dgrad2: (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT): SPLIT 0 the
