@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from . import _entry
 from ._binding import (_autograd_stub, _bind, _install_stub, _refresh, _resolve, _scoped,
                        _scoped_choice, load)
 from ._build import Extension
@@ -114,14 +115,17 @@ def ops() -> dict[str, Op]:
 # ---------------------------------------------------------------------------- public
 
 def get(op: str, impl: str | None = None) -> Callable[..., Any]:
-    """The callable for ``op``: with no ``impl``, ``torch.ops.opreg.<op>.default``
-    (the dispatcher runs the bound implementation for the inputs' device, or the calling
-    scope's choice); with ``impl``, that implementation, whatever scope is open where it is
-    called (raises if it is unknown or unavailable here): a Python implementation's own
-    function, or for a kernel library a pinning wrapper around the op (its autograd too)."""
+    """The callable for ``op``: with no ``impl``, the op as the dispatcher runs it (the
+    bound implementation for the inputs' device, or the calling scope's choice): its C++
+    entry where it has one (``cat_linear``, ``cat_linear_stacked``, ``scatter_combine``:
+    the same call as ``torch.ops.opreg.<op>.default`` at less host cost; getting it loads,
+    and the first time builds, opreg's C++ autograd library), else that OpOverload; with
+    ``impl``, that implementation, whatever scope is open where it is called (raises if it
+    is unknown or unavailable here): a Python implementation's own function, or for a
+    kernel library a pinning wrapper around the op (its autograd too)."""
     o = lookup(op)
     if impl is None:
-        return o.torch_op
+        return _entry.entry(o) or o.torch_op
     i = o.impls.get(impl)
     if i is None:
         raise KeyError(f"opreg: {op} has no implementation {impl!r}; it has {sorted(o.impls)}")

@@ -1,0 +1,78 @@
+"""The ops' C++ Python entries (``backends/autograd/python_entry.cpp``): what
+:func:`opreg.get` returns for an op that has one.
+
+An entry means exactly what ``torch.ops.opreg.<op>.default`` means (it calls the op through
+the dispatcher) at less host cost: its arguments are parsed as torch's own bindings parse
+theirs, not boxed by walking the schema. Calls with anything but plain eager tensors (a
+``__torch_function__`` or ``__torch_dispatch__`` mode, fake or functional tensors) go to the
+OpOverload itself; under ``torch.compile`` Dynamo traces the OpOverload in its place, so a
+graph holds the op, never the entry.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+from . import _build
+from ._binding import load
+from ._log import logger
+from ._state import Op, _extensions, _lock
+
+_modules: dict[str, ModuleType] = {}   # extension name -> its module
+_entries: dict[str, Callable[..., Any]] = {}  # op -> entry
+
+
+def entry(op: Op) -> Callable[..., Any] | None:
+    """``op``'s C++ entry, or None (no entry for it, or its library does not build here:
+    the caller then hands out the OpOverload, whose first call reports why)."""
+    fn = _entries.get(op.name)
+    if fn is not None:
+        return fn
+    ext = op.autograd_extension
+    if ext is None:
+        return None
+    with _lock:
+        try:
+            load(ext)
+        except _build.BuildError:
+            return None
+        mod = _modules.get(ext.name) or _import(ext.name, Path(str(_extensions[ext])))
+        if mod is None:
+            return None
+        fn = getattr(mod, op.name, None)
+        if fn is None:
+            return None
+        mod.set_fallback(op.name, op.torch_op)
+        _traced_as(fn, op.torch_op)
+        _entries[op.name] = fn
+        return fn
+
+
+def _import(name: str, path: Path) -> ModuleType | None:
+    """The loaded library ``path`` as a Python module (the same library: the dynamic loader
+    hands back the handle torch.ops.load_library opened), or None if it has no module init
+    (a third party's autograd library)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        return None
+    try:
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    except ImportError as e:  # no PyInit_<name>: not ours
+        logger.debug("%s has no Python entries: %s", path, e)
+        return None
+    _modules[name] = mod
+    return mod
+
+
+def _traced_as(fn: Callable[..., Any], op: Any) -> None:
+    """Make Dynamo trace ``op`` wherever ``fn`` is called (``fn`` is a C function: Dynamo
+    would otherwise break the graph at it)."""
+    import torch._dynamo  # the first entry handed out pays Dynamo's import (~0.7 s, dev box)
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        return op(*args, **kwargs)
+
+    torch._dynamo.substitute_in_graph(fn, skip_signature_check=True)(traced)
