@@ -20,6 +20,7 @@ Every variant's output is checked against eager first.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -162,11 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.moe:
         rows["reference moe loop"] = moe_row(a.device, a.rounds)
         print("reference moe loop", rows["reference moe loop"], flush=True)
+    from opreg.compile import choose  # what the backend chose per graph, timed at compile time
+
+    for c in choose.log:
+        print(f"backend chose: {c}", flush=True)
     worst = max(rows.values(), key=lambda r: r.get("ratio", 0)).get("ratio", 0)
     print(f"worst opreg / min(eager, inductor): {worst:.3f} (goal <= 1.03)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": a.device, "torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump({"device": a.device, "torch": torch.__version__, "rows": rows,
+                       "choices": [dataclasses.asdict(c) for c in choose.log]}, f, indent=1)
     return 0
 
 

@@ -31,13 +31,16 @@ class ExplainReport:
     """Findings of one :func:`explain` run. ``matches``/``near_misses``: from the graph
     passes (:class:`opreg.backend.Finding`); ``loops``: from the loop rewriter
     (:class:`opreg.loops.LoopFinding`); ``graphs``: graphs Dynamo captured;
-    ``graph_breaks``: Dynamo's reasons for breaking or skipping frames."""
+    ``graph_breaks``: Dynamo's reasons for breaking or skipping frames; ``choices``: with
+    ``choose=True``, what the backend ran for each graph and why
+    (:class:`opreg.compile.choose.Choice`)."""
 
     matches: list[Any]
     near_misses: list[Any]
     loops: list[Any]
     graphs: int
     graph_breaks: list[str]
+    choices: list[Any] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         out = [f"opreg explain: {self.graphs} graph(s) captured by Dynamo"
@@ -59,6 +62,9 @@ class ExplainReport:
                     + f"opreg.optimize(model) rewrites it to {f.op}" for f in good]
             out += [f"  {f.where}: {f.code}\n      not rewritable by opreg.optimize ({f.op}): {f.reason}"
                     for f in bad]
+        if self.choices:
+            out.append(f"\nwhat the backend runs, timed per graph ({len(self.choices)}):")
+            out += [f"  {c}" for c in self.choices]
         if self.graph_breaks:
             out.append("\nDynamo graph breaks:")
             out += [f"  {r[:240]}" for r in self.graph_breaks]
@@ -74,13 +80,17 @@ def _op_of(f: Any) -> str:
     return f.pattern
 
 
-def explain(model: Callable[..., Any], example_inputs: Sequence[Any], *, print_report: bool = True
-            ) -> ExplainReport:
+def explain(model: Callable[..., Any], example_inputs: Sequence[Any], *, print_report: bool = True,
+            choose: bool = False) -> ExplainReport:
     """Compile ``model`` with the opreg passes (graphs run eagerly, ops bound to the
     reference implementation: nothing is built) on ``example_inputs``, and report each
     match and near miss with its ``file:line``; scan the model's methods for loops
     :func:`opreg.optimize` would rewrite. Resets Dynamo first (as ``torch._dynamo.explain``
     does), so earlier compiles don't hide graphs.
+
+    ``choose``: also compile it with the real backend, timing the candidates of every graph
+    (``options={"choose": "time"}``: this builds the kernels and runs Inductor), and report
+    what runs for each graph and why.
     """
     findings: list[Any] = []
     graphs = 0
@@ -102,8 +112,17 @@ def explain(model: Callable[..., Any], example_inputs: Sequence[Any], *, print_r
         for r, n in counters[k].items() if n > before[k].get(r, 0) and r.strip()))
     torch._dynamo.reset()  # don't leave our throwaway backend's code cached
 
+    choices: list[Any] = []
+    if choose:
+        from .compile import choose as choosing
+
+        before_choices = len(choosing.log)
+        args = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs]
+        torch.compile(model, backend="opreg", options={"choose": "time"})(*args)
+        choices = choosing.log[before_choices:]
+        torch._dynamo.reset()
     report = ExplainReport([f for f in findings if f.matched], [f for f in findings if not f.matched],
-                           _loops(model), graphs, breaks)
+                           _loops(model), graphs, breaks, choices)
     if print_report:
         print(report)
     return report
@@ -179,6 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--inputs", default="get_inputs",
                    help="function in the module returning example inputs (default get_inputs)")
     p.add_argument("--device", default="cpu", help="device for the model and inputs (default cpu)")
+    p.add_argument("--choose", action="store_true",
+                   help="also compile with the backend, time each graph's candidates (rewritten or "
+                        "not, eager or Inductor) and say which runs and why")
     args = p.parse_args(list(argv) if argv is not None else None)
     try:
         mod, factory = _load(args.spec)
@@ -199,5 +221,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(model, torch.nn.Module):
         model = model.to(args.device)
     inputs = [x.to(args.device) if isinstance(x, torch.Tensor) else x for x in inputs]
-    explain(model, inputs)
+    explain(model, inputs, choose=args.choose)
     return 0

@@ -15,6 +15,10 @@ compile what is left with Inductor (or run it eagerly).
   cost (H200, reference cat_linear model: 91 µs per call through Inductor vs 52 eager).
   Giving ``mode`` or Inductor options means Inductor.
 * ``"patterns"``: names of the patterns to run (default: all registered; ``[]``: none).
+* ``"choose"``: with ``inner="auto"``, whether to time the candidates at compile time and run
+  the fastest: the rewritten graph and the one Dynamo captured, each as is and through
+  Inductor (:mod:`opreg.compile.choose`). ``"auto"`` (default): graphs on a CUDA device;
+  ``"time"``: every graph; ``"rules"``: never (the rule above decides).
 * ``"mode"``: an Inductor mode, like ``torch.compile(mode=...)`` (which can't be combined
   with ``options``).
 
@@ -56,6 +60,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from .._log import logger
+from . import choose
 from .pass_manager import apply_patterns, patterns_uuid, registered_patterns
 from .pattern import GraphPattern
 
@@ -139,13 +145,16 @@ def inductor_config_patches(mode: str | None = None, options: Mapping[str, Any] 
 
 
 def _parse_options(mode: str | None, options: Mapping[str, Any] | None
-                   ) -> tuple[str, list[str] | None, str | None, dict[str, Any]]:
+                   ) -> tuple[str, list[str] | None, str | None, dict[str, Any], str]:
     opts = dict(options or {})
     inner = opts.pop("inner", "auto")
     names = opts.pop("patterns", None)
     mode = opts.pop("mode", mode)
+    how = opts.pop("choose", "auto")
     if inner not in INNER_COMPILERS:
         raise ValueError(f"opreg backend: inner must be one of {INNER_COMPILERS}, got {inner!r}")
+    if how not in choose.CHOICES:
+        raise ValueError(f"opreg backend: choose must be one of {choose.CHOICES}, got {how!r}")
     if names is not None:
         names = [] if names is False else [names] if isinstance(names, str) else list(names)
     if inner == "auto" and (opts or (mode and mode != "default")):
@@ -153,7 +162,9 @@ def _parse_options(mode: str | None, options: Mapping[str, Any] | None
     if inner != "inductor" and (opts or (mode and mode != "default")):
         raise ValueError(f"opreg backend: Inductor options/mode given with inner={inner!r}: "
                          f"{sorted(opts)} {mode or ''}".strip())
-    return inner, names, mode, opts
+    if how == "time" and inner != "auto":
+        raise ValueError(f"opreg backend: choose='time' picks the inner compiler, but inner={inner!r} was given")
+    return inner, names, mode, opts, how
 
 
 def _compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str,
@@ -179,13 +190,60 @@ def opreg_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: st
     inputs. ``mode``/``options`` are what ``torch.compile`` forwards; see the module
     docstring for the keys.
     """
-    inner, names, mode, opts = _parse_options(mode, options)
+    inner, names, mode, opts, how = _parse_options(mode, options)
+    timed = inner == "auto" and (how == "time" or (how == "auto" and _on_cuda(example_inputs)))
+    captured = _copy(gm) if timed else None
     ctx = apply_patterns(gm, example_inputs, only=names)
     stats["graphs"] += 1
     stats["rewrites"] += ctx.rewrites
-    if inner == "auto":
-        inner = "eager" if ctx.rewrites and _nothing_to_generate(gm) else "inductor"
-    return _compile_inner(gm, example_inputs, inner, names, mode, opts)
+    if inner != "auto":
+        return _compile_inner(gm, example_inputs, inner, names, mode, opts)
+    rule = "eager" if ctx.rewrites and _nothing_to_generate(gm) else "inductor"
+    refusal = choose.timing_refusal(captured, example_inputs, ctx.fake_mode) if captured is not None else None
+    if captured is None or refusal is not None:
+        if refusal is not None:
+            c = choose.Choice(choose.where(gm), f"rules: {'rewritten' if ctx.rewrites else 'captured'}/{rule}",
+                              {}, f"not timed: {refusal}")
+            choose.log.append(c)
+            logger.info("opreg backend: %s", c)
+        return _compile_inner(gm, example_inputs, rule, names, mode, opts)
+
+    def compiled(g: fx.GraphModule, how: str) -> Callable[[], Callable[..., Any]]:
+        def make() -> Callable[..., Any]:
+            # The backward compiled now, not at its first run: that run (the timing's)
+            # happens inside this compile, where a lazy backward compile fails
+            # ("Metric(s) {'is_forward'} have already been set").
+            with choose.eager_backward():
+                return _compile_inner(g, example_inputs, how, names, mode, opts)
+        return make
+
+    # The rule's pick first (the default if the others fail), then the rest.
+    candidates = {f"rewritten/{rule}": compiled(gm, rule)} if ctx.rewrites else {}
+    if ctx.rewrites and rule == "inductor":
+        candidates["rewritten/eager"] = compiled(gm, "eager")
+    candidates["captured/inductor"] = compiled(captured, "inductor")
+    candidates["captured/eager"] = compiled(captured, "eager")
+    _, fn, _ = choose.choose(candidates, example_inputs, gm)
+    return fn
+
+
+def _on_cuda(example_inputs: Sequence[Any]) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A second module over a copy of ``gm``'s graph (the nodes' meta shared, shallowly; the
+    attributes, parameters included, are ``gm``'s own, not copies)."""
+    graph = fx.Graph()
+    graph._codegen = gm.graph._codegen
+    values: dict[fx.Node, fx.Node] = {}
+    graph.graph_copy(gm.graph, values)
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            graph.node_copy(node, lambda n: values[n])
+    out = fx.GraphModule(gm, graph)
+    out.meta = dict(gm.meta)
+    return out
 
 
 def _nothing_to_generate(gm: fx.GraphModule) -> bool:

@@ -1,0 +1,129 @@
+"""The backend's timed choice per graph (opreg/compile/choose.py): the fastest of the
+rewritten and the captured graph, each eager or through Inductor; never timed where a rerun
+would repeat a write; training timed without touching ``.grad``."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from opreg.compile import choose
+
+
+class Head(nn.Module):
+    """LayerNorm -> cat of R slices -> Linear: the issue's head, tiny."""
+
+    def __init__(self, r: int = 4, d: int = 8, k: int = 12) -> None:
+        super().__init__()
+        self.r = r
+        self.norm = nn.LayerNorm(d)
+        self.proj = nn.Linear(r * d, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
+        return self.proj(torch.cat([x[i] for i in range(self.r)], -1))
+
+
+def compiled(model: nn.Module, how: str = "time") -> Any:
+    torch._dynamo.reset()
+    return torch.compile(model, backend="opreg", options={"choose": how})
+
+
+def test_times_every_candidate_and_runs_the_fastest() -> None:
+    torch.manual_seed(0)
+    model, x = Head().requires_grad_(False), torch.randn(4, 16, 8)
+    before = len(choose.log)
+    out = compiled(model)(x)
+    torch.testing.assert_close(out, model(x))
+    (c,) = choose.log[before:]
+    assert set(c.times_ms) == {"rewritten/eager", "rewritten/inductor", "captured/eager", "captured/inductor"}, c
+    assert c.chosen == min(c.times_ms, key=c.times_ms.__getitem__)
+    assert all(v > 0 for v in c.times_ms.values())
+    assert "test_backend_choose.py" in c.where and c.chosen in str(c)
+
+
+def test_choose_picks_the_fastest_candidate() -> None:
+    """The choice itself, on candidates of known speed (one sleeps 3 ms per call)."""
+    gm = fx.symbolic_trace(lambda x: x * 2)
+
+    def slow(x: torch.Tensor) -> torch.Tensor:
+        time.sleep(3e-3)
+        return x * 2
+
+    def fast(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    for order in (("slow", "fast"), ("fast", "slow")):
+        fns = {"slow": slow, "fast": fast}
+        name, fn, c = choose.choose({k: (lambda f=fns[k]: f) for k in order}, [torch.randn(3)], gm)
+        assert name == "fast" and fn is fast, c
+        assert c.times_ms["slow"] > 3.0 > c.times_ms["fast"]
+
+
+def test_a_candidate_that_fails_is_left_out() -> None:
+    gm = fx.symbolic_trace(lambda x: x * 2)
+
+    def broken() -> Any:
+        raise RuntimeError("no such compiler")
+
+    name, _, c = choose.choose({"default": lambda: (lambda x: x * 2), "broken": broken}, [torch.randn(3)], gm)
+    assert name == "default" and set(c.times_ms) == {"default"}
+
+
+class Writes(nn.Module):
+    def forward(self, x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        buf.add_(1)
+        return self_cat(x)
+
+
+def self_cat(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x[0], x[1]], -1) * 2
+
+
+def test_a_graph_that_writes_is_not_timed() -> None:
+    """Running it again would repeat the write: the rules decide, and the log says why."""
+    buf = torch.zeros(3)
+    before = len(choose.log)
+    compiled(Writes())(torch.randn(2, 3, 4), buf)
+    assert torch.equal(buf, torch.ones(3))  # written once, not once per timed run
+    (c,) = choose.log[before:]
+    assert c.chosen.startswith("rules") and not c.times_ms
+    assert "may write memory" in c.why and "add_" in c.why
+
+
+def test_training_timed_without_touching_grad() -> None:
+    torch.manual_seed(0)
+    model, x = Head(), torch.randn(4, 16, 8)
+    ref = Head()
+    ref.load_state_dict(model.state_dict())
+    before = len(choose.log)
+    out = compiled(model)(x)
+    (c,) = choose.log[before:]
+    assert c.times_ms, c
+    assert all(p.grad is None for p in model.parameters())  # the timing's backwards left no .grad
+    out.sum().backward()
+    ref(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_rules_and_cpu_default_do_not_time() -> None:
+    before = len(choose.log)
+    model, x = Head().requires_grad_(False), torch.randn(4, 16, 8)
+    compiled(model, "rules")(x)
+    compiled(model, "auto")(x)  # on the CPU, "auto" leaves it to the rules
+    assert choose.log[before:] == []
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"choose": "bogus"}, "choose must be one of"),
+    ({"choose": "time", "inner": "inductor"}, "choose='time' picks the inner compiler"),
+])
+def test_bad_choose_options(options: dict[str, Any], match: str) -> None:
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=match):
+        torch.compile(lambda x: x + 1, backend="opreg", options=options)(torch.randn(2))
