@@ -14,6 +14,8 @@ Models (issue 11; on CUDA at the issue's sizes, bf16; on the CPU tiny, float32):
 
 Per model: median ms of back-to-back calls (bench/_timing.py: CUDA events around a batch,
 rounds interleaved so drift hits every variant alike); the ratio opreg / min(eager, Inductor);
+``dynamo``: the model under ``torch.compile(backend="eager")`` (Dynamo's own per-call cost,
+which every backend pays); what the opreg backend chose per graph (its compile-time timing);
 with ``--profile`` the top device kernels of the opreg and Inductor variants.
 Every variant's output is checked against eager first.
 """
@@ -95,8 +97,11 @@ def variants(make: Callable[[], nn.Module], inputs: list[Any], backward: bool) -
         return fwd_bwd
 
     torch._dynamo.reset()
+    # "dynamo": torch.compile with Dynamo's own "eager" backend (the captured graph run as
+    # is): what any backend pays per call before its graph runs (guards, the frame)
     return {"eager": step(make()), "inductor": step(torch.compile(make())),
-            "opreg": step(torch.compile(make(), backend="opreg"))}
+            "opreg": step(torch.compile(make(), backend="opreg")),
+            "dynamo": step(torch.compile(make(), backend="eager"))}
 
 
 def time_rounds(fns: dict[str, Callable[[], Any]], device: str, rounds: int,
@@ -149,14 +154,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json")
     a = p.parse_args(argv)
     rows: dict[str, dict[str, float]] = {}
-    print(f"{'model':<24} {'eager':>9} {'inductor':>9} {'opreg':>9}  opreg/min", flush=True)
+    print(f"{'model':<24} {'eager':>9} {'inductor':>9} {'opreg':>9}  opreg/min  {'dynamo':>9}  dynamo/eager",
+          flush=True)
     for name, (make, inputs, backward) in models(a.device).items():
         fns = variants(make, inputs, backward)
         check(fns)
         t = time_rounds(fns, a.device, a.rounds)
         t["ratio"] = t["opreg"] / min(t["eager"], t["inductor"])
         rows[name] = t
-        print(f"{name:<24} {t['eager']:9.4f} {t['inductor']:9.4f} {t['opreg']:9.4f}  {t['ratio']:.3f}", flush=True)
+        print(f"{name:<24} {t['eager']:9.4f} {t['inductor']:9.4f} {t['opreg']:9.4f}  {t['ratio']:.3f}"
+              f"      {t['dynamo']:9.4f}  {t['dynamo'] / t['eager']:.3f}", flush=True)
         if a.profile:
             for v in ("opreg", "inductor"):
                 print(f"--- {name}: {v}\n{profile(fns[v], a.device)}", flush=True)
