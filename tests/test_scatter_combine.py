@@ -11,7 +11,7 @@ import opreg
 from opreg.ops.scatter_combine import reference
 from opreg.testing import OpTestSuite, Sample
 
-from _util import DEVICES, assert_matches, set_requires_grad, skip_without
+from _util import DEVICES, FLOAT_DTYPES, assert_matches, set_requires_grad, skip_without
 
 OP = torch.ops.opreg.scatter_combine.default
 
@@ -161,3 +161,71 @@ def test_cuda_graph_capture_new_indices(shape):
     torch.cuda.synchronize()
     assert torch.equal(captured, OP(*args))
     assert not torch.equal(captured, eager)
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA forward paths give the same bits (backends/cuda/scatter_combine*.cu): the small
+# one-launch path (N <= 8192), the large path's short-row reduce (16-byte vectors,
+# H * itemsize <= 1 KB: several tokens per warp) and its wide-row reduce. A token's sum
+# depends only on its own rows, and a column only on its own column, so the same sums
+# can be routed through each path: (a) the short-row call against the first H columns
+# of a wide-row call on [x | more columns]; (b) a few tokens' rows, kept in row order,
+# alone in a small call. Inputs are fresh random numbers, outputs land on NaN-poisoned
+# memory, and the routing covers empty tokens, out-of-range indices (ignored), a token
+# with > 8 rows (overflow list) and one with > 1024 rows (row walk).
+
+def _routing(t: int, fanout: int, order: str, idx_dtype: torch.dtype):
+    idx = torch.arange(t).repeat_interleave(fanout)
+    idx[idx == 3] = 1          # token 3 empty, token 1 has 2 * fanout rows
+    idx[idx == 4] = 2
+    idx[idx == 5] = 2
+    idx[100:120] = 2           # token 2: 3 * fanout + ~20 rows: the overflow list
+    idx[torch.arange(idx.numel()) % 7 == 0] = 6   # token 6: > 1024 rows at >= 8192 rows
+    idx[11], idx[12] = -1, t + 3                   # out of range: ignored
+    if order == "random":
+        idx = idx[torch.randperm(idx.numel())]
+    return idx.to(idx_dtype)
+
+
+def _wide_pad(dtype: torch.dtype) -> int:
+    return 2048 // (torch.finfo(dtype).bits // 8) + 64   # > 1 KB of extra row: wide-row reduce
+
+
+# Every short-row lane layout (hvec <= 8, 16, 32, 64 vectors), rows not a multiple of a
+# warp's vectors (200), and 37: not a multiple of 16 bytes, the unvectorised (V = 1) path.
+SHORT_H = [32, 37, 64, 128, 200, 256]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("order", ["sorted", "random"])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("h", SHORT_H)
+@pytest.mark.parametrize("fanout", [1, 2, 8])
+def test_cuda_short_rows_same_bits_as_every_path(fanout, h, dtype, idx_dtype, order):
+    skip_without("cuda")
+    from opreg.testing.compare import poison
+    t = 12288 // fanout + 1                     # >= 12288 rows: the large path
+    idx = _routing(t, fanout, order, idx_dtype).cuda()
+    n = idx.numel()
+    x_wide = torch.randn(n, h + _wide_pad(dtype), dtype=dtype, device="cuda")
+    x = x_wide[:, :h].contiguous()
+    g = (torch.rand(n, device="cuda") + 0.1).to(dtype)
+    poison(t * (h + _wide_pad(dtype)) * 8, "cuda")
+    out = OP(x, idx, g, t)
+    assert torch.equal(out, OP(x, idx, g, t))                       # deterministic
+    keep = (idx >= 0) & (idx < t)
+    assert_matches(out, expected(x[keep], idx[keep], g[keep], t), dtype)
+    assert (out[3] == 0).all() and (out[t - 1] != 0).any()         # empty token: zeros
+    assert int((idx == 6).sum()) > 1024 and 8 < int((idx == 2).sum()) <= 1024
+    # (a) the wide-row reduce on the same columns
+    poison(t * (h + _wide_pad(dtype)) * 8, "cuda")
+    assert torch.equal(OP(x_wide, idx, g, t)[:, :h], out)
+    # out-of-range rows dropped: the same bits
+    assert torch.equal(OP(x[keep], idx[keep], g[keep], t), out)
+    # (b) the small path on a few tokens (row order kept), the long ones included
+    sub = torch.tensor([0, 1, 2, 3, 6, t // 2, t - 1], device="cuda")
+    rows = torch.isin(idx.long(), sub).nonzero().squeeze(1)
+    remap = torch.searchsorted(sub, idx.long()[rows]).to(idx_dtype)
+    poison(sub.numel() * h * 8, "cuda")
+    assert torch.equal(OP(x[rows], remap, g[rows], sub.numel()), out[sub])

@@ -38,6 +38,7 @@ constexpr int small_nv() {
 constexpr int kSmallMaxRows = 8192;          // list entry (row << 3 | token) fits 16 bits
 constexpr int64_t kSmallMaxWork = int64_t(1) << 21;  // N * blocks index reads
 constexpr int kSmallU = 4;                   // rows whose loads are in flight together
+constexpr int kSmallPer = 32;                // rows per thread in the index scan (a 32-bit mask)
 static_assert(kSmallTok == 8, "list entries pack the local token in 3 bits");
 
 // ---------------------------------------------------------------------------
