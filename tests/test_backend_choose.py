@@ -127,3 +127,18 @@ def test_bad_choose_options(options: dict[str, Any], match: str) -> None:
     torch._dynamo.reset()
     with pytest.raises(Exception, match=match):
         torch.compile(lambda x: x + 1, backend="opreg", options=options)(torch.randn(2))
+
+
+def test_explain_reports_the_choice() -> None:
+    """``explain(..., choose=True)`` compiles with the real backend and lists each graph's
+    timed candidates and what runs."""
+    from opreg.explain import explain
+
+    torch.manual_seed(0)
+    model, x = Head().requires_grad_(False), torch.randn(4, 16, 8)
+    report = explain(model, [x], print_report=False, choose=True)
+    (c,) = report.choices
+    assert c.times_ms and c.chosen in c.times_ms
+    text = str(report)
+    assert "what the backend runs, timed per graph (1):" in text and f"ran {c.chosen}" in text
+    assert explain(model, [x], print_report=False).choices == []  # without choose: nothing compiled
