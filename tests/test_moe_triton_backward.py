@@ -676,17 +676,25 @@ def test_cuda_graph_forward_backward(family: str, dtype: torch.dtype) -> None:
     _graph_once(family, dtype)
 
 
+def _gpt_oss_leaves(dtype: torch.dtype) -> tuple[tuple, list, tuple, list]:
+    """gpt_oss-with-biases inputs on CUDA, their gradient leaves, and float64 copies of both."""
+    args = _big_args("prefill", "gpt_oss biases", dtype)
+    args64 = _requires(tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                             for a in args), GRAD_ARGS)
+
+    def leaves(a: tuple) -> list:
+        return [t for n, t in zip(ARGS, a) if n in GRAD_ARGS and t is not None]
+
+    return args, leaves(args), args64, leaves(args64)
+
+
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_fused_experts_trains_and_double_backward() -> None:
     """``fused_experts`` (the public entry) with gradients on CUDA: FusedExperts' backward,
     right against float64; and a double backward (``create_graph``: the reference
     differentiated inside the backward) right too, never zeros or an error."""
-    args = _big_args("prefill", "gpt_oss biases", torch.bfloat16)
-    leaves = [a for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
-    args64 = _requires(tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                             for a in args), GRAD_ARGS)
-    leaves64 = [a for n, a in zip(ARGS, args64) if n in GRAD_ARGS and a is not None]
+    args, leaves, args64, leaves64 = _gpt_oss_leaves(torch.bfloat16)
     want = M.reference(*args64)
     cot = torch.randn_like(want)
     ref = torch.autograd.grad(want, leaves64, cot)
@@ -696,11 +704,7 @@ def test_cuda_fused_experts_trains_and_double_backward() -> None:
     for g, r, a in zip(torch.autograd.grad(out, leaves, cot.to(out.dtype)), ref, leaves):
         assert_matches(g, r, a.dtype)
     # the double backward in fp32: its reference is differentiated in the input dtype
-    args = _big_args("prefill", "gpt_oss biases", torch.float32)
-    leaves = [a for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
-    args64 = _requires(tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                             for a in args), GRAD_ARGS)
-    leaves64 = [a for n, a in zip(ARGS, args64) if n in GRAD_ARGS and a is not None]
+    args, leaves, args64, leaves64 = _gpt_oss_leaves(torch.float32)
     want = M.reference(*args64)
     cot = torch.randn_like(want)
     (r,) = torch.autograd.grad(want, [args64[0]], cot, create_graph=True)

@@ -64,6 +64,17 @@ c10::TypedOperatorHandle<Sig> handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
+// The op called without the GIL (as torch's own bindings call theirs), its result wrapped.
+template <typename Op, typename... Args>
+PyObject* call_released(const Op& op, Args&&... args) {
+  at::Tensor out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    out = op.call(std::forward<Args>(args)...);
+  }
+  return THPVariable_Wrap(std::move(out));
+}
+
 PyObject* cat_linear(PyObject*, PyObject* args, PyObject* kwargs) {
   HANDLE_TH_ERRORS
   static torch::PythonArgParser parser({"cat_linear(TensorList parts, Tensor weight, Tensor? bias)"});
@@ -78,12 +89,7 @@ PyObject* cat_linear(PyObject*, PyObject* args, PyObject* kwargs) {
   if (!plain_call(r, {&weight, bias ? &*bias : &none}, parts)) {
     return call_fallback(kCatLinear, args, kwargs);
   }
-  at::Tensor out;
-  {
-    pybind11::gil_scoped_release no_gil;
-    out = op.call(parts, weight, bias);
-  }
-  return THPVariable_Wrap(std::move(out));
+  return call_released(op, parts, weight, bias);
   END_HANDLE_TH_ERRORS
 }
 
@@ -102,13 +108,7 @@ PyObject* cat_linear_stacked(PyObject*, PyObject* args, PyObject* kwargs) {
   if (!plain_call(r, {&x, &weight, bias ? &*bias : &none})) {
     return call_fallback(kCatLinearStacked, args, kwargs);
   }
-  const int64_t dim = r.toInt64(1);
-  at::Tensor out;
-  {
-    pybind11::gil_scoped_release no_gil;
-    out = op.call(x, dim, weight, bias);
-  }
-  return THPVariable_Wrap(std::move(out));
+  return call_released(op, x, r.toInt64(1), weight, bias);
   END_HANDLE_TH_ERRORS
 }
 
@@ -125,13 +125,7 @@ PyObject* scatter_combine(PyObject*, PyObject* args, PyObject* kwargs) {
   if (!plain_call(r, {&h, &idx, &g})) {
     return call_fallback(kScatterCombine, args, kwargs);
   }
-  c10::SymInt num_tokens = r.toSymInt(3);
-  at::Tensor out;
-  {
-    pybind11::gil_scoped_release no_gil;
-    out = op.call(h, idx, g, std::move(num_tokens));
-  }
-  return THPVariable_Wrap(std::move(out));
+  return call_released(op, h, idx, g, r.toSymInt(3));
   END_HANDLE_TH_ERRORS
 }
 
