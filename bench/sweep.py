@@ -15,7 +15,9 @@ dispatch model's check, backends/common/cat_linear_model.h). scatter_combine: fo
 ``index_add_`` (eager) and the reference's ``index_put_``; backward (the op's fused
 backward against what autograd of the eager form runs); and the fraction of the copy
 bound: bytes (each input read once, each output written once) over the device-to-device
-copy rate measured at the start. Inductor (``torch.compile`` of the eager form, per
+copy rate measured at the start (on 1 GiB); beside it, a copy of the same bytes timed in the
+same rounds (``copy``: ``dst.copy_(src)``, its host and launch cost included, which at
+16-40 MB exceed the bytes' ~4-10 us on the H200's host). Inductor (``torch.compile`` of the eager form, per
 shape) is sampled (``--inductor sample``, the default on CUDA). ``--min-mb M`` keeps only
 the scatter_combine shapes whose backward moves >= M MB (the copy-rate check's shapes:
 ``--ops scatter_combine --min-mb 16 --inductor none``).
@@ -95,6 +97,8 @@ class Row:
     vs: dict[str, float] = field(default_factory=dict)  # opreg / other variants, paired
     nbytes: float = 0.0
     frac_copy: Optional[float] = None  # scatter_combine: copy-bound time / opreg time
+    # scatter_combine: a copy of the same bytes, timed beside it (host and launch included) / opreg
+    frac_copy_same: Optional[float] = None
     err: Optional[float] = None        # opreg vs the float64 reference (cat_linear: forward rows only)
 
 
@@ -300,10 +304,28 @@ def scatter_variants(cfg: Config, shape: tuple, sets: list, bwd: bool) -> dict[s
     def on(fn: Callable[..., Any]) -> tm.Variant:
         return tm.Variant(lambda i: fn(S[i]["h"], S[i]["idx"], S[i]["g"], S[i]["t"]))
 
-    v = {"opreg": on(op), "eager": on(index_add), "index_put": on(index_put)}
+    v = {"opreg": on(op), "eager": on(index_add), "index_put": on(index_put),
+         "copy": copy_variant(S, scatter_bytes_of(shape, False))}
     if shape[4:] == ("random", "int32") and wants_inductor(cfg, shape[:4], SCATTER_INDUCTOR):
         v["inductor"] = on(compiled(index_add))
     return v
+
+
+def scatter_bytes_of(shape: tuple, bwd: bool) -> float:
+    t, k, h, d, _, idt = shape
+    return scatter_bytes(t, t * k, h, DTYPES[d].itemsize, 4 if idt == "int32" else 8, bwd)
+
+
+def copy_variant(sets: list[dict[str, Any]], nbytes: float) -> tm.Variant:
+    """``dst.copy_(src)`` moving ``nbytes`` (read + written) per call, on buffers of each
+    set (``copy_src``/``copy_dst``, made on first use): what one copy of the op's bytes
+    costs at this size on this host, launch and host time included."""
+    n = max(1, int(nbytes // 8))  # float32 elements: 4 bytes read + 4 written each
+    for s_ in sets:
+        if "copy_src" not in s_ or s_["copy_src"].numel() != n:
+            s_["copy_src"] = torch.rand(n, device=s_["h"].device)
+            s_["copy_dst"] = torch.empty_like(s_["copy_src"])
+    return tm.Variant(lambda i: sets[i]["copy_dst"].copy_(sets[i]["copy_src"]))
 
 
 def scatter_error(s: dict[str, Any], bwd: bool) -> float:
@@ -326,11 +348,16 @@ def run_scatter_shape(cfg: Config, shape: tuple) -> list[Row]:
     with torch.no_grad():
         for bwd in (False, True):
             err = scatter_error(sets[0], bwd)
-            times = measure(cfg, scatter_variants(cfg, shape, sets, bwd), len(sets), False)
-            nbytes = scatter_bytes(t, t * k, h, DTYPES[d].itemsize, 4 if idt == "int32" else 8, bwd)
+            variants = scatter_variants(cfg, shape, sets, bwd)
+            nbytes = scatter_bytes_of(shape, bwd)
+            if bwd:  # the copy of the backward's own bytes
+                variants["copy"] = copy_variant(sets, nbytes)
+            times = measure(cfg, variants, len(sets), False)
             frac = nbytes / cfg.copy_bps / (tm.median(times["opreg"]) * 1e-6)
+            same = tm.median(times["copy"]) / tm.median(times["opreg"])
             rows.append(make_row("scatter_combine", "-", "bwd" if bwd else "fwd", label, params, times,
-                                 nbytes=nbytes, frac_copy=round(frac, 4), err=err))
+                                 nbytes=nbytes, frac_copy=round(frac, 4), frac_copy_same=round(same, 4),
+                                 err=err))
     return rows
 
 
@@ -339,6 +366,8 @@ def run_scatter_shape(cfg: Config, shape: tuple) -> list[Row]:
 def fmt_row(r: Row) -> str:
     t = " ".join(f"{k} {v:.1f}" for k, v in r.median_us.items())
     extra = f" copy {100 * r.frac_copy:.0f}%" if r.frac_copy is not None else ""
+    if r.frac_copy_same is not None:
+        extra += f" (of a copy of the same bytes {100 * r.frac_copy_same:.0f}%)"
     return f"{r.op}/{r.form}/{r.mode} {r.label}: {t} us, opreg/eager {r.ratio:.3f}{extra}"
 
 
@@ -374,7 +403,9 @@ def summarize(cfg: Config) -> tuple[list[str], dict[str, Any]]:
     lines += [f"  beyond the noise: {fmt_row(r)} (eager2/eager {r.vs['eager2']:.3f})"
               for r in rows if r.label in beyond.get(f"{r.op}/{r.form}/{r.mode}", []) and "eager2" in r.vs][:40]
     lines += ["10 worst opreg/eager:"] + [f"  {fmt_row(r)}" for r in worst]
-    lines += [f"scatter_combine >= 16 MB below 70 % of copy: {len(below)}"] + [f"  {fmt_row(r)}" for r in below[:25]]
+    below_same = [r for r in below if r.frac_copy_same is not None and r.frac_copy_same < COPY_FRAC]
+    lines += [f"scatter_combine >= 16 MB below 70 % of copy: {len(below)} (below 70 % of a copy of the same "
+              f"bytes timed beside it: {len(below_same)})"] + [f"  {fmt_row(r)}" for r in below[:25]]
     lines += [f"cat_linear model: automatic path > 3 % slower than a forced one: {len(bad)}"]
     lines += [f"  {fmt_row(r)} (vs simt {r.vs['simt']:.3f}, vs gemm {r.vs['gemm']:.3f})" for r in bad[:15]]
     errs = wrong(rows)
@@ -382,7 +413,9 @@ def summarize(cfg: Config) -> tuple[list[str], dict[str, Any]]:
     lines += [f"  {fmt_row(r)} err {r.err:.2e}" for r in errs[:10]]
     ind = [r for r in rows if "inductor" in r.vs]
     lines += [f"opreg/inductor: {len(ind)} rows, slower in {sum(r.vs['inductor'] > SLOWER for r in ind)}"]
-    summary = dict(slower=slower, slower_beyond_noise=beyond, noisy=noisy, worst=[asdict(r) for r in worst], below_copy=[r.label + " " + r.mode for r in below],
+    summary = dict(slower=slower, slower_beyond_noise=beyond, noisy=noisy, worst=[asdict(r) for r in worst],
+                   below_copy=[r.label + " " + r.mode for r in below],
+                   below_copy_same=[r.label + " " + r.mode for r in below_same],
                    mispicks=[r.label for r in bad], wrong=[r.label for r in errs], skipped=cfg.skipped)
     return lines, summary
 
