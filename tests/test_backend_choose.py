@@ -142,3 +142,14 @@ def test_explain_reports_the_choice() -> None:
     text = str(report)
     assert "what the backend runs, timed per graph (1):" in text and f"ran {c.chosen}" in text
     assert explain(model, [x], print_report=False).choices == []  # without choose: nothing compiled
+
+
+def test_not_timed_across_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With several ranks each would time alone and could choose differently: rules."""
+    monkeypatch.setattr(choose, "world_size", lambda: 2)
+    model, x = Head().requires_grad_(False), torch.randn(4, 16, 8)
+    before = len(choose.log)
+    out = compiled(model)(x)
+    torch.testing.assert_close(out, model(x))
+    (c,) = choose.log[before:]
+    assert c.chosen.startswith("rules") and "ranks could choose differently" in c.why

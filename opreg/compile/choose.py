@@ -14,7 +14,8 @@ When it times (``options={"choose": ...}`` of the backend):
 * ``"time"``: every graph (tests use it on the CPU);
 * ``"rules"``: never.
 
-It never times a graph that may write memory (an in-place op, batch norm's running stats, a
+It never times a graph in a process group of several ranks (each would time on its own, and
+could choose, or run a collective, differently), nor one that may write memory (an in-place op, batch norm's running stats, a
 module call: running it again would repeat the write) or whose inputs are fake (no data to
 run on); the rules decide there, and the report says why. The random number generators'
 states are restored afterwards, so the user's random stream is the one it would have been.
@@ -65,6 +66,10 @@ log: list[Choice] = []
 
 def timing_refusal(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode: Any) -> str | None:
     """Why this graph can't be timed on its inputs, or None."""
+    if world_size() > 1:
+        # each rank would time on its own: their choices (and the number of timed runs of a
+        # graph holding a collective) could differ between ranks
+        return "torch.distributed is initialized: ranks could choose differently"
     for x in example_inputs:
         if isinstance(x, torch.Tensor) and (isinstance(x, torch._subclasses.FakeTensor) or x.is_meta):
             return "its inputs are fake"
@@ -85,6 +90,11 @@ def eager_backward() -> Any:
     if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
         return functorch_config.patch(force_non_lazy_backward_lowering=True)
     return contextlib.nullcontext()
+
+
+def world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def where(gm: fx.GraphModule) -> str:
