@@ -116,15 +116,18 @@ def test_use_scope_reaches_the_entry() -> None:
         calls.append(t)
         return reference("scatter_combine", (h, idx, g, t))
 
-    name = f"entry_test_plugin_{next(_names)}"  # a plug-in stays registered: one name per run
+    name = f"entry_test_plugin_{next(_names)}"
     opreg.register_impl("scatter_combine", name, devices=("cpu",), priority=-100)(plugin)
-    sc = opreg.get("scatter_combine")
-    args = args_of("scatter_combine")
-    sc(*args)
-    assert calls == []
-    with opreg.use(scatter_combine=name):
+    try:
+        sc = opreg.get("scatter_combine")
+        args = args_of("scatter_combine")
         sc(*args)
-    assert calls == [7]
+        assert calls == []
+        with opreg.use(scatter_combine=name):
+            sc(*args)
+        assert calls == [7]
+    finally:  # others (opreg.testing's harness) walk every implementation registered
+        opreg.unregister_impl("scatter_combine", name)
 
 
 class _Recording(TorchDispatchMode):
