@@ -165,14 +165,19 @@ def test_cuda_graph_capture_new_indices(shape):
 
 # ---------------------------------------------------------------------------------------
 # CUDA forward paths give the same bits (backends/cuda/scatter_combine*.cu): the small
-# one-launch path (N <= 8192), the large path's short-row reduce (16-byte vectors,
-# H * itemsize <= 1 KB: several tokens per warp) and its wide-row reduce. A token's sum
-# depends only on its own rows, and a column only on its own column, so the same sums
-# can be routed through each path: (a) the short-row call against the first H columns
-# of a wide-row call on [x | more columns]; (b) a few tokens' rows, kept in row order,
-# alone in a small call. Inputs are fresh random numbers, outputs land on NaN-poisoned
-# memory, and the routing covers empty tokens, out-of-range indices (ignored), a token
-# with > 8 rows (overflow list) and one with > 1024 rows (row walk).
+# one-launch path (N <= 8192); the large path, run as one cooperative kernel (the default)
+# or as the multi-kernel fallback (OPREG_SCATTER_COMBINE_LARGE=multi), each with a
+# short-row reduce (16-byte vectors, H * itemsize <= 1 KB: several tokens per warp) or a
+# wide-row reduce. A token's sum depends only on its own rows, and a column only on its
+# own column, so the same sums can be routed through each path: (a) the short-row call
+# against the first H columns of a wide-row call on [x | more columns]; (b) a few tokens'
+# rows, kept in row order, alone in a small call; (c) the same call with the fallback
+# forced. Inputs are fresh random numbers, outputs land on NaN-poisoned memory, and the
+# routing covers empty tokens, out-of-range indices (ignored), a token with 9..1024 rows
+# (overflow list) and one with > 1024 rows (row walk).
+
+LARGE_PATH_ENV = "OPREG_SCATTER_COMBINE_LARGE"
+
 
 def _routing(t: int, fanout: int, order: str, idx_dtype: torch.dtype):
     idx = torch.arange(t).repeat_interleave(fanout)
@@ -191,6 +196,39 @@ def _wide_pad(dtype: torch.dtype) -> int:
     return 2048 // (torch.finfo(dtype).bits // 8) + 64   # > 1 KB of extra row: wide-row reduce
 
 
+def _multi(x, idx, g, t, monkeypatch) -> torch.Tensor:
+    """The large path's multi-kernel fallback (the variable is read per call)."""
+    with monkeypatch.context() as m:
+        m.setenv(LARGE_PATH_ENV, "multi")
+        return OP(x, idx, g, t)
+
+
+def _check_large_call(x, idx, g, t, dtype, idx_dtype, monkeypatch) -> torch.Tensor:
+    """One large-path call, checked against the float64 reference, itself (twice), the
+    forced fallback, the call without out-of-range rows and the small path on a subset."""
+    from opreg.testing.compare import poison
+    h = x.shape[1]
+    poison(t * h * 8, "cuda")
+    out = OP(x, idx, g, t)
+    assert torch.equal(out, OP(x, idx, g, t))                       # deterministic
+    keep = (idx >= 0) & (idx < t)
+    assert_matches(out, expected(x[keep], idx[keep], g[keep], t), dtype)
+    assert (out[3] == 0).all() and (out[t - 1] != 0).any()         # empty token: zeros
+    assert int((idx == 6).sum()) > 1024 and 8 < int((idx == 2).sum()) <= 1024
+    # (c) the multi-kernel fallback
+    poison(t * h * 8, "cuda")
+    assert torch.equal(_multi(x, idx, g, t, monkeypatch), out)
+    # out-of-range rows dropped: the same bits
+    assert torch.equal(OP(x[keep], idx[keep], g[keep], t), out)
+    # (b) the small path on a few tokens (row order kept), the long ones included
+    sub = torch.tensor([0, 1, 2, 3, 6, t // 2, t - 1], device="cuda")
+    rows = torch.isin(idx.long(), sub).nonzero().squeeze(1)
+    remap = torch.searchsorted(sub, idx.long()[rows]).to(idx_dtype)
+    poison(sub.numel() * h * 8, "cuda")
+    assert torch.equal(OP(x[rows], remap, g[rows], sub.numel()), out[sub])
+    return out
+
+
 # Every short-row lane layout (hvec <= 8, 16, 32, 64 vectors), rows not a multiple of a
 # warp's vectors (200), and 37: not a multiple of 16 bytes, the unvectorised (V = 1) path.
 SHORT_H = [32, 37, 64, 128, 200, 256]
@@ -202,7 +240,7 @@ SHORT_H = [32, 37, 64, 128, 200, 256]
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("h", SHORT_H)
 @pytest.mark.parametrize("fanout", [1, 2, 8])
-def test_cuda_short_rows_same_bits_as_every_path(fanout, h, dtype, idx_dtype, order):
+def test_cuda_short_rows_same_bits_as_every_path(fanout, h, dtype, idx_dtype, order, monkeypatch):
     skip_without("cuda")
     from opreg.testing.compare import poison
     t = 12288 // fanout + 1                     # >= 12288 rows: the large path
@@ -211,21 +249,90 @@ def test_cuda_short_rows_same_bits_as_every_path(fanout, h, dtype, idx_dtype, or
     x_wide = torch.randn(n, h + _wide_pad(dtype), dtype=dtype, device="cuda")
     x = x_wide[:, :h].contiguous()
     g = (torch.rand(n, device="cuda") + 0.1).to(dtype)
-    poison(t * (h + _wide_pad(dtype)) * 8, "cuda")
-    out = OP(x, idx, g, t)
-    assert torch.equal(out, OP(x, idx, g, t))                       # deterministic
-    keep = (idx >= 0) & (idx < t)
-    assert_matches(out, expected(x[keep], idx[keep], g[keep], t), dtype)
-    assert (out[3] == 0).all() and (out[t - 1] != 0).any()         # empty token: zeros
-    assert int((idx == 6).sum()) > 1024 and 8 < int((idx == 2).sum()) <= 1024
-    # (a) the wide-row reduce on the same columns
+    out = _check_large_call(x, idx, g, t, dtype, idx_dtype, monkeypatch)
+    # (a) the wide-row reduce on the same columns, fused and fallback
     poison(t * (h + _wide_pad(dtype)) * 8, "cuda")
     assert torch.equal(OP(x_wide, idx, g, t)[:, :h], out)
-    # out-of-range rows dropped: the same bits
-    assert torch.equal(OP(x[keep], idx[keep], g[keep], t), out)
-    # (b) the small path on a few tokens (row order kept), the long ones included
-    sub = torch.tensor([0, 1, 2, 3, 6, t // 2, t - 1], device="cuda")
-    rows = torch.isin(idx.long(), sub).nonzero().squeeze(1)
-    remap = torch.searchsorted(sub, idx.long()[rows]).to(idx_dtype)
-    poison(sub.numel() * h * 8, "cuda")
-    assert torch.equal(OP(x[rows], remap, g[rows], sub.numel()), out[sub])
+    assert torch.equal(_multi(x_wide, idx, g, t, monkeypatch)[:, :h], out)
+
+
+# Wide rows: 16-byte vectors (1024), more than one column chunk per token (4096), and
+# rows that are not a multiple of 16 bytes (1001: V = 1).
+@pytest.mark.cuda
+@pytest.mark.parametrize("order,idx_dtype", [("sorted", torch.int64), ("random", torch.int32)], ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("h", [1001, 1024, 4096])
+@pytest.mark.parametrize("fanout", [1, 2, 8])
+def test_cuda_wide_rows_same_bits_as_every_path(fanout, h, dtype, order, idx_dtype, monkeypatch):
+    skip_without("cuda")
+    t = 9216 // fanout + 1                      # >= 9216 rows: the large path
+    idx = _routing(t, fanout, order, idx_dtype).cuda()
+    n = idx.numel()
+    x = torch.randn(n, h, dtype=dtype, device="cuda")
+    g = (torch.rand(n, device="cuda") + 0.1).to(dtype)
+    _check_large_call(x, idx, g, t, dtype, idx_dtype, monkeypatch)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", ["fused", "multi"])
+@pytest.mark.parametrize("h,dtype", [(128, torch.bfloat16), (1000, torch.float32)], ids=str)
+def test_cuda_graph_capture_large_path(path, h, dtype, monkeypatch):
+    """The large path captured in a CUDA graph (the fused path is a cooperative launch),
+    with the overflow phases live (tokens with > 8 and > 1024 rows); the replay reads new
+    indices, rows and gates written in place, bit for bit what eager calls of both paths
+    give."""
+    skip_without("cuda")
+    if path == "multi":
+        monkeypatch.setenv(LARGE_PATH_ENV, "multi")
+    t = 6145
+
+    def inputs():
+        idx = _routing(t, 2, "random", torch.int32).cuda()
+        return (torch.randn(idx.numel(), h, dtype=dtype, device="cuda"), idx,
+                (torch.rand(idx.numel(), device="cuda") + 0.1).to(dtype), t)
+
+    args = inputs()
+    eager = OP(*args)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        OP(*args)  # warm-up off the capture (allocator, lazy init, occupancy queries)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = OP(*args)
+    torch.cuda.synchronize()
+    for _ in range(2):
+        new = inputs()
+        for dst, src in zip(args[:3], new[:3]):
+            dst.copy_(src)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, OP(*args))
+        assert torch.equal(captured, _multi(*args, monkeypatch))
+        assert not torch.equal(captured, eager)
+
+
+@pytest.mark.cuda
+def test_cuda_large_path_is_one_launch(monkeypatch):
+    """The large path is one kernel (the fused cooperative one) unless the fallback is
+    forced, which launches its memset, count, scan, place and reduce kernels."""
+    skip_without("cuda")
+    from torch.profiler import ProfilerActivity, profile
+    args = make_inputs(8192, 2, 128, torch.bfloat16, torch.int32, "random", "cuda")
+
+    def device_ops() -> list[str]:
+        OP(*args)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            OP(*args)
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    fused = device_ops()
+    assert len(fused) == 1 and "scatter_large_fused_kernel" in fused[0], fused
+    monkeypatch.setenv(LARGE_PATH_ENV, "multi")
+    multi = device_ops()
+    assert not any("scatter_large_fused_kernel" in k for k in multi), multi
+    for name in ("count_kernel", "scan_kernel", "place_kernel", "scatter_reduce_kernel"):
+        assert any(name in k for k in multi), (name, multi)

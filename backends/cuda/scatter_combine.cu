@@ -13,15 +13,30 @@
 //    blocks, served by L2) and compacts the rows of its tokens in row order (a block-wide scan of per-thread counts
 //    over contiguous row ranges keeps the order stable), then one warp per
 //    token gathers and sums. This is what makes 1536 x 2 x 128 one kernel.
-//  * large: memset(counts) -> count (integer atomicAdd; its return value is
+//  * large: zero counts -> count (integer atomicAdd; its return value is
 //    the row's slot within its token; slots < 8 are written straight into a
-//    fixed-width table ell[t][8]) -> overflow scan + place (only rows beyond
-//    a token's 8th) -> reduce. Slots from integer atomics are in arbitrary
+//    fixed-width table ell[t][8]) -> overflow offsets + place (only rows
+//    beyond a token's 8th, only when some token has them: a device-side
+//    flag) -> reduce (a short-row reducer, several tokens per warp, for rows
+//    of <= 1 KB in 16-byte vectors; a wide-row one, a warp per token and
+//    column chunk, otherwise). Slots from integer atomics are in arbitrary
 //    order, so each reducer sorts its token's rows by row index (in
 //    registers for <= 8 rows, in shared memory up to 1024) before summing;
 //    tokens with > 1024 rows (degenerate routing) instead rescan token_idx in
-//    row order: slower, equally deterministic. No host sync anywhere, so
-//    CUDA-graph capture works.
+//    row order: slower, equally deterministic.
+//    It runs as ONE cooperative launch (grid.sync() between the phases, the
+//    grid = every co-resident block, capped by the work) wherever the device
+//    supports cooperative launch and one block fits an SM: the 5-6 launches
+//    of the multi-kernel form cost several us of host time each on the
+//    H200 box, which made calls host-bound (20-35 us where the bytes need
+//    5-10, e.g. T16384 k8 H128 bf16 at 23-26 % of copy bandwidth). The
+//    multi-kernel form (memset, count, tile sums + scan, place, reduce) is
+//    the fallback elsewhere, and OPREG_SCATTER_COMBINE_LARGE=multi forces it
+//    (read per call; the tests compare the two bit for bit). Both run the
+//    same count, place and reducer device code.
+//  No host sync anywhere, so CUDA-graph capture works (cooperative kernels
+//  are capturable: CUDA 12+ has cooperative kernel graph nodes; the tests
+//  capture and replay both large forms).
 //
 // Indices outside [0, num_tokens) are ignored (their rows contribute nothing;
 // backward gives them zero gradients). With OPREG_CHECK_INDICES=1 in the
@@ -41,8 +56,9 @@
 //    (dtype, vector width) instantiations) and accumulate_rows, the device
 //    helper of both forward paths.
 //  * scatter_combine_small.cu: the small-path kernel and launch_small.
-//  * scatter_combine_large.cu: the large path's count / scan / place / reduce
-//    kernels and launch_large.
+//  * scatter_combine_large.cu: the large path's phases (count / scan / place /
+//    reduce), its fused cooperative kernel and multi-kernel fallback, and
+//    launch_large (which of the two runs).
 //  * scatter_combine_backward.cu: the backward kernel and launch_scatter_backward.
 //
 // Host code only: nvcc's device pass (__CUDA_ARCH__ defined) skips this whole
@@ -61,6 +77,7 @@
 
 #include <climits>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <tuple>
 
@@ -78,6 +95,16 @@ using namespace sc_detail;
 bool check_indices_requested() {
   const char* e = std::getenv("OPREG_CHECK_INDICES");
   return e != nullptr && e[0] == '1' && e[1] == '\0';
+}
+
+// Test/benchmark override: OPREG_SCATTER_COMBINE_LARGE=multi forces the large
+// path's multi-kernel fallback (the tests compare its bits with the fused
+// cooperative kernel's); anything else, or unset, lets launch_large pick (the
+// fused kernel wherever the device can run it). Read per call, like
+// OPREG_CAT_LINEAR_PATH.
+bool large_fused_allowed() {
+  const char* e = std::getenv("OPREG_SCATTER_COMBINE_LARGE");
+  return e == nullptr || std::strcmp(e, "multi") != 0;
 }
 
 // Debug mode only: synchronizes (two scalar reads).
@@ -133,7 +160,7 @@ void launch_forward(
   int* tile_sums = operm + n;
   launch_large<scalar_t, V>(xp, idx.const_data_ptr(), idx64, g.const_data_ptr(), g32, op, n,
                             num_tokens, hvec, ntiles, flag, counts, ell, ooff, slot, operm,
-                            tile_sums, x.get_device(), stream);
+                            tile_sums, large_fused_allowed(), x.get_device(), stream);
 }
 
 template <typename scalar_t>

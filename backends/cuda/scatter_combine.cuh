@@ -98,13 +98,15 @@ void launch_small(const scalar_t* xp, const void* idx, bool idx64, const void* g
                   scalar_t* op, int n, int64_t num_tokens, int hvec, int64_t gx_small,
                   int64_t gy_small, cudaStream_t stream);
 
-// Large path: every kernel from the counts memset to the reduce, on the
-// workspace the host carved (flag | counts | ell | ooff | slot | operm | tile_sums).
+// Large path, on the workspace the host carved (flag | counts | ell | ooff |
+// slot | operm | tile_sums): one cooperative launch when `fused` and the
+// device can run it, else the multi-kernel fallback (memset, count, scan,
+// place, reduce); scatter_combine_large.cu says which runs when.
 template <typename scalar_t, int V>
 void launch_large(const scalar_t* xp, const void* idx, bool idx64, const void* gates, bool g32,
                   scalar_t* op, int n, int64_t num_tokens, int hvec, int64_t ntiles, int* flag,
                   int* counts, int* ell, int* ooff, int* slot, int* operm, int* tile_sums,
-                  c10::DeviceIndex dev, cudaStream_t stream);
+                  bool fused, c10::DeviceIndex dev, cudaStream_t stream);
 
 // Backward (scatter_combine_backward.cu): gx = g * gy[idx], gg = <gy[idx], x>.
 template <typename scalar_t, int V>

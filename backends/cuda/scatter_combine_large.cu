@@ -1,10 +1,21 @@
 // opreg::scatter_combine forward, large path (every call the small path of
 // scatter_combine_small.cu does not take; the host picks, sizes the workspace
-// and calls launch_large, scatter_combine.cu): memset(counts) -> count ->
-// overflow scan + place -> reduce, no host sync. kEll and the scan constants
-// are in scatter_combine.cuh (the host sizes the workspace with them).
+// and calls launch_large, scatter_combine.cu). Two ways to run it, the same
+// device code and the same bits (the choice is in launch_large):
+//  * fused (the default): ONE cooperative launch, grid.sync() between the
+//    phases zero -> count -> [overflow offsets -> place, only when a token has
+//    more than kEll rows] -> reduce;
+//  * multi-kernel (the fallback): memset(counts) -> count -> overflow scan +
+//    place -> reduce, 5-6 launches. It runs where the fused kernel cannot
+//    (no cudaDevAttrCooperativeLaunch, not one block per SM, or the driver
+//    refuses the grid: launch_fused), and when the host asks for it
+//    (OPREG_SCATTER_COMBINE_LARGE=multi, read per call in scatter_combine.cu:
+//    the tests compare the two bit for bit).
+// No host sync in either. kEll and the scan constants are in
+// scatter_combine.cuh (the host sizes the workspace with them).
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
+#include <cooperative_groups.h>
 
 #include <algorithm>
 #include <climits>
@@ -40,12 +51,28 @@ constexpr int red_nv() {
   return V >= 8 ? 2 : 4;
 }
 
+// Reads of workspace entries written earlier in the same launch (the fused
+// kernel, kCoh = true) go to L2 (ld.global.cg): the grid barrier orders them,
+// and no stale L1 or read-only-cache line can serve them. The multi-kernel
+// path (kCoh = false) reads them as before: they were written by an earlier
+// launch.
+template <bool kCoh>
+__device__ __forceinline__ int ws_load(const int* p) {
+  if constexpr (kCoh) {
+    return __ldcg(p);
+  } else {
+    return *p;
+  }
+}
+
+// Grid-strided over rows: counts[t] += 1 per row of t (integer atomics, the
+// return value is the row's slot), slots < kEll go into ell[t][slot].
 // flag[0] is set when some token has more than kEll rows; the overflow scan
 // and place kernels return at once otherwise (they cost 4.8 + 1.1 us of
 // device time at 16384 tokens, for nothing in the common fan-out <= 8 case).
-__global__ void count_kernel(
-    const void* __restrict__ idx, bool idx64, int n, int64_t num_tokens,
-    int* __restrict__ counts, int* __restrict__ ell, int* __restrict__ slot, int* __restrict__ flag) {
+__device__ __forceinline__ void count_rows(
+    const void* __restrict__ idx, bool idx64, int n, int64_t num_tokens, int* counts, int* ell,
+    int* slot, int* flag) {
   for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < n; r += gridDim.x * blockDim.x) {
     const int64_t t = load_index(idx, r, idx64);
     int s = -1;
@@ -59,6 +86,12 @@ __global__ void count_kernel(
     }
     slot[r] = s;
   }
+}
+
+__global__ void count_kernel(
+    const void* __restrict__ idx, bool idx64, int n, int64_t num_tokens,
+    int* __restrict__ counts, int* __restrict__ ell, int* __restrict__ slot, int* __restrict__ flag) {
+  count_rows(idx, idx64, n, num_tokens, counts, ell, slot, flag);
 }
 
 // Block-wide sum (1024 threads); result valid in every thread.
@@ -132,13 +165,47 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(
   }
 }
 
+// Grid-strided over rows: each row beyond its token's kEll-th goes to
+// operm[ooff[t] + slot - kEll].
+template <bool kCoh>
+__device__ __forceinline__ void place_rows(
+    const void* __restrict__ idx, bool idx64, int n, const int* slot, const int* ooff, int* operm) {
+  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < n; r += gridDim.x * blockDim.x) {
+    const int s = ws_load<kCoh>(slot + r);
+    if (s >= kEll) operm[ws_load<kCoh>(ooff + load_index(idx, r, idx64)) + (s - kEll)] = r;
+  }
+}
+
 __global__ void place_kernel(
     const void* __restrict__ idx, bool idx64, int n, const int* __restrict__ slot,
     const int* __restrict__ ooff, int* __restrict__ operm, const int* __restrict__ flag) {
   if (*flag == 0) return;
-  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < n; r += gridDim.x * blockDim.x) {
-    const int s = slot[r];
-    if (s >= kEll) operm[ooff[load_index(idx, r, idx64)] + (s - kEll)] = r;
+  place_rows<false>(idx, idx64, n, slot, ooff, operm);
+}
+
+// The fused kernel's overflow offsets, instead of the two scan kernels: every
+// token with more than kEll rows takes a contiguous segment of operm from a
+// cursor (one integer atomicAdd per warp of 32 tokens: a warp scan of their
+// overflows). Segments land in arbitrary order, which changes nothing in the
+// result: a reducer finds its token's segment through ooff[t] and sorts the
+// rows by row index before summing, so the bits are those of the scan's
+// layout. Grid-strided by warps; ooff[t] is written only for tokens that
+// overflow, the only ones whose ooff a reducer reads.
+__device__ __forceinline__ void alloc_overflow(
+    const int* counts, int64_t num_tokens, int* ooff, int* cursor) {
+  const int lane = threadIdx.x & 31;
+  const int64_t wstride = int64_t(gridDim.x) * (blockDim.x / 32) * 32;
+  for (int64_t base = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * 32;
+       base < num_tokens; base += wstride) {  // warp-uniform
+    const int64_t t = base + lane;
+    const int ov = t < num_tokens ? max(__ldcg(counts + t) - kEll, 0) : 0;
+    const int incl = cuda::warp_inclusive_scan(ov);
+    const int total = __shfl_sync(kFull, incl, 31);
+    if (total == 0) continue;
+    int b = 0;
+    if (lane == 31) b = atomicAdd(cursor, total);
+    b = __shfl_sync(kFull, b, 31);
+    if (ov > 0) ooff[t] = b + incl - ov;
   }
 }
 
@@ -160,7 +227,7 @@ __device__ __forceinline__ void warp_accumulate(
 // rows), or, past that, token_idx is walked in row order. Shared by both
 // reduce kernels so that a token's sum is the same code, hence the same bits,
 // whichever kernel owns it.
-template <typename scalar_t, int V, int NV, int U, typename acc_t>
+template <bool kCoh, typename scalar_t, int V, int NV, int U, typename acc_t>
 __device__ __forceinline__ void accumulate_long_token(
     int64_t t, int cnt, int mine, int* rows, const Vec<scalar_t, V>* __restrict__ xv,
     const void* __restrict__ idx, bool idx64, const void* __restrict__ gates, bool g32,
@@ -170,9 +237,9 @@ __device__ __forceinline__ void accumulate_long_token(
   if (cnt <= kWarpSortCap) {
     int P = 1;
     while (P < cnt) P <<= 1;
-    const int o0 = ooff[t];
+    const int o0 = ws_load<kCoh>(ooff + t);
     if (lane < kEll) rows[lane] = mine;
-    for (int i = kEll + lane; i < P; i += 32) rows[i] = i < cnt ? operm[o0 + i - kEll] : INT_MAX;
+    for (int i = kEll + lane; i < P; i += 32) rows[i] = i < cnt ? ws_load<kCoh>(operm + o0 + i - kEll) : INT_MAX;
     __syncwarp();
     for (int k = 2; k <= P; k <<= 1) {
       for (int j = k >> 1; j > 0; j >>= 1) {
@@ -206,7 +273,7 @@ __device__ __forceinline__ void accumulate_long_token(
 }
 
 // The whole of a long token's output row, summed by one warp.
-template <typename scalar_t, int V, int NV>
+template <bool kCoh, typename scalar_t, int V, int NV>
 __device__ __forceinline__ void reduce_long_token(
     int64_t t, int cnt, int mine, int* rows, const Vec<scalar_t, V>* __restrict__ xv,
     const void* __restrict__ idx, bool idx64, const void* __restrict__ gates, bool g32,
@@ -219,7 +286,7 @@ __device__ __forceinline__ void reduce_long_token(
   for (int k = 0; k < NV; ++k)
 #pragma unroll
     for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
-  accumulate_long_token<scalar_t, V, NV, 2>(t, cnt, mine, rows, xv, idx, idx64, gates, g32, ooff,
+  accumulate_long_token<kCoh, scalar_t, V, NV, 2>(t, cnt, mine, rows, xv, idx, idx64, gates, g32, ooff,
                                             operm, n, hvec, lane, acc);
   cuda::store_row<scalar_t, V, NV>(out, t, hvec, lane, acc);
 }
@@ -242,10 +309,242 @@ __device__ __forceinline__ int sort_ell_groups(int row) {
   return sorted;
 }
 
-// U = rows whose loads are in flight together. (Capping registers at 64 for
-// 8 blocks per SM made ptxas spill up to 484 bytes, so no cap: 80 registers,
-// 6 blocks = 24 warps per SM for bf16.)
+// What a reducer is given besides the pointers: the wide-row reducer's work
+// items (token, column chunk) and chunks per token; the short-row reducer
+// needs neither (it walks num_tokens).
+struct ReduceWork {
+  int64_t items;
+  int chunks;
+};
+
+// Each reducer is a type with one device function, run<kCoh>, called by the
+// multi-kernel path's reduce kernel (scatter_reduce_kernel<Red>, kCoh = false)
+// and by the fused kernel's last phase (kCoh = true), so the two paths share
+// the per-element FMA chain, hence the bits, and each fused instantiation
+// carries only its own reducer's registers.
+//
+// Wide rows: one warp per (token, column chunk). U = rows whose loads are in
+// flight together. (Capping registers at 64 for 8 blocks per SM made ptxas
+// spill up to 484 bytes, so no cap: 80 registers, 6 blocks = 24 warps per SM
+// for bf16.)
 template <typename scalar_t, int V, int U>
+struct WideReduce {
+  template <bool kCoh>
+  static __device__ __forceinline__ void run(
+      const scalar_t* __restrict__ x,
+      const void* __restrict__ idx,
+      bool idx64,
+      const void* __restrict__ gates,
+      bool g32,
+      const int* __restrict__ counts,
+      const int* __restrict__ ell,
+      const int* __restrict__ ooff,
+      const int* __restrict__ operm,
+      scalar_t* __restrict__ out,
+      int n,
+      int64_t /*num_tokens*/,
+      int hvec,
+      ReduceWork w) {
+    using acc_t = at::opmath_type<scalar_t>;
+    using vec_t = Vec<scalar_t, V>;
+    constexpr int NV = red_nv<V>();
+    const int64_t nitems = w.items;
+    const int chunks = w.chunks;
+    __shared__ int s_rows[kRedWarps][kWarpSortCap];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const vec_t* xv = reinterpret_cast<const vec_t*>(x);
+    // Persistent warps: while an item's data loads are in flight, the next
+    // item's (count, ell) loads are too, so the one metadata round trip per
+    // item overlaps useful traffic (without this: 78 % of copy bandwidth at
+    // fan-out 2).
+    const int64_t stride = int64_t(gridDim.x) * kRedWarps;
+    int64_t item = int64_t(blockIdx.x) * kRedWarps + warp;
+    if (item >= nitems) return;  // warp-level only from here: no block barriers
+    int64_t t = item / chunks;
+    int cnt = ws_load<kCoh>(counts + t);
+    int mine = lane < kEll ? ws_load<kCoh>(ell + t * kEll + lane) : 0;
+    for (;;) {
+      const int64_t next = item + stride;
+      int64_t tn = 0;
+      int cnt_n = 0, mine_n = 0;
+      if (next < nitems) {
+        tn = next / chunks;
+        cnt_n = ws_load<kCoh>(counts + tn);
+        mine_n = lane < kEll ? ws_load<kCoh>(ell + tn * kEll + lane) : 0;
+      }
+      const int j0 = int(item - t * chunks) * (32 * NV) + lane;
+      acc_t acc[NV][V];
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
+
+      if (cnt <= kEll) {
+        // Sort <= 8 rows by row index in registers; sorted[k] lives in lane k.
+        const int sorted = sort_ell_groups(lane < cnt ? mine : INT_MAX);
+        warp_accumulate<scalar_t, V, NV, U>(
+            [&](int i) { return __shfl_sync(kFull, sorted, i); }, cnt, xv, gates, g32, hvec, j0, acc);
+      } else {
+        accumulate_long_token<kCoh, scalar_t, V, NV, U>(t, cnt, mine, s_rows[warp], xv, idx, idx64,
+                                                        gates, g32, ooff, operm, n, hvec, j0, acc);
+      }
+
+      cuda::store_row<scalar_t, V, NV>(out, t, hvec, j0, acc);
+      if (next >= nitems) break;
+      item = next;
+      t = tn;
+      cnt = cnt_n;
+      mine = mine_n;
+    }
+  }
+};
+
+// Short rows (16-byte vectors, hvec <= 64: H <= 256 for fp32, <= 512 for
+// 16-bit types): WideReduce gives each token a whole warp and loads U = 2
+// rows at a time, so at H = 128 bf16 (hvec 16) only half the lanes load
+// anything and a warp has 2 x 256 B in flight: ~20 % of copy bandwidth. Here
+// a warp owns TPW tokens at once (L = 32 / TPW lanes each, NV vectors per
+// lane, L * NV >= hvec); lanes 8s..8s+7 fetch token s's (count, ell) together
+// and sort them in registers (sort_ell_groups), then every lane loads U of
+// its token's rows before the first FMA (U * NV = 8 vectors = 32 registers in
+// flight per lane, whatever the row width). At fan-out 2 a warp has 4 tokens
+// x 2 rows in flight (2 KB at H = 128 bf16, 4 KB at H = 128 fp32) instead of
+// 512 B. Tokens with more than kEll rows are then summed one at a time by the
+// whole warp, with the helper WideReduce uses. The per-element FMA chain is
+// the same: same bits.
+// ptxas gives this reducer 96-167 registers (bf16 highest; the long-token
+// sort and row walk are inlined). Pinning 6 blocks per SM (80 registers)
+// spilled 200-800 bytes and measured slower on the H200 (T16384 k8 H128 bf16:
+// 55 vs 38 us), so no minimum is asked for.
+template <typename scalar_t, int V, int TPW, int NV, int U>
+struct ShortReduce {
+  static_assert(TPW == 2 || TPW == 4, "a token's kEll metadata lanes must fit in its lanes");
+  static_assert(kEll % U == 0, "row batches must tile the kEll sorted rows");
+
+  template <bool kCoh>
+  static __device__ __forceinline__ void run(
+      const scalar_t* __restrict__ x,
+      const void* __restrict__ idx,
+      bool idx64,
+      const void* __restrict__ gates,
+      bool g32,
+      const int* __restrict__ counts,
+      const int* __restrict__ ell,
+      const int* __restrict__ ooff,
+      const int* __restrict__ operm,
+      scalar_t* __restrict__ out,
+      int n,
+      int64_t num_tokens,
+      int hvec,
+      ReduceWork /*w*/) {
+    using acc_t = at::opmath_type<scalar_t>;
+    using vec_t = Vec<scalar_t, V>;
+    constexpr int L = 32 / TPW;              // lanes per token in the common case
+    constexpr int NVW = (NV * L + 31) / 32;  // vectors per lane when the whole warp sums one token
+    __shared__ int s_rows[kRedWarps][kWarpSortCap];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const vec_t* xv = reinterpret_cast<const vec_t*>(x);
+    const int64_t ngroups = (num_tokens + TPW - 1) / TPW;
+    const int64_t stride = int64_t(gridDim.x) * kRedWarps;
+    int64_t grp = int64_t(blockIdx.x) * kRedWarps + warp;
+    if (grp >= ngroups) return;  // warp-level only from here
+
+    // Metadata lanes: token ms = lane / kEll of the group, its ell entry lane % kEll.
+    const int ms = lane / kEll;
+    auto meta = [&](int64_t g, int& cnt, int& mine) {
+      const int64_t tk = g * TPW + ms;
+      cnt = 0;
+      mine = INT_MAX;
+      if (ms < TPW && tk < num_tokens) {
+        cnt = ws_load<kCoh>(counts + tk);
+        mine = ws_load<kCoh>(ell + tk * kEll + (lane & (kEll - 1)));
+      }
+    };
+    int cnt, mine;
+    meta(grp, cnt, mine);
+    // Data lanes: token s = lane / L, vectors jl + L k.
+    const int s = lane / L, jl = lane % L;
+    for (;;) {
+      // Persistent warps, as in WideReduce: the next group's metadata loads
+      // are in flight during this group's data loads.
+      const int64_t next = grp + stride;
+      int cnt_n = 0, mine_n = INT_MAX;
+      if (next < ngroups) meta(next, cnt_n, mine_n);
+
+      const int64_t t = grp * TPW + s;
+      const int sorted = sort_ell_groups((lane & (kEll - 1)) < cnt && cnt <= kEll ? mine : INT_MAX);
+      // This lane's token's row count; tokens with > kEll rows are left for later.
+      const int c_all = __shfl_sync(kFull, cnt, s * kEll);
+      const int c = c_all <= kEll ? c_all : 0;
+      const int cmax = __reduce_max_sync(kFull, unsigned(c));
+      acc_t acc[NV][V];
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
+      for (int ub = 0; ub < cmax; ub += U) {  // warp-uniform
+        acc_t g[U];
+        vec_t xr[U][NV];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int r = __shfl_sync(kFull, sorted, s * kEll + ub + u);
+          if (ub + u < c) {
+            g[u] = load_gate<acc_t, scalar_t>(gates, r, g32);
+            const vec_t* row = xv + int64_t(r) * hvec;
+#pragma unroll
+            for (int k = 0; k < NV; ++k)
+              if (jl + L * k < hvec) xr[u][k] = row[jl + L * k];
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (ub + u < c) {
+#pragma unroll
+            for (int k = 0; k < NV; ++k) {
+              if (jl + L * k < hvec) {
+#pragma unroll
+                for (int e = 0; e < V; ++e)
+                  acc[k][e] = fma_acc(g[u], static_cast<acc_t>(xr[u][k].v[e]), acc[k][e]);
+              }
+            }
+          }
+        }
+      }
+      if (t < num_tokens && c_all <= kEll) {
+        vec_t* orow = reinterpret_cast<vec_t*>(out) + t * hvec;
+#pragma unroll
+        for (int k = 0; k < NV; ++k) {
+          if (jl + L * k < hvec) {
+            vec_t o;
+#pragma unroll
+            for (int e = 0; e < V; ++e) o.v[e] = static_cast<scalar_t>(acc[k][e]);
+            orow[jl + L * k] = o;
+          }
+        }
+      }
+
+      // Tokens of this group with more than kEll rows: one at a time, whole warp.
+      unsigned long_tok = __ballot_sync(kFull, (lane & (kEll - 1)) == 0 && cnt > kEll);
+      while (long_tok) {  // warp-uniform
+        const int src = __ffs(long_tok) - 1;
+        long_tok &= long_tok - 1;
+        const int64_t tl = grp * TPW + src / kEll;
+        const int cl = __shfl_sync(kFull, cnt, src);
+        const int ml = __shfl_sync(kFull, mine, src + (lane & (kEll - 1)));
+        reduce_long_token<kCoh, scalar_t, V, NVW>(tl, cl, ml, s_rows[warp], xv, idx, idx64, gates,
+                                                  g32, ooff, operm, out, n, hvec);
+      }
+
+      if (next >= ngroups) break;
+      grp = next;
+      cnt = cnt_n;
+      mine = mine_n;
+    }
+  }
+};
+
+// The multi-kernel path's reduce: one launch of reducer Red.
+template <typename scalar_t, typename Red>
 __global__ void __launch_bounds__(kRedWarps * 32) scatter_reduce_kernel(
     const scalar_t* __restrict__ x,
     const void* __restrict__ idx,
@@ -258,197 +557,77 @@ __global__ void __launch_bounds__(kRedWarps * 32) scatter_reduce_kernel(
     const int* __restrict__ operm,
     scalar_t* __restrict__ out,
     int n,
-    int64_t nitems,
-    int chunks,
-    int hvec) {
-  using acc_t = at::opmath_type<scalar_t>;
-  using vec_t = Vec<scalar_t, V>;
-  constexpr int NV = red_nv<V>();
-  __shared__ int s_rows[kRedWarps][kWarpSortCap];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const vec_t* xv = reinterpret_cast<const vec_t*>(x);
-  // Persistent warps: while an item's data loads are in flight, the next
-  // item's (count, ell) loads are too, so the one metadata round trip per
-  // item overlaps useful traffic (without this: 78 % of copy bandwidth at
-  // fan-out 2).
-  const int64_t stride = int64_t(gridDim.x) * kRedWarps;
-  int64_t item = int64_t(blockIdx.x) * kRedWarps + warp;
-  if (item >= nitems) return;  // warp-level only from here: no block barriers
-  int64_t t = item / chunks;
-  int cnt = counts[t];
-  int mine = lane < kEll ? ell[t * kEll + lane] : 0;
-  for (;;) {
-    const int64_t next = item + stride;
-    int64_t tn = 0;
-    int cnt_n = 0, mine_n = 0;
-    if (next < nitems) {
-      tn = next / chunks;
-      cnt_n = counts[tn];
-      mine_n = lane < kEll ? ell[tn * kEll + lane] : 0;
-    }
-    const int j0 = int(item - t * chunks) * (32 * NV) + lane;
-    acc_t acc[NV][V];
-#pragma unroll
-    for (int k = 0; k < NV; ++k)
-#pragma unroll
-      for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
+    int64_t num_tokens,
+    int hvec,
+    ReduceWork w) {
+  Red::template run<false>(x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
+                           num_tokens, hvec, w);
+}
 
-    if (cnt <= kEll) {
-      // Sort <= 8 rows by row index in registers; sorted[k] lives in lane k.
-      const int sorted = sort_ell_groups(lane < cnt ? mine : INT_MAX);
-      warp_accumulate<scalar_t, V, NV, U>(
-          [&](int i) { return __shfl_sync(kFull, sorted, i); }, cnt, xv, gates, g32, hvec, j0, acc);
-    } else {
-      accumulate_long_token<scalar_t, V, NV, U>(t, cnt, mine, s_rows[warp], xv, idx, idx64, gates,
-                                                g32, ooff, operm, n, hvec, j0, acc);
-    }
-
-    cuda::store_row<scalar_t, V, NV>(out, t, hvec, j0, acc);
-    if (next >= nitems) break;
-    item = next;
-    t = tn;
-    cnt = cnt_n;
-    mine = mine_n;
+// Phases 0-2 of the fused kernel (below): zero flag | counts and the overflow
+// cursor (the memset, folded in) -> count -> only when flag says some token
+// has more than kEll rows (read after the barrier, so grid-uniform, and so
+// are the barriers inside): overflow offsets -> place. Not inlined so that
+// ptxas allocates the reducer that follows as it does in the standalone
+// reduce kernel (inlined, the bf16 short-row reducer for hvec <= 16 got 150
+// registers instead of 128, 3 blocks per SM instead of 4); the call costs
+// nothing measurable next to a grid barrier.
+__device__ __noinline__ void build_lists(
+    const void* __restrict__ idx, bool idx64, int n, int64_t num_tokens, int* flag, int* counts,
+    int* ell, int* ooff, int* slot, int* operm, int* cursor) {
+  const cooperative_groups::grid_group grid = cooperative_groups::this_grid();
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t nthreads = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = tid; i <= num_tokens; i += nthreads) flag[i] = 0;  // flag, counts[0, T)
+  if (tid == 0) *cursor = 0;
+  grid.sync();
+  count_rows(idx, idx64, n, num_tokens, counts, ell, slot, flag);
+  grid.sync();
+  if (__ldcg(flag) != 0) {
+    alloc_overflow(counts, num_tokens, ooff, cursor);
+    grid.sync();
+    place_rows<true>(idx, idx64, n, slot, ooff, operm);
+    grid.sync();
   }
 }
 
-// Short rows (16-byte vectors, hvec <= 64: H <= 256 for fp32, <= 512 for
-// 16-bit types): scatter_reduce_kernel gives each token a whole warp and
-// loads U = 2 rows at a time, so at H = 128 bf16 (hvec 16) only half the
-// lanes load anything and a warp has 2 x 256 B in flight: ~20 % of copy
-// bandwidth. Here a warp owns TPW tokens at once (L = 32 / TPW lanes each,
-// NV vectors per lane, L * NV >= hvec); lanes 8s..8s+7 fetch token s's
-// (count, ell) together and sort them in registers (sort_ell_groups), then
-// every lane loads U of its token's rows before the first FMA (U * NV = 8
-// vectors = 32 registers in flight per lane, whatever the row width). At
-// fan-out 2 a warp has 4 tokens x 2 rows in flight (2 KB at H = 128 bf16,
-// 4 KB at H = 128 fp32) instead of 512 B. Tokens with more than kEll rows are
-// then summed one at a time by the whole warp, with the helper the other
-// kernel uses. The per-element FMA chain is the same: same bits.
-// ptxas gives this kernel 96-167 registers (bf16 highest; the long-token
-// sort and row walk are inlined). Pinning 6 blocks per SM (80 registers)
-// spilled 200-800 bytes and measured slower on the H200 (T16384 k8 H128 bf16:
-// 55 vs 38 us), so no minimum is asked for.
-template <typename scalar_t, int V, int TPW, int NV, int U>
-__global__ void __launch_bounds__(kRedWarps * 32) scatter_reduce_short_kernel(
+// The whole large path in one cooperative launch (why: the H200 box's host
+// spends several us per launch, so the 5-6 launches of the multi-kernel path
+// made every call host-bound: ~20-35 us per call where the bytes need 5-10,
+// e.g. T16384 k8 H128 bf16 37-41 us = 23-26 % of copy bandwidth, T4096 k2
+// H1024 bf16 25 us = 24 %, T65536 k2 H128 fp32 43 us = 56 %). Every phase is
+// grid-strided over a grid that is entirely resident (the cooperative launch
+// guarantees it), separated by grid.sync(), which also orders the workspace
+// writes before the next phase's reads (ws_load<true>: L2 reads):
+//   0-2. build_lists: zero, count (count_rows, as the multi-kernel path),
+//        and, only if needed, overflow offsets (alloc_overflow) + place;
+//   3.   reduce (Red::run<true>: the same code as scatter_reduce_kernel<Red>).
+// Phases 0-2 need few registers; the kernel's count is its reducer's (one
+// instantiation per reducer: the short-row reducers' 94-168 registers stay
+// out of the wide-row kernels), so it fits as many blocks per SM as the
+// multi-kernel path's reduce kernel.
+template <typename scalar_t, typename Red>
+__global__ void __launch_bounds__(kRedWarps * 32) scatter_large_fused_kernel(
     const scalar_t* __restrict__ x,
     const void* __restrict__ idx,
     bool idx64,
     const void* __restrict__ gates,
     bool g32,
-    const int* __restrict__ counts,
-    const int* __restrict__ ell,
-    const int* __restrict__ ooff,
-    const int* __restrict__ operm,
+    int* flag,
+    int* counts,
+    int* ell,
+    int* ooff,
+    int* slot,
+    int* operm,
+    int* cursor,
     scalar_t* __restrict__ out,
     int n,
     int64_t num_tokens,
-    int hvec) {
-  static_assert(TPW == 2 || TPW == 4, "a token's kEll metadata lanes must fit in its lanes");
-  static_assert(kEll % U == 0, "row batches must tile the kEll sorted rows");
-  using acc_t = at::opmath_type<scalar_t>;
-  using vec_t = Vec<scalar_t, V>;
-  constexpr int L = 32 / TPW;              // lanes per token in the common case
-  constexpr int NVW = (NV * L + 31) / 32;  // vectors per lane when the whole warp sums one token
-  __shared__ int s_rows[kRedWarps][kWarpSortCap];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const vec_t* xv = reinterpret_cast<const vec_t*>(x);
-  const int64_t ngroups = (num_tokens + TPW - 1) / TPW;
-  const int64_t stride = int64_t(gridDim.x) * kRedWarps;
-  int64_t grp = int64_t(blockIdx.x) * kRedWarps + warp;
-  if (grp >= ngroups) return;  // warp-level only from here
-
-  // Metadata lanes: token ms = lane / kEll of the group, its ell entry lane % kEll.
-  const int ms = lane / kEll;
-  auto meta = [&](int64_t g, int& cnt, int& mine) {
-    const int64_t tk = g * TPW + ms;
-    cnt = 0;
-    mine = INT_MAX;
-    if (ms < TPW && tk < num_tokens) {
-      cnt = counts[tk];
-      mine = ell[tk * kEll + (lane & (kEll - 1))];
-    }
-  };
-  int cnt, mine;
-  meta(grp, cnt, mine);
-  // Data lanes: token s = lane / L, vectors jl + L k.
-  const int s = lane / L, jl = lane % L;
-  for (;;) {
-    // Persistent warps, as in scatter_reduce_kernel: the next group's
-    // metadata loads are in flight during this group's data loads.
-    const int64_t next = grp + stride;
-    int cnt_n = 0, mine_n = INT_MAX;
-    if (next < ngroups) meta(next, cnt_n, mine_n);
-
-    const int64_t t = grp * TPW + s;
-    const int sorted = sort_ell_groups((lane & (kEll - 1)) < cnt && cnt <= kEll ? mine : INT_MAX);
-    // This lane's token's row count; tokens with > kEll rows are left for later.
-    const int c_all = __shfl_sync(kFull, cnt, s * kEll);
-    const int c = c_all <= kEll ? c_all : 0;
-    const int cmax = __reduce_max_sync(kFull, unsigned(c));
-    acc_t acc[NV][V];
-#pragma unroll
-    for (int k = 0; k < NV; ++k)
-#pragma unroll
-      for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
-    for (int ub = 0; ub < cmax; ub += U) {  // warp-uniform
-      acc_t g[U];
-      vec_t xr[U][NV];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int r = __shfl_sync(kFull, sorted, s * kEll + ub + u);
-        if (ub + u < c) {
-          g[u] = load_gate<acc_t, scalar_t>(gates, r, g32);
-          const vec_t* row = xv + int64_t(r) * hvec;
-#pragma unroll
-          for (int k = 0; k < NV; ++k)
-            if (jl + L * k < hvec) xr[u][k] = row[jl + L * k];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (ub + u < c) {
-#pragma unroll
-          for (int k = 0; k < NV; ++k) {
-            if (jl + L * k < hvec) {
-#pragma unroll
-              for (int e = 0; e < V; ++e)
-                acc[k][e] = fma_acc(g[u], static_cast<acc_t>(xr[u][k].v[e]), acc[k][e]);
-            }
-          }
-        }
-      }
-    }
-    if (t < num_tokens && c_all <= kEll) {
-      vec_t* orow = reinterpret_cast<vec_t*>(out) + t * hvec;
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        if (jl + L * k < hvec) {
-          vec_t o;
-#pragma unroll
-          for (int e = 0; e < V; ++e) o.v[e] = static_cast<scalar_t>(acc[k][e]);
-          orow[jl + L * k] = o;
-        }
-      }
-    }
-
-    // Tokens of this group with more than kEll rows: one at a time, whole warp.
-    unsigned long_tok = __ballot_sync(kFull, (lane & (kEll - 1)) == 0 && cnt > kEll);
-    while (long_tok) {  // warp-uniform
-      const int src = __ffs(long_tok) - 1;
-      long_tok &= long_tok - 1;
-      const int64_t tl = grp * TPW + src / kEll;
-      const int cl = __shfl_sync(kFull, cnt, src);
-      const int ml = __shfl_sync(kFull, mine, src + (lane & (kEll - 1)));
-      reduce_long_token<scalar_t, V, NVW>(tl, cl, ml, s_rows[warp], xv, idx, idx64, gates, g32,
-                                          ooff, operm, out, n, hvec);
-    }
-
-    if (next >= ngroups) break;
-    grp = next;
-    cnt = cnt_n;
-    mine = mine_n;
-  }
+    int hvec,
+    ReduceWork w) {
+  build_lists(idx, idx64, n, num_tokens, flag, counts, ell, ooff, slot, operm, cursor);
+  Red::template run<true>(x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
+                          num_tokens, hvec, w);
 }
 
 int grid_for(int64_t work, int threads) {
@@ -456,38 +635,139 @@ int grid_for(int64_t work, int threads) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(b, 132 * 16)));
 }
 
-// Resident blocks of a persistent reduce kernel (128 threads per block) on
-// the whole device, computed once per kernel and device.
+// Blocks of kKernel (128 threads) resident per SM, and SMs, on device dev;
+// computed once per kernel and device.
+struct Residency {
+  int sms = 0;
+  int per_sm = 0;
+};
+
 template <auto kKernel>
-int64_t reduce_grid_cap(c10::DeviceIndex dev) {
-  static int64_t cap[C10_COMPILE_TIME_MAX_GPUS] = {};
-  if (cap[dev] == 0) {
+const Residency& residency(c10::DeviceIndex dev) {
+  static Residency cache[C10_COMPILE_TIME_MAX_GPUS] = {};
+  Residency& r = cache[dev];
+  if (r.sms == 0) {
     int sms = 0, per_sm = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kRedWarps * 32, 0));
-    cap[dev] = int64_t(sms) * std::max(per_sm, 1);
+    r.per_sm = per_sm;
+    r.sms = sms;  // last: a concurrent first call at worst computes it twice
   }
-  return cap[dev];
+  return r;
 }
 
-// Short-row reduce for hvec <= kShortMaxVec 16-byte vectors; a template
-// parameter pack of one lane layout (TPW tokens per warp, NV vectors per lane).
-constexpr int kShortMaxVec = 64;
+// Does this device launch cooperative kernels (cudaDevAttrCooperativeLaunch)? Once per device.
+bool cooperative_device(c10::DeviceIndex dev) {
+  static int cache[C10_COMPILE_TIME_MAX_GPUS] = {};  // 0 unknown, 1 yes, 2 no
+  if (cache[dev] == 0) {
+    int coop = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
+    cache[dev] = coop ? 1 : 2;
+  }
+  return cache[dev] == 1;
+}
 
-template <typename scalar_t, int V, int TPW, int NV>
-void launch_short_reduce(const scalar_t* xp, const void* idx, bool idx64, const void* gates,
-                         bool g32, const int* counts, const int* ell, const int* ooff,
-                         const int* operm, scalar_t* op, int n, int64_t num_tokens, int hvec,
-                         c10::DeviceIndex dev, cudaStream_t stream) {
-  // U * NV = 8: eight 16-byte vectors (32 registers) of loads in flight per lane.
-  constexpr auto kernel = scatter_reduce_short_kernel<scalar_t, V, TPW, NV, 8 / NV>;
-  const int64_t groups = (num_tokens + TPW - 1) / TPW;
-  const int64_t blocks = (groups + kRedWarps - 1) / kRedWarps;
-  const int64_t grid = std::min<int64_t>(blocks, reduce_grid_cap<kernel>(dev));
-  kernel<<<static_cast<unsigned>(grid), kRedWarps * 32, 0, stream>>>(
-      xp, idx, idx64, gates, g32, counts, ell, ooff, operm, op, n, num_tokens, hvec);
+// The workspace the host carved (scatter_combine.cu), and the call's sizes.
+template <typename scalar_t>
+struct LargeCall {
+  const scalar_t* xp;
+  const void* idx;
+  bool idx64;
+  const void* gates;
+  bool g32;
+  scalar_t* op;
+  int n;
+  int64_t num_tokens;
+  int hvec;
+  int64_t ntiles;
+  int* flag;
+  int* counts;
+  int* ell;
+  int* ooff;
+  int* slot;
+  int* operm;
+  int* tile_sums;
+  c10::DeviceIndex dev;
+  cudaStream_t stream;
+};
+
+// The fallback: memset(counts) -> count -> tile sums -> scan -> place (the
+// last three return at once unless flag is set) -> reduce: 5-6 launches.
+template <typename scalar_t, typename Red>
+void launch_multi(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blocks) {
+  C10_CUDA_CHECK(cudaMemsetAsync(c.flag, 0, (1 + c.num_tokens) * sizeof(int), c.stream));
+  if (c.n > 0) {
+    count_kernel<<<grid_for(c.n, 256), 256, 0, c.stream>>>(c.idx, c.idx64, c.n, c.num_tokens,
+                                                           c.counts, c.ell, c.slot, c.flag);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (c.ntiles > 1) {
+      tile_sum_kernel<<<static_cast<unsigned>(c.ntiles), kScanThreads, 0, c.stream>>>(
+          c.counts, c.num_tokens, c.tile_sums, c.flag);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    scan_kernel<<<static_cast<unsigned>(c.ntiles), kScanThreads, 0, c.stream>>>(
+        c.counts, c.num_tokens, c.tile_sums, c.ooff, c.flag);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    place_kernel<<<grid_for(c.n, 256), 256, 0, c.stream>>>(c.idx, c.idx64, c.n, c.slot, c.ooff,
+                                                           c.operm, c.flag);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  constexpr auto kernel = scatter_reduce_kernel<scalar_t, Red>;
+  const Residency& res = residency<kernel>(c.dev);
+  const int64_t grid = std::min<int64_t>(reduce_blocks, int64_t(res.sms) * std::max(res.per_sm, 1));
+  kernel<<<static_cast<unsigned>(grid), kRedWarps * 32, 0, c.stream>>>(
+      c.xp, c.idx, c.idx64, c.gates, c.g32, c.counts, c.ell, c.ooff, c.operm, c.op, c.n,
+      c.num_tokens, c.hvec, w);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+
+// The fused path, where it can run: false (nothing launched) on a device
+// without cooperative launch, or where not even one block of the kernel fits
+// an SM (cudaOccupancyMaxActiveBlocksPerMultiprocessor = 0), or where the
+// driver refuses the grid as too large (cudaErrorCooperativeLaunchTooLarge:
+// fewer SMs available than the attribute says, e.g. under MPS limits).
+// Grid: every co-resident block (blocks per SM x SMs), capped by the work
+// (the reduce's blocks or one row per thread for the count, whichever is more).
+template <typename scalar_t, typename Red>
+bool launch_fused(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blocks) {
+  if (!cooperative_device(c.dev)) return false;
+  constexpr auto kernel = scatter_large_fused_kernel<scalar_t, Red>;
+  const Residency& res = residency<kernel>(c.dev);
+  if (res.per_sm < 1) return false;
+  const int64_t want = std::max<int64_t>({reduce_blocks, (c.n + kRedWarps * 32 - 1) / (kRedWarps * 32), 1});
+  const int64_t grid = std::min<int64_t>(want, int64_t(res.sms) * res.per_sm);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(kRedWarps * 32);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = c.stream;
+  cudaLaunchAttribute attr[1] = {};
+  attr[0].id = cudaLaunchAttributeCooperative;  // = cudaLaunchCooperativeKernel, type-checked arguments
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  // The overflow cursor: tile_sums[0] (the workspace has >= 1 tile; the
+  // fused path has no tile sums of its own).
+  const cudaError_t err = cudaLaunchKernelEx(
+      &cfg, kernel, c.xp, c.idx, c.idx64, c.gates, c.g32, c.flag, c.counts, c.ell, c.ooff, c.slot,
+      c.operm, c.tile_sums, c.op, c.n, c.num_tokens, c.hvec, w);
+  if (err == cudaErrorCooperativeLaunchTooLarge) {
+    (void)cudaGetLastError();  // not sticky: clear it, run the fallback
+    return false;
+  }
+  C10_CUDA_CHECK(err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
+template <typename scalar_t, typename Red>
+void launch_with(const LargeCall<scalar_t>& c, bool fused, ReduceWork w, int64_t reduce_blocks) {
+  if (fused && launch_fused<scalar_t, Red>(c, w, reduce_blocks)) return;
+  launch_multi<scalar_t, Red>(c, w, reduce_blocks);
+}
+
+// Short-row reduce for hvec <= kShortMaxVec 16-byte vectors.
+constexpr int kShortMaxVec = 64;
 
 } // namespace
 
@@ -495,28 +775,20 @@ template <typename scalar_t, int V>
 void launch_large(const scalar_t* xp, const void* idx, bool idx64, const void* gates, bool g32,
                   scalar_t* op, int n, int64_t num_tokens, int hvec, int64_t ntiles, int* flag,
                   int* counts, int* ell, int* ooff, int* slot, int* operm, int* tile_sums,
-                  c10::DeviceIndex dev, cudaStream_t stream) {
-  C10_CUDA_CHECK(cudaMemsetAsync(flag, 0, (1 + num_tokens) * sizeof(int), stream));
-  if (n > 0) {
-    count_kernel<<<grid_for(n, 256), 256, 0, stream>>>(idx, idx64, n, num_tokens, counts, ell, slot, flag);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (ntiles > 1) {
-      tile_sum_kernel<<<static_cast<unsigned>(ntiles), kScanThreads, 0, stream>>>(counts, num_tokens, tile_sums, flag);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    scan_kernel<<<static_cast<unsigned>(ntiles), kScanThreads, 0, stream>>>(counts, num_tokens, tile_sums, ooff, flag);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    place_kernel<<<grid_for(n, 256), 256, 0, stream>>>(idx, idx64, n, slot, ooff, operm, flag);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+                  bool fused, c10::DeviceIndex dev, cudaStream_t stream) {
+  const LargeCall<scalar_t> c{xp,     idx,   idx64, gates, g32,  op,    n,         num_tokens, hvec,
+                              ntiles, flag, counts, ell,   ooff, slot,  operm, tile_sums,  dev,
+                              stream};
   if constexpr (V > 1) {
     if (hvec <= kShortMaxVec) {
       // 8 lanes per token (its kEll metadata lanes) and up to 4 vectors per
-      // lane; 16 lanes per token for hvec 33..64.
+      // lane; 16 lanes per token for hvec 33..64. U * NV = 8: eight 16-byte
+      // vectors (32 registers) of loads in flight per lane.
       auto go = [&](auto tpw, auto nv) {
-        launch_short_reduce<scalar_t, V, decltype(tpw)::value, decltype(nv)::value>(
-            xp, idx, idx64, gates, g32, counts, ell, ooff, operm, op, n, num_tokens, hvec, dev,
-            stream);
+        constexpr int TPW = decltype(tpw)::value, NV = decltype(nv)::value;
+        const int64_t groups = (num_tokens + TPW - 1) / TPW;
+        launch_with<scalar_t, ShortReduce<scalar_t, V, TPW, NV, 8 / NV>>(
+            c, fused, ReduceWork{groups, 0}, (groups + kRedWarps - 1) / kRedWarps);
       };
       using c1 = std::integral_constant<int, 1>;
       using c2 = std::integral_constant<int, 2>;
@@ -531,15 +803,10 @@ void launch_large(const scalar_t* xp, const void* idx, bool idx64, const void* g
   constexpr int nv = red_nv<V>();
   const int chunks = (hvec + 32 * nv - 1) / (32 * nv);
   const int64_t nitems = num_tokens * chunks;
-  const int64_t blocks = (nitems + kRedWarps - 1) / kRedWarps;
   // U = 4 (more rows in flight) measured slower at fan-out 8: 361 vs 293 us
   // for the reduce, because 126 registers left 16 warps per SM; so U = 2.
-  constexpr int U = 2;
-  constexpr auto kernel = scatter_reduce_kernel<scalar_t, V, U>;
-  const int64_t grid = std::min<int64_t>(blocks, reduce_grid_cap<kernel>(dev));
-  kernel<<<static_cast<unsigned>(grid), kRedWarps * 32, 0, stream>>>(
-      xp, idx, idx64, gates, g32, counts, ell, ooff, operm, op, n, nitems, chunks, hvec);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_with<scalar_t, WideReduce<scalar_t, V, 2>>(c, fused, ReduceWork{nitems, chunks},
+                                                    (nitems + kRedWarps - 1) / kRedWarps);
 }
 
 OPREG_SC_INSTANTIATE(launch_large)
