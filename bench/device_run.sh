@@ -2,6 +2,9 @@
 # One GPU session's work, in as few calls as possible (each call starts a machine):
 #   STAGE=tests bash bench/device_run.sh   install, cold build (timed), warm first call, every test
 #   STAGE=bench bash bench/device_run.sh   the shape sweep, the backend models, the MoE block
+#   STAGE=slower bash bench/device_run.sh  the never-slower checks: the cat_linear sweep, scatter_combine
+#                                          at >= 16 MB beside the copy, the backend models, the seeds'
+#                                          per-call times (gpu_report.py); SLOWER_S (default 300) shared
 #   STAGE=moe bash bench/device_run.sh     the MoE layer: the block vs HF's grouped_mm + Inductor over
 #                                          TOKENS_MOE (default 64,4096,16384), host vs GPU time eager and
 #                                          compiled (moe_profile.py --inductor), the GEMMs per config
@@ -50,6 +53,22 @@ if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then
   timeout $((B / 3)) python3 bench/backend_models.py --json "$OUT/backend_models.json" 2>&1 \
     | tee "$OUT/backend_models.log" | tail -12
   timeout $((B / 3)) python3 bench/bench_moe_block.py --reps 20 2>&1 | tee "$OUT/moe_block.log" | tail -20
+fi
+
+if [ "$STAGE" = slower ]; then
+  # Built here, into this script's OPREG_CACHE_DIR: a bench run from the call's command line
+  # without it exported builds into ~/.cache instead, inside its own time budget (the
+  # scatter sweep of 2026-12-02's last call spent its 60 s building and timed nothing).
+  python3 -m opreg build >/dev/null 2>&1
+  S=${SLOWER_S:-300}
+  timeout $((S * 35 / 100 + 15)) python3 bench/sweep.py --ops cat_linear,cat_linear_stacked --budget-s $((S * 35 / 100)) \
+    --json "$OUT/sweep_cat.json" > "$OUT/sweep_cat.log" 2>&1; grep -A4 "slower than eager by" "$OUT/sweep_cat.log" | head -20
+  timeout $((S * 25 / 100 + 15)) python3 bench/sweep.py --ops scatter_combine --min-mb 16 --inductor none \
+    --budget-s $((S * 25 / 100)) --json "$OUT/sweep_sc.json" > "$OUT/sweep_sc.log" 2>&1; grep -A12 "below 70" "$OUT/sweep_sc.log"
+  timeout $((S * 25 / 100)) python3 bench/backend_models.py --json "$OUT/backend_models.json" > "$OUT/backend_models.log" 2>&1
+  grep -v "^ \|[Ww]arn" "$OUT/backend_models.log" | tail -16
+  timeout $((S * 15 / 100)) python3 bench/gpu_report.py > "$OUT/gpu_report.log" 2>&1; grep -E "^\| (scatter 1536|cat_linear R4 B12)" "$OUT/gpu_report.log"
+  rm -f "$OUT/install.log"  # a call returns at most 8 files
 fi
 
 if [ "$STAGE" = moe ]; then
