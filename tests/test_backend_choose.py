@@ -153,3 +153,13 @@ def test_not_timed_across_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(out, model(x))
     (c,) = choose.log[before:]
     assert c.chosen.startswith("rules") and "ranks could choose differently" in c.why
+
+
+
+def test_not_timed_while_a_cuda_graph_is_captured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timing synchronizes, which a capture forbids: rules (the check itself, faked here)."""
+    gm = fx.symbolic_trace(lambda x: x * 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    why = choose.timing_refusal(gm, [torch.randn(3)], fake_mode=object())
+    assert why is not None and "CUDA graph is being captured" in why

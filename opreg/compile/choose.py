@@ -73,6 +73,8 @@ def timing_refusal(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode:
     for x in example_inputs:
         if isinstance(x, torch.Tensor) and (isinstance(x, torch._subclasses.FakeTensor) or x.is_meta):
             return "its inputs are fake"
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return "a CUDA graph is being captured (timing synchronizes)"
     if fake_mode is None:
         return "it holds no fake values to check its writes on"
     cache: dict[fx.Node, Any] = {}
