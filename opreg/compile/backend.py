@@ -60,7 +60,6 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from .._log import logger
 from . import choose
 from .pass_manager import apply_patterns, patterns_uuid, registered_patterns
 from .pattern import GraphPattern
@@ -202,19 +201,16 @@ def opreg_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: st
     refusal = choose.timing_refusal(captured, example_inputs, ctx.fake_mode) if captured is not None else None
     if captured is None or refusal is not None:
         if refusal is not None:
-            c = choose.Choice(choose.where(gm), f"rules: {'rewritten' if ctx.rewrites else 'captured'}/{rule}",
-                              {}, f"not timed: {refusal}")
-            choose.log.append(c)
-            logger.info("opreg backend: %s", c)
+            choose.record_refusal(gm, f"{'rewritten' if ctx.rewrites else 'captured'}/{rule}", refusal)
         return _compile_inner(gm, example_inputs, rule, names, mode, opts)
 
-    def compiled(g: fx.GraphModule, how: str) -> Callable[[], Callable[..., Any]]:
+    def compiled(g: fx.GraphModule, compiler: str) -> Callable[[], Callable[..., Any]]:
         def make() -> Callable[..., Any]:
             # The backward compiled now, not at its first run: that run (the timing's)
             # happens inside this compile, where a lazy backward compile fails
             # ("Metric(s) {'is_forward'} have already been set").
             with choose.eager_backward():
-                return _compile_inner(g, example_inputs, how, names, mode, opts)
+                return _compile_inner(g, example_inputs, compiler, names, mode, opts)
         return make
 
     # The rule's pick first (the default if the others fail), then the rest.

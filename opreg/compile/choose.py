@@ -37,7 +37,7 @@ from .._log import logger
 from .fx_utils import user_frame
 from .mutation import may_write
 
-__all__ = ["CHOICES", "Choice", "choose", "timing_refusal"]
+__all__ = ["CHOICES", "Choice", "choose", "record_refusal", "timing_refusal"]
 
 CHOICES = ("auto", "time", "rules")
 # Per candidate: warm-up calls, then ROUNDS interleaved rounds of a batch each; a batch runs
@@ -131,6 +131,14 @@ def choose(candidates: dict[str, Callable[[], Callable[..., Any]]], example_inpu
     log.append(c)
     logger.info("opreg backend: %s", c)
     return best, compiled[best], c
+
+
+def record_refusal(gm: fx.GraphModule, rule: str, why: str) -> Choice:
+    """Record (and log) that ``gm`` was not timed, ``why``, and that ``rule`` runs."""
+    c = Choice(where(gm), f"rules: {rule}", {}, f"not timed: {why}")
+    log.append(c)
+    logger.info("opreg backend: %s", c)
+    return c
 
 
 def _time(fns: dict[str, Callable[..., Any]], inputs: Sequence[Any], gm: fx.GraphModule) -> dict[str, float]:
