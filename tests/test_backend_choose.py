@@ -92,7 +92,55 @@ def test_a_graph_that_writes_is_not_timed() -> None:
     assert torch.equal(buf, torch.ones(3))  # written once, not once per timed run
     (c,) = choose.log[before:]
     assert c.chosen.startswith("rules") and not c.times_ms
-    assert "may write memory" in c.why and "add_" in c.why
+    assert "writes into an input" in c.why and "add_" in c.why
+
+
+class Combine(nn.Module):
+    """A combine written with index_add_ into a tensor the graph makes itself."""
+
+    def forward(self, h: torch.Tensor, idx: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(8, h.shape[1], dtype=h.dtype)
+        return out.index_add_(0, idx, h * g[:, None]) * 2
+
+
+def test_a_write_into_a_fresh_tensor_is_timed() -> None:
+    """Every run makes that tensor afresh: a rerun repeats nothing."""
+    h, idx, g = torch.randn(16, 4), torch.arange(8).repeat(2), torch.rand(16)
+    before = len(choose.log)
+    out = compiled(Combine())(h, idx, g)
+    torch.testing.assert_close(out, Combine()(h, idx, g))
+    (c,) = choose.log[before:]
+    assert c.times_ms, c
+
+
+class WritesAView(nn.Module):
+    def forward(self, x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        buf[1:].mul_(2)  # a view of an input
+        return x * 2
+
+
+class Norm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(x) * 2  # training mode: the running stats are written
+
+
+@pytest.mark.parametrize("case", ["view of an input", "batch norm's running stats"])
+def test_writes_reaching_inputs_or_attributes_are_not_timed(case: str) -> None:
+    before = len(choose.log)
+    if case == "view of an input":
+        buf = torch.ones(4)
+        compiled(WritesAView())(torch.randn(3), buf)
+        assert torch.equal(buf, torch.tensor([1.0, 2.0, 2.0, 2.0]))  # once
+    else:
+        m = Norm()
+        compiled(m)(torch.randn(8, 4))
+        assert int(m.bn.num_batches_tracked) == 1  # once
+    (c,) = choose.log[before:]
+    assert c.chosen.startswith("rules") and "not timed" in c.why and "running it again" in c.why, c
 
 
 def test_training_timed_without_touching_grad() -> None:

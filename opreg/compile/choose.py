@@ -15,8 +15,10 @@ When it times (``options={"choose": ...}`` of the backend):
 * ``"rules"``: never.
 
 It never times a graph in a process group of several ranks (each would time on its own, and
-could choose, or run a collective, differently), nor one that may write memory (an in-place op, batch norm's running stats, a
-module call: running it again would repeat the write) or whose inputs are fake (no data to
+could choose, or run a collective, differently), nor one that may write into its inputs or the
+module's attributes (an in-place op on them, batch norm's running stats; a module call, whose
+writes are unknown: running it again would repeat the write; writes into tensors the graph
+makes itself are made afresh by every run) or whose inputs are fake (no data to
 run on); the rules decide there, and the report says why. The random number generators'
 states are restored afterwards, so the user's random stream is the one it would have been.
 With gradients flowing out of the graph, a candidate is timed as forward + backward
@@ -34,8 +36,8 @@ import torch
 import torch.fx as fx
 
 from .._log import logger
-from .fx_utils import user_frame
-from .mutation import may_write
+from .fx_utils import meta_value, user_frame
+from .mutation import ANYTHING, storage, written
 
 __all__ = ["CHOICES", "Choice", "choose", "record_refusal", "timing_refusal"]
 
@@ -77,12 +79,35 @@ def timing_refusal(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode:
         return "a CUDA graph is being captured (timing synchronizes)"
     if fake_mode is None:
         return "it holds no fake values to check its writes on"
+    # Memory a rerun could change: the inputs' and the module attributes' (views share their
+    # storage). A write into a tensor the graph made itself (zeros(...).index_add_(...)) is
+    # made afresh by every run.
+    outside = _outside_storages(gm)
     cache: dict[fx.Node, Any] = {}
     for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method", "call_module") and may_write(node, fake_mode, cache):
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        w = written(node, fake_mode, cache)
+        if w == ANYTHING or (w and (outside is None or outside & w)):  # type: ignore[operator]
             file, line, _ = user_frame(node)
-            return f"it may write memory ({node.format_node()[:80]} at {file}:{line}): running it again would repeat that"
+            what = "may write memory" if w == ANYTHING else "writes into an input"
+            return f"it {what} ({node.format_node()[:80]} at {file}:{line}): running it again would repeat that"
     return None
+
+
+def _outside_storages(gm: fx.GraphModule) -> set[Any] | None:
+    """The storages of the graph's inputs and attributes (from their recorded values), or
+    None where one has no recorded value (then every write counts as reaching them)."""
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            v = meta_value(n)
+            if v is None:
+                return None
+            st = storage(v)
+            if st is not None:
+                out.add(st)
+    return out
 
 
 def eager_backward() -> Any:
