@@ -10,7 +10,9 @@ Models (issue 11; on CUDA at the issue's sizes, bf16; on the CPU tiny, float32):
 * ``ln-cat8-linear``: LayerNorm before the cat (trainable);
 * ``ln-cat8-linear-gelu``: and a GELU after the linear (trainable);
 * the two reference models (``opreg.models``): cat_linear, and the MoE loop through
-  ``opreg.optimize``.
+  ``opreg.optimize``;
+* ``moe index_add``: a top-2-of-8 MoE head combining with ``zeros.index_add_`` (T 4096,
+  D 1024), forward and forward + backward.
 
 Per model: median ms of back-to-back calls (bench/_timing.py: CUDA events around a batch,
 rounds interleaved so drift hits every variant alike); the ratio opreg / min(eager, Inductor);
@@ -52,6 +54,26 @@ class CatLinear(nn.Module):
         return self.act(self.proj(torch.cat([x[i] for i in range(self.r)], -1)))
 
 
+class MoECombine(nn.Module):
+    """A top-k MoE head whose combine is spelled ``zeros.index_add_`` (the scatter_combine
+    pattern's input): router, top-k gates, an MLP on each routed copy of a token (one
+    shared "expert": the shapes of the combine are an MoE's, without data-dependent sizes),
+    then the weighted sum back per token. x (T, D) -> (T, D)."""
+
+    def __init__(self, d: int, e: int, k: int, f: int) -> None:
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(d, e, bias=False)
+        self.up = nn.Linear(d, f)
+        self.down = nn.Linear(f, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gates, _ = self.router(x).softmax(-1).topk(self.k, -1)
+        tok = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.k)
+        h = self.down(torch.nn.functional.silu(self.up(x[tok])))
+        return torch.zeros_like(x).index_add_(0, tok, h * gates.reshape(-1, 1).to(h.dtype))
+
+
 def _sizes(device: str) -> dict[str, int]:
     return dict(r=8, t=4096, d=512, k=2048) if device == "cuda" else dict(r=4, t=16, d=8, k=12)
 
@@ -82,6 +104,17 @@ def models(device: str) -> dict[str, tuple[Callable[[], nn.Module], list[Any], b
         return cat_model.Model().to(device)
 
     out["reference cat_linear"] = (ref_cat, list(cat_model.get_inputs(device=device)), False)
+
+    # the issue's MoE (index_add_ spelling) at T 4096, d 1024, top-2 of 8, bf16
+    t, d = (4096, 1024) if device == "cuda" else (16, 8)
+    xm = torch.randn(t, d, device=device, dtype=dtype)
+
+    def moe() -> nn.Module:
+        torch.manual_seed(0)
+        return MoECombine(d, 8, 2, d).to(device, dtype)
+
+    out["moe index_add"] = (moe, [xm], False)
+    out["moe index_add fwd+bwd"] = (moe, [xm], True)
     return out
 
 
