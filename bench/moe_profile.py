@@ -56,7 +56,8 @@ def host_profile(call, reps: int) -> None:
     pr.disable()
     torch.cuda.synchronize()
     st = pstats.Stats(pr)
-    st.sort_stats("tottime").print_stats(18)
+    st.sort_stats("tottime").print_stats(25)
+    st.sort_stats("cumtime").print_stats(30)
 
 
 def router(block: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,12 +82,19 @@ def main() -> None:
     p.add_argument("--inductor", action="store_true",
                    help="also the block under torch.compile (experts_implementation='opreg'): GPU time, "
                         "host time and its kernels, beside the eager block's")
+    p.add_argument("--modes", nargs="*", default=["fwd"], choices=bb.MODES,
+                   help="with --inductor: the steps profiled (fwd+bwd: the block's training step, "
+                        "beside HF's grouped_mm + Inductor)")
+    p.add_argument("--skip-op", action="store_true", help="only the compiled blocks (--inductor)")
     a = p.parse_args()
     for config in a.configs:
         _, _, h, ffn, e, k = bb.CONFIGS[config]
         for t in (int(v) for v in a.tokens.split(",")):
-            args = tune.inputs(e, h, ffn, k, t, torch.bfloat16, "cuda")
             block, x = bb.inputs(config, t, False)
+            if a.skip_op:
+                compiled_block(block, x, a.reps, a.modes, a.host_profile)
+                continue
+            args = tune.inputs(e, h, ffn, k, t, torch.bfloat16, "cuda")
             block.experts.config._experts_implementation = "opreg"
             x2 = x.reshape(-1, h)
             with torch.no_grad():
@@ -114,25 +122,35 @@ def main() -> None:
                     torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
             if a.inductor:
-                compiled_block(block, x, a.reps)
+                compiled_block(block, x, a.reps, a.modes, a.host_profile)
 
 
-def compiled_block(block: torch.nn.Module, x: torch.Tensor, reps: int) -> None:
+def compiled_block(block: torch.nn.Module, x: torch.Tensor, reps: int, modes: list[str],
+                   host: bool = False) -> None:
     """The block eager and under torch.compile: same kernels (their GPU sums match), so a
-    gap between the two GPU times (events, back to back) is the GPU waiting on the host."""
+    gap between the two GPU times (events, back to back) is the GPU waiting on the host.
+    fwd+bwd: the training step (``bench_moe_block.step``: the sum's backward, gradients
+    accumulated into ``.grad``), with HF's grouped_mm + Inductor beside it. ``host``: also
+    cProfile each step's host path."""
     from torch.profiler import ProfilerActivity, profile
 
-    for name in ("opreg", "opreg_inductor"):
-        fn = bb.variant(block, name)
-        with torch.no_grad():
-            call = lambda: fn(x)  # noqa: E731
+    for mode in modes:
+        names = ("opreg", "opreg_inductor") if mode == "fwd" else \
+            ("hf_grouped_mm_inductor", "opreg", "opreg_inductor")
+        for name in names:
+            torch._dynamo.reset()
+            fn = bb.variant(block, name)
+            call = bb.step(fn, x, mode)
             gpu, host = median_us(call, reps, True), host_us(call)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 call()
                 torch.cuda.synchronize()
-        kernels = sum(e.self_device_time_total for e in prof.key_averages())
-        print(f"  block, {name:16s} GPU {gpu:8.0f} us   host {host:8.0f} us   kernels {kernels:8.0f} us")
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=60))
+            kernels = sum(e.self_device_time_total for e in prof.key_averages())
+            print(f"  block {mode}, {name:22s} GPU {gpu:8.0f} us   host {host:8.0f} us   kernels {kernels:8.0f} us")
+            if host:
+                host_profile(call, reps)
+            rows = 8 if mode == "fwd" else 22
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70))
     torch._dynamo.reset()
 
 

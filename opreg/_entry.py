@@ -15,10 +15,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
+import torch
+
 from . import _build
-from ._binding import load
+from ._binding import _bind_default, _scoped_choice, load
+from ._dispatch import run_python
 from ._log import logger
-from ._state import Op, _extensions, _lock
+from ._state import DEVICE_KEYS, Op, _bound, _extensions, _lock, _ops
 
 _modules: dict[str, ModuleType] = {}   # extension name -> its module
 _entries: dict[str, Callable[..., Any]] = {}  # op -> entry
@@ -76,3 +79,57 @@ def _traced_as(fn: Callable[..., Any], op: Any) -> None:
         return op(*args, **kwargs)
 
     torch._dynamo.substitute_in_graph(fn, skip_signature_check=True)(traced)
+
+
+# ----------------------------------------------------------------------------- Python implementations
+
+def _plain_eager(args: tuple[Any, ...]) -> bool:
+    """May a call with ``args`` skip the dispatcher (as the C++ entries' ``plain_call``)?
+    Plain tensors only (exactly ``torch.Tensor`` or ``nn.Parameter``: fake, functional and
+    proxy tensors are subclasses), no ``__torch_function__`` or ``__torch_dispatch__`` mode,
+    no functorch transform or forward-mode level, nothing that can carry a gradient, and no
+    profiler running (so a profile names the op as it would from torch.ops)."""
+    if (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
+            or torch._C._autograd._profiler_enabled()
+            or torch._C._functorch.maybe_current_level() is not None
+            or getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0):
+        return False
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) not in _PLAIN or (grad and a.requires_grad) or torch._is_functional_tensor(a):
+                return False
+    return True
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def python_call(op_name: str) -> Callable[..., Any]:
+    """``torch.ops.opreg.<op_name>.default`` for callers that build its arguments themselves
+    (positional, of the schema's types: an integration), with less host cost where the
+    dispatcher would run a Python implementation: a plain eager call (:func:`_plain_eager`)
+    calls it directly, as the op's router and device stub would (the calling scope's
+    :func:`opreg.use` choice, else the device's bound default). Everything else -- a kernel
+    library's implementation, a traced call, a mode, a subclass, a call that can carry a
+    gradient -- goes through the OpOverload. Why: the two Python dispatcher crossings of a
+    no-grad call (the autograd key's kernel, then the device stub) cost moe_experts 60-90 us
+    of host per call on the H200 (``bench/moe_profile.py``, 2026-12-02), where an eager MoE
+    block's forward waits on its host."""
+    op = _ops[op_name]
+    torch_op = op.torch_op
+
+    def call(*args: Any) -> Any:
+        if torch.compiler.is_compiling() or not _plain_eager(args):
+            return torch_op(*args)
+        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        device = t.device.type if t is not None else "cpu"
+        impl = _scoped_choice(op, device)
+        if impl is None and device in DEVICE_KEYS:
+            impl = _bound.get((op_name, device)) or _bind_default(op, device)
+        if impl is None or impl.fn is None:
+            return torch_op(*args)
+        return run_python(op, impl, args)
+
+    call.__name__ = call.__qualname__ = f"{op_name}[python_call]"
+    return call

@@ -481,13 +481,16 @@ def _sorted_rows(src: torch.Tensor, rw: torch.Tensor, sorted_pair_ids: torch.Ten
     return out
 
 
+_PLANS: dict[Any, tuple[dict[str, dict[str, int]], bool]] = {}  # spec -> (configs, grouped wgrad)
+
+
 def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
                            gate_up_bias: torch.Tensor | None, down_proj: torch.Tensor,
                            down_bias: torch.Tensor | None, activation: str, gated: bool, transposed: bool,
                            interleaved: bool, alpha: float, limit: float, saved: F.Saved | None, *,
                            needs: tuple[bool, ...] | None = None,
-                           configs: dict[str, dict[str, int]] | None = None
+                           configs: dict[str, dict[str, int]] | None = None, fwd_spec: Any = None
                            ) -> tuple[torch.Tensor | None, ...]:
     """The gradients of the op's output for (hidden_states, top_k_weights, gate_up_proj,
     gate_up_bias, down_proj, down_bias), given ``grad_out`` (T, H) and the forward's
@@ -498,7 +501,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     ({"dgrad2", "dgrad1", "wgrad", "combine"}); ``configs["wgrad"]["GROUPED_MM"]`` 1 / 0
     forces the weight gradients onto ``torch._grouped_mm`` or off it (default:
     :func:`grouped_mm_wgrad_default`; 1 where :func:`grouped_mm_unfit` says why not raises
-    ValueError)."""
+    ValueError). ``fwd_spec``: :func:`F.spec_of` the op's arguments, if the caller has it."""
     x, ids, rw, w1, b1, w2, b2 = hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, \
         down_proj, down_bias
     inputs = (x, rw, w1, b1, w2, b2)
@@ -516,19 +519,28 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     dev = x.device
     bm = saved.configs["gemm1"]["BLOCK_M"]
     nb = saved.block_expert.shape[0]
-    cfg = _configs(s / e, x.dtype, bm, n1, h, i, configs or {})
-    grouped = bool(cfg["wgrad"].get("GROUPED_MM", grouped_mm_wgrad_default(x, n1, i)))
-    if grouped and (why := grouped_mm_unfit(x, n1, i)) is not None:
-        raise ValueError(f"fused_experts_backward: configs['wgrad']['GROUPED_MM'] = 1, but {why}")
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     dout = grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)
-    sorted_pair_ids, pstart, count = saved.sorted_pair_ids, saved.tables[1], saved.tables[2]
-    out: list[torch.Tensor | None] = [None] * 6
     # Every launch's metadata follows from the inputs', the upstream gradient's and what is
     # asked (the saved tensors are the forward's, of the same inputs): one launcher key for
-    # each launch (see F.launch_gemm), unless a test or tuning run passes configs.
-    spec = None if configs else (F.spec_of(x, ids, rw, w1, b1, w2, b2, activation, gated, transposed,
-                                           interleaved, alpha, limit), F.spec_of(dout), tuple(want))
+    # each launch (see F.launch_gemm), and the configs picked once per key, unless a test or
+    # tuning run passes configs. (The backward's host work was 162 us a call on the 2-core
+    # box with every launch stubbed, ~40 of them picking configs; an eager MoE training step
+    # at T <= 4096 waits on its host on the H200.)
+    spec = None if configs else (fwd_spec or F.spec_of(x, ids, rw, w1, b1, w2, b2, activation, gated, transposed,
+                                                       interleaved, alpha, limit), F.spec_of(dout), tuple(want))
+    plan = _PLANS.get(spec) if spec is not None else None
+    if plan is None:
+        cfg = _configs(s / e, x.dtype, bm, n1, h, i, configs or {})
+        grouped = bool(cfg["wgrad"].get("GROUPED_MM", grouped_mm_wgrad_default(x, n1, i)))
+        if grouped and (why := grouped_mm_unfit(x, n1, i)) is not None:
+            raise ValueError(f"fused_experts_backward: configs['wgrad']['GROUPED_MM'] = 1, but {why}")
+        plan = (cfg, grouped)
+        if spec is not None:
+            F._remember(_PLANS, spec, plan)
+    cfg, grouped = plan
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    sorted_pair_ids, pstart, count = saved.sorted_pair_ids, saved.tables[1], saved.tables[2]
+    out: list[torch.Tensor | None] = [None] * 6
 
     def key(name: Any) -> Any:
         return None if spec is None else (spec, name)
@@ -657,13 +669,14 @@ class FusedExperts(torch.autograd.Function):
                 configs: dict[str, dict[str, int]] | None = None) -> torch.Tensor:
         args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias,
                 activation, gated, transposed, interleaved, alpha, limit)
-        out, saved = F.fused_experts_forward(*args, configs=configs, save=True)
+        spec = None if configs else F.spec_of(*args)  # the forward's and the backward's launch keys
+        out, saved = F.fused_experts_forward(*args, configs=configs, save=True, spec=spec)
         kept = () if saved is None else (saved.sorted_pair_ids, saved.block_expert, saved.tables, saved.act,
                                           saved.pre)
         ctx.save_for_backward(*args[:7], *kept)
         ctx.rest = args[7:]
         ctx.fwd_configs = None if saved is None else saved.configs
-        ctx.configs = configs
+        ctx.configs, ctx.spec = configs, spec
         return out
 
     @staticmethod
@@ -675,7 +688,7 @@ class FusedExperts(torch.autograd.Function):
         saved = F.Saved(*kept, ctx.fwd_configs) if kept else None
         n = ctx.needs_input_grad
         grads = fused_experts_backward(grad, *args, *ctx.rest, saved, configs=ctx.configs,
-                                       needs=(n[0], n[2], n[3], n[4], n[5], n[6]))
+                                       needs=(n[0], n[2], n[3], n[4], n[5], n[6]), fwd_spec=ctx.spec)
         dx, drw, dw1, db1, dw2, db2 = grads
         return (dx, None, drw, dw1, db1, dw2, db2) + (None,) * (len(n) - 7)
 

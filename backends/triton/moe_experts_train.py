@@ -22,6 +22,7 @@ implementation's ``train`` (:func:`.moe_experts.moe_experts_triton_train`).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -116,7 +117,13 @@ def _block_m(x: Tensor, ids: Tensor, w1: Tensor, gated: bool, transposed: bool) 
     """The forward's BLOCK_M: its own config pick (:func:`F._configs`), from the sizes alone."""
     n1 = w1.shape[2] if transposed else w1.shape[1]
     (t, k), e = ids.shape, w1.shape[0]
-    return F._configs({}, t * k / e, n1, x.shape[1], n1 // 2 if gated else n1, k, x.dtype)[0]["BLOCK_M"]
+    return _block_m_of(t, k, e, n1, x.shape[1], gated, x.dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _block_m_of(t: int, k: int, e: int, n1: int, h: int, gated: bool, dtype: torch.dtype) -> int:
+    # cached: the backward's custom op asks on every call (~20 us of host on the 2-core box)
+    return F._configs({}, t * k / e, n1, h, n1 // 2 if gated else n1, k, dtype)[0]["BLOCK_M"]
 
 
 @_fused_backward.register_fake

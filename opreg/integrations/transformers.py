@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import logging
 import types
 from typing import Any, Callable, Optional
@@ -36,6 +37,7 @@ import torch
 import torch.nn as nn
 from transformers.integrations import moe as hf_moe
 
+from .._entry import python_call
 from .._log import log_once
 from ..loops import LoopFinding, ModuleRewrite, find_loops, register_module_rewrite, rewrap
 from ..loops.wrappers import wrapped
@@ -170,13 +172,20 @@ def _experts(op_args: tuple[Any, ...], needs_grad: bool) -> torch.Tensor:
     (GuardOnDataDependentSymNode) and Dynamo without fullgraph splits at every projection:
     there the op itself, one node whose backward is an op of its own."""
     if not needs_grad:
-        return torch.ops.opreg.moe_experts(*op_args)
+        return _op_call()(*op_args)
     if _fused_train is not None and _fused_train.fused_trains(op_args):
         return _fused_train.train(*op_args)
     x, w1, w2, transposed = op_args[0], op_args[3], op_args[5], op_args[9]
     if torch.compiler.is_compiling() and not spec.grouped_traces_whole(x, w1, w2, transposed):
         return torch.ops.opreg.moe_experts(*op_args)
     return spec.grouped(*op_args)
+
+
+@functools.lru_cache(maxsize=None)
+def _op_call() -> Callable[..., torch.Tensor]:
+    """``torch.ops.opreg.moe_experts`` with less host cost on a plain eager call
+    (:func:`opreg._entry.python_call`)."""
+    return python_call(spec.NAME)
 
 
 # ----------------------------------------------------------------------------- opreg.optimize
