@@ -5,7 +5,8 @@
     model.set_experts_implementation("opreg")       # or switch a loaded model
 
 Every experts class transformers decorates with ``@use_experts_implementation`` (Mixtral,
-Qwen2/3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, ...) then runs ``torch.ops.opreg.moe_experts``:
+Qwen2/3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, ...) then runs ``torch.ops.opreg.moe_experts``
+(a plain eager no-grad call skips the dispatcher: :func:`opreg._entry.python_call`):
 its layout flags (``has_gate``, ``has_bias``, ``is_transposed``) map onto the op's
 arguments, and its gate (``_apply_gate`` / ``act_fn``) onto one of the op's activations.
 
