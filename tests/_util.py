@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import filelock
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from opreg.testing import TOL, assert_matches, map_tensors, poison
 
-__all__ = ["DEVICES", "FLOAT_DTYPES", "TOL", "assert_matches", "once_per_run", "poison", "set_requires_grad",
-           "skip_without"]
+__all__ = ["DEVICES", "FLOAT_DTYPES", "TOL", "DispatchRecording", "FunctionRecording", "assert_matches",
+           "once_per_run", "poison", "set_requires_grad", "skip_without"]
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -44,3 +46,27 @@ def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, make: Call
             make(folder)
             (folder / ".done").touch()
     return folder
+
+
+class DispatchRecording(TorchDispatchMode):
+    """A ``__torch_dispatch__`` mode that records every op it sees (``seen``) and runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[Any] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+class FunctionRecording(TorchFunctionMode):
+    """A ``__torch_function__`` mode that records every function it sees and runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[Any] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))

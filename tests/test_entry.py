@@ -9,13 +9,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import opreg
 from opreg import registry
 
-from _util import assert_matches
+from _util import DispatchRecording, FunctionRecording, assert_matches
 
 ENTRIES = ("cat_linear", "cat_linear_stacked", "scatter_combine")
 _names = itertools.count()
@@ -130,36 +128,16 @@ def test_use_scope_reaches_the_entry() -> None:
         opreg.unregister_impl("scatter_combine", name)
 
 
-class _Recording(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[Any] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.seen.append(func)
-        return func(*args, **(kwargs or {}))
-
-
-class _FunctionRecording(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[Any] = []
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.seen.append(func)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("name", ENTRIES)
 def test_modes_see_the_op(name: str) -> None:
     """A dispatch mode and a function mode see the OpOverload, as they would from torch.ops."""
     fn, op = opreg.get(name), getattr(torch.ops.opreg, name).default
     args = args_of(name)
-    with _Recording() as rec:
+    with DispatchRecording() as rec:
         out = fn(*args)
     assert op in rec.seen
     assert_matches(out, reference(name, to64(args)), torch.float32)
-    with _FunctionRecording() as frec:
+    with FunctionRecording() as frec:
         fn(*args)
     assert op in frec.seen
 

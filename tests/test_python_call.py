@@ -11,15 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import opreg
 from opreg import registry
 from opreg._entry import python_call
 from opreg.ops import moe_experts as M
 
-from _util import assert_matches
+from _util import DispatchRecording, FunctionRecording, assert_matches
 
 OP = torch.ops.opreg.moe_experts.default
 _names = itertools.count()
@@ -38,26 +36,6 @@ def moe_args(grad: bool = False, dtype: torch.dtype = torch.float32) -> tuple[An
 
 def to64(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(a.detach().double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-
-
-class _Recording(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[Any] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.seen.append(func)
-        return func(*args, **(kwargs or {}))
-
-
-class _FunctionRecording(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[Any] = []
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.seen.append(func)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture
@@ -111,14 +89,14 @@ def test_plain_calls_skip_the_dispatcher(recorder: Any) -> None:
     with torch.no_grad(), opreg.use(moe_experts=name):
         f(*args)
         OP(*args)
-        with _Recording() as rec:
+        with DispatchRecording() as rec:
             f(*args)
         assert OP in rec.seen
     rows = args[0].shape[0]
     assert calls == [(rows, False), (rows, True), (rows, True)]
 
 
-@pytest.mark.parametrize("mode", [_Recording, _FunctionRecording])
+@pytest.mark.parametrize("mode", [DispatchRecording, FunctionRecording])
 def test_modes_see_the_op(mode: type) -> None:
     f = python_call("moe_experts")
     args = moe_args()
@@ -183,7 +161,7 @@ def test_a_kernel_library_default_goes_through_the_op() -> None:
         pytest.skip("no C++ compiler: scatter_combine's CPU library does not build here")
     f = python_call("scatter_combine")
     h, idx, g = torch.randn(6, 4), torch.tensor([0, 1, 1, 2, 0, 2]), torch.rand(6)
-    with torch.no_grad(), _Recording() as rec:
+    with torch.no_grad(), DispatchRecording() as rec:
         got = f(h, idx, g, 3)
     assert torch.ops.opreg.scatter_combine.default in rec.seen
     want = torch.zeros(3, 4).index_add(0, idx, h * g[:, None])
