@@ -137,16 +137,24 @@ def _router(op: Op) -> Callable[..., Any]:
     or goes on down to the C++ kernel at the backend key."""
 
     def route(keyset: Any, *args: Any) -> Any:
-        t = first_tensor(args)
-        device = t.device.type if t is not None else "cpu"
-        impl = _scoped_choice(op, device)
-        if impl is None and device in DEVICE_KEYS:
-            impl = _bound.get((op.name, device)) or _bind_default(op, device)
+        impl = choice(op, args)
         if impl is None or impl.fn is None:
             return op.torch_op.redispatch(keyset & BELOW_BACKEND_SELECT, *args)
         return run_python(op, impl, args)
 
     return route
+
+
+def choice(op: Op, args: Any) -> Impl | None:
+    """What a call of ``op`` with ``args`` runs below autograd: the calling scope's
+    :func:`opreg.use` choice on the first tensor's device, else that device's bound default
+    (bound now on a first call), or None (a device with no key of ours)."""
+    t = first_tensor(args)
+    device = t.device.type if t is not None else "cpu"
+    impl = _scoped_choice(op, device)
+    if impl is None and device in DEVICE_KEYS:
+        impl = _bound.get((op.name, device)) or _bind_default(op, device)
+    return impl
 
 
 def _covered_python_default(op: Op) -> bool:

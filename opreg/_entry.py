@@ -18,10 +18,10 @@ from typing import Any, Callable
 import torch
 
 from . import _build
-from ._binding import _bind_default, _scoped_choice, load
+from ._binding import choice, load
 from ._dispatch import run_python
 from ._log import logger
-from ._state import DEVICE_KEYS, Op, _bound, _extensions, _lock, _ops
+from ._state import Op, _extensions, _lock, _ops
 
 _modules: dict[str, ModuleType] = {}   # extension name -> its module
 _entries: dict[str, Callable[..., Any]] = {}  # op -> entry
@@ -112,21 +112,18 @@ def python_call(op_name: str) -> Callable[..., Any]:
     calls it directly, as the op's router and device stub would (the calling scope's
     :func:`opreg.use` choice, else the device's bound default). Everything else -- a kernel
     library's implementation, a traced call, a mode, a subclass, a call that can carry a
-    gradient -- goes through the OpOverload. Why: the two Python dispatcher crossings of a
-    no-grad call (the autograd key's kernel, then the device stub) cost moe_experts 60-90 us
-    of host per call on the H200 (``bench/moe_profile.py``, 2026-12-02), where an eager MoE
-    block's forward waits on its host."""
+    gradient, a running profiler -- goes through the OpOverload. Why: the two Python
+    dispatcher crossings of a no-grad call (the autograd key's kernel, then the device stub)
+    cost moe_experts 37-223 us of host per call on the H200 (``bench/moe_profile.py``,
+    2026-12-02; 18 against 6.5 us on the 2-core box, ``bench/dispatch_overhead.py``), where
+    an eager MoE block's forward waits on its host."""
     op = _ops[op_name]
     torch_op = op.torch_op
 
     def call(*args: Any) -> Any:
         if torch.compiler.is_compiling() or not _plain_eager(args):
             return torch_op(*args)
-        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        device = t.device.type if t is not None else "cpu"
-        impl = _scoped_choice(op, device)
-        if impl is None and device in DEVICE_KEYS:
-            impl = _bound.get((op_name, device)) or _bind_default(op, device)
+        impl = choice(op, args)  # what the router or the device stub would pick
         if impl is None or impl.fn is None:
             return torch_op(*args)
         return run_python(op, impl, args)
