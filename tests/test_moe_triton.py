@@ -550,15 +550,35 @@ def test_cuda_launch_cache() -> None:
     changes Triton's specialisation (hidden states 2 bytes off 16-byte alignment, a row
     stride not a multiple of 16) takes new entries, never another key's kernel: the
     forward keys its launches by its inputs' metadata (``spec_of``), so both GEMMs get one
-    each; each result against float64."""
+    each; each result against float64. On triton 3.6 the hits call Triton's C launcher
+    (``launch._raw_launcher``) with reused TMA descriptors: weights of the same shape at
+    another address, and new values at the same address, must each be what is computed."""
+    import triton
+
     from opreg.backends.triton import launch as L
     TM._moe_gemm._opreg_launch_cache = {}  # this test's entries only (a JITFunction's attribute)
     args = make(64, 2, 256, 128, 8, torch.bfloat16, "cuda")
-    want = M.reference(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args])
+
+    def ref(a: tuple) -> torch.Tensor:
+        return M.reference(*[v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in a])
+
+    want = ref(args)
     for _ in range(3):
         assert_matches(TM.fused_experts_forward(*args), want, torch.bfloat16)
-    assert L._direct_ok is True, "the direct call was not taken"
     cache = TM._moe_gemm._opreg_launch_cache
+    raw = [entry[2] for entry in cache.values()]
+    if triton.__version__.startswith("3.6."):
+        assert all(r is not None for r in raw), "triton 3.6: the C launcher was not taken"
+        assert all(r.descs for r in raw), "both GEMMs load their weights through tensor descriptors"
+    else:
+        assert all(r is not None for r in raw) or L._direct_ok is True, "the direct call was not taken"
+    for _ in range(2):  # other weights of the same shapes (new addresses), then new values in place
+        other = list(args)
+        other[3], other[5] = args[3].clone().normal_(0, 0.1), args[5].clone().normal_(0, 0.1)
+        assert_matches(TM.fused_experts_forward(*other), ref(tuple(other)), torch.bfloat16)
+        args[3].normal_(0, 0.1)
+        assert_matches(TM.fused_experts_forward(*args), ref(args), torch.bfloat16)
+    want = ref(args)
     entries = len(cache)
     assert entries == 2  # GEMM1 and GEMM2, one key each
     x = args[0]

@@ -12,11 +12,22 @@ option by value; the device), so a hit runs exactly the binary Triton's path wou
 miss, the interpreter, a launch hook (a profiler's), or a Triton whose compiled-kernel
 call differs (checked once) all take Triton's own path. Launches go to the current
 stream of the current device, as Triton's do (so CUDA-graph capture sees them).
+
+On a hit, where the compiled kernel's launcher has triton 3.6's layout (checked from its
+structure, per kernel: :func:`_raw_launcher`), the launch calls Triton's generated C
+launcher itself. Between the two, Triton's Python (``CudaLauncher.__call__`` and its tensor
+descriptor wrapper) rebuilt the ~45 arguments into a list and encoded each TMA descriptor
+again on every launch; here the argument tuple is sliced around the descriptors, and an
+encoded descriptor is reused for the same (address, shape, strides, padding), which is
+all its encoding reads. H200, triton 3.6 (``bench/launch_overhead.py``, grid of one
+program, µs of host per launch): the forward's GEMM 14.1-15.1 through ``kernel.run``,
+7.4-8.2 through the C launcher with its descriptors encoded; the routing and combine
+kernels 5.6-8.4 and 4.7-5.9.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -33,7 +44,7 @@ try:
 except ImportError:
     _TensorDescriptor = None
 
-__all__ = ["launch"]
+__all__ = ["LazyDescriptor", "descriptor", "launch", "launch_args"]
 
 _I32 = 2 ** 31
 _CACHE_LIMIT = 4096  # entries per kernel
@@ -75,37 +86,51 @@ def _tail(fn: Any, n_args: int, kwargs: dict[str, Any]) -> tuple[Any, ...]:
 
 def launch(fn: Any, grid: tuple[int, ...], *args: Any, spec_key: Any = None, **kwargs: Any) -> None:
     """``fn[grid](*args, **kwargs)`` (``kwargs``: the constexprs and launch options), with a
-    cached compiled kernel on a hit (see the module docstring).
+    cached compiled kernel on a hit (see the module docstring). An argument may be a
+    :class:`LazyDescriptor`: built only where the launch needs the descriptor object.
 
     ``spec_key``: the caller's promise that this hashable value determines everything the
     key would read (each argument's dtype, alignment and int class; the constexprs and
     options), e.g. the shapes, strides, dtypes and alignments of the op's inputs that every
     argument here is derived from. It replaces that key: building it cost ~35 us per launch
     of the MoE GEMM's ~45 arguments on the 2-core box, more than the launch itself."""
+    launch_args(fn, grid, args, spec_key, kwargs)
+
+
+def launch_args(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], spec_key: Any,
+                kwargs: dict[str, Any]) -> None:
+    """:func:`launch` with the arguments and options as a tuple and a dict, for a caller
+    that keeps them (no re-packing of ~20 options per call)."""
     global _direct_ok
     cache = getattr(fn, "_opreg_launch_cache", None)
     if cache is None or _direct_ok is False or _hooks():
         if cache is None and type(fn).__name__ == "JITFunction":
             fn._opreg_launch_cache = {}
-        fn[grid](*args, **kwargs)
+        fn[grid](*_built(args), **kwargs)
         return
-    device = torch.cuda.current_device()
+    device = torch._C._cuda_getDevice()  # torch.cuda.current_device() without its init check (~0.7 us)
     if spec_key is not None:
         key = (device, "spec", spec_key)
     else:
+        args = _built(args)
         key = (device, tuple(map(_arg_key, args)), tuple(kwargs.items()))
     hit = cache.get(key)
     if hit is None:
+        args = _built(args)
         kernel = fn[grid](*args, **kwargs)
         if len(cache) >= _CACHE_LIMIT:  # spec keys are per input shape: serving sees many
             cache.clear()
         # the compiled kernel takes every parameter in signature order, constexprs included
-        cache[key] = (kernel, _tail(fn, len(args), kwargs))
+        cache[key] = (kernel, _tail(fn, len(args), kwargs), _raw_launcher(kernel))
         return
-    kernel, tail = hit
+    kernel, tail, raw = hit
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     stream = torch._C._cuda_getCurrentRawStream(device)
+    if raw is not None:
+        raw(grid[0], g1, g2, stream, args, tail)
+        return
+    args = _built(args)
     if _direct_ok:
         kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None,
                    *args, *tail)
@@ -120,3 +145,125 @@ def launch(fn: Any, grid: tuple[int, ...], *args: Any, spec_key: Any = None, **k
                  "opreg: triton %s: compiled kernels called through Triton's launcher (%s)",
                  getattr(triton, "__version__", "?"), e)
         fn[grid](*args, **kwargs)
+
+
+class LazyDescriptor:
+    """A tensor descriptor of ``tensor`` with tiles of ``box``, not built yet: the raw
+    launcher encodes it from the tensor's address and ``key`` (what else the encoding reads:
+    dtype, shape, strides, box; hashable, the caller's), every other path builds it
+    (:func:`descriptor`). Building one cost ~3 us of host on the 2-core box, three per
+    forward."""
+
+    __slots__ = ("tensor", "box", "key")
+
+    def __init__(self, tensor: torch.Tensor, box: list[int], key: Any) -> None:
+        self.tensor, self.box, self.key = tensor, box, key
+
+    def build(self) -> Any:
+        return descriptor(self.tensor, self.box)
+
+
+def _built(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` with each :class:`LazyDescriptor` built."""
+    if not any(type(a) is LazyDescriptor for a in args):
+        return args
+    return tuple(a.build() if type(a) is LazyDescriptor else a for a in args)
+
+
+def descriptor(t: torch.Tensor, box: list[int]) -> Any:
+    """A tensor descriptor of ``t`` with tiles of ``box`` (the caller checked that TMA can
+    walk it). Triton validates a descriptor in its constructor (~12 us on the 2-core box);
+    one validated per (dtype, shape, strides, box) is copied with the new base instead."""
+    key = (t.dtype, tuple(t.shape), t.stride(), tuple(box))
+    template = DESCRIPTORS.get(key)
+    if template is None:
+        template = _TensorDescriptor(t, list(t.shape), list(t.stride()), list(box))
+        template.base = None  # the template keeps no tensor alive
+        if len(DESCRIPTORS) >= _CACHE_LIMIT:
+            DESCRIPTORS.clear()
+        DESCRIPTORS[key] = template
+    d = object.__new__(type(template))  # a copy without the constructor's checks
+    d.__dict__.update(template.__dict__)
+    d.base = t
+    return d
+
+
+DESCRIPTORS: dict[Any, Any] = {}  # validated templates, by (dtype, shape, strides, box)
+
+_TMA_CACHE_LIMIT = 1024  # encoded descriptors per kernel entry (activations' addresses vary)
+
+
+class _RawLaunch:
+    """Triton 3.6's generated C launcher of one compiled kernel, called with the arguments
+    Triton's Python would pass it (see :func:`_raw_launcher`)."""
+
+    __slots__ = ("c_launch", "function", "head", "descs", "encode", "tmaps")
+
+    def __init__(self, c_launch: Any, kernel: Any, descs: list[tuple[int, Any]], encode: Any) -> None:
+        run = kernel.run
+        self.c_launch, self.function = c_launch, kernel.function
+        # after grid and stream: the function, cooperative grid, PDL, global and profile
+        # scratch (none: checked), packed metadata, launch metadata and the two hooks (none)
+        self.head = (run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata,
+                     None, None, None)
+        self.descs, self.encode = descs, encode  # (position among the parameters, its TMA metadata)
+        self.tmaps: dict[Any, list[Any]] = {}
+
+    def _expand(self, d: Any, meta: Any) -> list[Any]:
+        lazy = type(d) is LazyDescriptor
+        if meta is None:  # lowered without TMA: Triton's decomposition holds the tensor itself
+            return self.encode(d.build() if lazy else d, meta)
+        if lazy:
+            key = (d.tensor.data_ptr(), d.key)
+        else:
+            key = (d.base.data_ptr(), tuple(d.shape), tuple(d.strides), d.padding)
+        got = self.tmaps.get(key)
+        if got is None:
+            got = self.encode(d.build() if lazy else d, meta)  # [encoded descriptor, *shape, *strides]
+            if len(self.tmaps) >= _TMA_CACHE_LIMIT:
+                self.tmaps.clear()
+            self.tmaps[key] = got
+        return got
+
+    def __call__(self, g0: int, g1: int, g2: int, stream: int, args: tuple[Any, ...], tail: tuple[Any, ...]) -> None:
+        params = args + tail
+        if self.descs:
+            flat: list[Any] = []
+            prev = 0
+            for pos, meta in self.descs:
+                flat += params[prev:pos]
+                flat += self._expand(params[pos], meta)
+                prev = pos + 1
+            flat += params[prev:]
+            params = tuple(flat)
+        self.c_launch(g0, g1, g2, stream, self.function, *self.head, *params)
+
+
+def _raw_launcher(kernel: Any) -> Optional[_RawLaunch]:
+    """A :class:`_RawLaunch` for ``kernel`` where its launcher is triton 3.6's layout: a
+    ``CudaLauncher`` without scratch buffers whose ``launch`` is the generated C function,
+    or the tensor-descriptor wrapper around it (``wrap_handle_tensordesc``'s ``inner``,
+    recognised by its free variables and module globals). Else None: ``kernel.run``."""
+    try:
+        run = kernel.run
+    except Exception:  # noqa: BLE001 - no launcher to inspect: Triton's own path
+        return None
+    if type(run).__name__ != "CudaLauncher" or getattr(run, "global_scratch_size", 1) != 0 \
+            or getattr(run, "profile_scratch_size", 1) != 0 or not hasattr(run, "launch_pdl"):
+        return None
+    inner = getattr(run, "launch", None)
+    if type(inner).__name__ == "builtin_function_or_method":
+        return _RawLaunch(inner, kernel, [], None)
+    code, cells, glob = getattr(inner, "__code__", None), getattr(inner, "__closure__", None), \
+        getattr(inner, "__globals__", {})
+    if code is None or cells is None or code.co_name != "inner" \
+            or set(code.co_freevars) != {"launcher", "tensordesc_indices", "tensordesc_meta"} \
+            or glob.get("_BASE_ARGS_FORMAT") != "iiiKKppOOOOOO":
+        return None
+    free = dict(zip(code.co_freevars, (c.cell_contents for c in cells)))
+    encode = glob.get("make_tensordesc_arg")
+    c_launch, idx, metas = free["launcher"], free["tensordesc_indices"], free["tensordesc_meta"]
+    if type(c_launch).__name__ != "builtin_function_or_method" or encode is None \
+            or getattr(getattr(encode, "__code__", None), "co_argcount", 0) != 2 or len(metas) != len(idx):
+        return None
+    return _RawLaunch(c_launch, kernel, list(zip(sorted(idx), metas)), encode)

@@ -44,6 +44,7 @@ float16 only: the interpreter's bfloat16 is wrong).
 """
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import math
@@ -56,7 +57,7 @@ from opreg import registry
 from opreg._log import log_once
 from opreg.ops import moe_experts as M
 
-from .launch import launch
+from .launch import DESCRIPTORS, LazyDescriptor, descriptor, launch, launch_args
 
 try:
     import triton
@@ -393,33 +394,43 @@ def _route_scan_kernel(counts_ptr, tables_ptr, num_experts, num_chunks, CB: tl.c
 @_jit
 def _route_place_kernel(ids_ptr, offsets_ptr, tables_ptr, out_ptr, block_expert_ptr,
                         num_pairs, top_k, stride_t, stride_k, num_experts, num_chunks, num_m_blocks,
-                        CHUNK: tl.constexpr, BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
+                        CHUNK: tl.constexpr, BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
+                        ONE_CHUNK: tl.constexpr):
     """Program c: the experts' run starts and padded starts (runs padded to BLOCK_M, laid
     end to end) from their totals, into tables[0] and tables[1] (every program writes the
     same values); chunk c's pairs go to out[padded start of e + offsets[e, c] + their rank
     among the chunk's pairs of expert e] (pair order kept: a stable counting sort); then
     the expert of M blocks [c * bpp, (c+1) * bpp) (-1 past the last padded row) and the
-    sentinel S in their padding rows. Every out entry is written once."""
+    sentinel S in their padding rows. Every out entry is written once.
+
+    ONE_CHUNK (all pairs in this one program's chunk): the totals are this chunk's counts,
+    written to tables[2] here, and every offset is 0; the count and scan kernels don't run."""
     c = tl.program_id(0)
     e = tl.arange(0, BINS)
     real = e < num_experts
-    total = tl.load(tables_ptr + 2 * num_experts + e, mask=real, other=0)
+    q = tl.arange(0, CHUNK)
+    p = c * CHUNK + q
+    ids = tl.load(ids_ptr + (p // top_k).to(tl.int64) * stride_t + (p % top_k) * stride_k, mask=p < num_pairs,
+                  other=-1)
+    valid = (ids >= 0) & (ids < num_experts)
+    if ONE_CHUNK:
+        total = tl.histogram(tl.where(valid, ids, 0).to(tl.int32), BINS)
+        total -= tl.where(e == 0, tl.sum((~valid).to(tl.int32), axis=0), 0)
+        tl.store(tables_ptr + 2 * num_experts + e, total, mask=real)
+    else:
+        total = tl.load(tables_ptr + 2 * num_experts + e, mask=real, other=0)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pstart = tl.cumsum(padded, 0) - padded
     pend = pstart + padded
     tl.store(tables_ptr + e, tl.cumsum(total, 0) - total, mask=real)
     tl.store(tables_ptr + num_experts + e, pstart, mask=real)
     tl.debug_barrier()  # this program's stores seen by its own threads' loads below
-    q = tl.arange(0, CHUNK)
-    p = c * CHUNK + q
-    ids = tl.load(ids_ptr + (p // top_k).to(tl.int64) * stride_t + (p % top_k) * stride_k, mask=p < num_pairs,
-                  other=-1)
-    valid = (ids >= 0) & (ids < num_experts)
     b = tl.where(valid, ids, -1).to(tl.int32)
     rank = tl.sum(((b[:, None] == b[None, :]) & (q[None, :] < q[:, None])).to(tl.int32), axis=1)
     bb = tl.where(valid, b, 0)
-    dest = tl.load(tables_ptr + num_experts + bb, mask=valid, other=0) \
-        + tl.load(offsets_ptr + bb * num_chunks + c, mask=valid, other=0) + rank
+    dest = tl.load(tables_ptr + num_experts + bb, mask=valid, other=0) + rank
+    if not ONE_CHUNK:
+        dest += tl.load(offsets_ptr + bb * num_chunks + c, mask=valid, other=0)
     tl.store(out_ptr + dest, p, mask=valid)
     # this program's M blocks
     bpp = tl.cdiv(num_m_blocks, num_chunks)
@@ -483,27 +494,44 @@ def routing_size(num_pairs: int, num_experts: int, block_m: int) -> int:
 def _route(top_k_index: torch.Tensor, num_experts: int, block_m: int, spec: Any = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(buffer, sorted_pair_ids, block_expert, tables). ``spec``: as :func:`launch_gemm`'s."""
+    buf, sorted_pair_ids, block_expert, flat = _route_flat(top_k_index, num_experts, block_m, spec)
+    return buf, sorted_pair_ids, block_expert, flat.view(3, num_experts)
+
+
+@functools.lru_cache(maxsize=4096)
+def _route_layout(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int, int, int, int]:
+    """(blocks, padded rows, buffer length, chunks, BINS) of the routing (see :func:`routing_size`)."""
+    nb = num_blocks(num_pairs, num_experts, block_m)
+    return (nb, nb * block_m, routing_size(num_pairs, num_experts, block_m), cdiv(num_pairs, ROUTE_CHUNK),
+            next_pow2(num_experts))
+
+
+def _route_flat(top_k_index: torch.Tensor, num_experts: int, block_m: int, spec: Any = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_route` with the tables as one (3 E,) view (each view is ~3 us of host on the
+    2-core box, and the forward alone reads no table)."""
     t, k = top_k_index.shape
     s = t * k
-    nb = num_blocks(s, num_experts, block_m)
+    nb, cap, length, nc, bins = _route_layout(s, num_experts, block_m)
     dev = top_k_index.device
     if nb == 0:  # no real pair can be routed: empty lists, zero tables
         buf = torch.zeros((3 * num_experts,), dtype=torch.int32, device=dev)
-        return (buf, *routing_views(buf, s, num_experts, block_m))
-    nc = cdiv(s, ROUTE_CHUNK)
-    bins = next_pow2(num_experts)
-    cap = nb * block_m
-    buf = torch.empty((routing_size(s, num_experts, block_m),), dtype=torch.int32, device=dev)
-    sorted_pair_ids, block_expert, tables = routing_views(buf, s, num_experts, block_m)
-    counts = buf[cap + nb + 3 * num_experts:]
+        return buf, buf[:0], buf[:0], buf
+    buf = torch.empty((length,), dtype=torch.int32, device=dev)
+    t0 = cap + nb
+    sorted_pair_ids, block_expert, tables = buf[:cap], buf[cap:t0], buf[t0:t0 + 3 * num_experts]
     st, sk = top_k_index.stride()
-    launch(_route_count_kernel, (nc,), top_k_index, counts, s, k, st, sk, num_experts, nc, spec_key=spec,
-           CHUNK=ROUTE_CHUNK, BINS=bins, num_warps=4)
-    launch(_route_scan_kernel, (num_experts,), counts, tables, num_experts, nc, spec_key=spec,
-           CB=min(next_pow2(nc), 1024), num_warps=4)
+    one = nc == 1  # decode-sized: one launch instead of three (each ~15-25 us of host on the H200 box)
+    counts = tables  # never read where one chunk holds every pair
+    if not one:
+        counts = buf[t0 + 3 * num_experts:]
+        launch(_route_count_kernel, (nc,), top_k_index, counts, s, k, st, sk, num_experts, nc, spec_key=spec,
+               CHUNK=ROUTE_CHUNK, BINS=bins, num_warps=4)
+        launch(_route_scan_kernel, (num_experts,), counts, tables, num_experts, nc, spec_key=spec,
+               CB=min(next_pow2(nc), 1024), num_warps=4)
     launch(_route_place_kernel, (nc,), top_k_index, counts, tables, sorted_pair_ids, block_expert, s, k, st, sk,
            num_experts, nc, nb, spec_key=spec, CHUNK=ROUTE_CHUNK, BINS=bins, BLOCK_M=block_m,
-           BLOCK_B=max(1, min(64, 8192 // bins)), num_warps=4)
+           BLOCK_B=max(1, min(64, 8192 // bins)), ONE_CHUNK=one, num_warps=4)
     return buf, sorted_pair_ids, block_expert, tables
 
 
@@ -683,23 +711,8 @@ def _has_tma(device_index: int) -> bool:
     return torch.version.cuda is not None and torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def _descriptor(t: torch.Tensor, box: list[int]) -> Any:
-    """A tensor descriptor of ``t`` with tiles of ``box`` (the caller checked :func:`_tma_ok`).
-    Triton validates a descriptor in its constructor (~12 us on the 2-core box); one
-    validated per (dtype, shape, strides, box) is copied with the new base instead."""
-    key = (t.dtype, tuple(t.shape), t.stride(), tuple(box))
-    template = _DESCRIPTORS.get(key)
-    if template is None:
-        template = _TensorDescriptor(t, list(t.shape), list(t.stride()), list(box))
-        template.base = None  # the template keeps no tensor alive
-        _remember(_DESCRIPTORS, key, template)
-    d = object.__new__(type(template))  # a copy without the constructor's checks
-    d.__dict__.update(template.__dict__)
-    d.base = t
-    return d
-
-
-_DESCRIPTORS: dict[Any, Any] = {}
+_descriptor = descriptor  # a tensor descriptor from a validated template (see .launch)
+_DESCRIPTORS = DESCRIPTORS
 
 
 def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
@@ -721,12 +734,13 @@ def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
                               gated, interleaved, act, bias is not None, pre is not None, limit)
         if spec is not None:
             _remember(_GEMM_STATIC, spec, static)
-    grid, kmajor, w_box, a_box, head, tail, kwargs = static
-    w_desc = None if w_box is None else _descriptor(w_nk if kmajor else w_nk.transpose(1, 2), w_box)
-    a_desc = None if a_box is None else _descriptor(a, a_box)
+    grid, kmajor, w_box, a_box, w_key, a_key, head, tail, kwargs = static
+    # built only where the launch needs the descriptor objects (not Triton's C launcher)
+    w_desc = None if w_box is None else LazyDescriptor(w_nk if kmajor else w_nk.transpose(1, 2), w_box, w_key)
+    a_desc = None if a_box is None else LazyDescriptor(a, a_box, a_key)
     finite = kwargs["HAS_LIMIT"]
-    launch(_moe_gemm, grid, a, w_nk, b, rw, out, p, sorted_pair_ids, block_expert, w_desc, a_desc,
-           *head, float(alpha), float(limit) if finite else 0.0, *tail, spec_key=spec, **kwargs)
+    launch_args(_moe_gemm, grid, (a, w_nk, b, rw, out, p, sorted_pair_ids, block_expert, w_desc, a_desc,
+                                  *head, float(alpha), float(limit) if finite else 0.0, *tail), spec, kwargs)
 
 
 _GEMM_STATIC: dict[Any, tuple[Any, ...]] = {}
@@ -758,7 +772,11 @@ def _gemm_static(cfg: dict[str, int], a: torch.Tensor, w_nk: torch.Tensor, b: to
                   DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", EVEN_K=k % bk == 0,
                   W_TMA=use_w, W_KMAJOR=kmajor, A_TMA=use_a, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
-    return (nb * cdiv(n, bn),), kmajor, w_box if use_w else None, [bm, bk] if use_a else None, head, tail, kwargs
+    # what a descriptor's encoding reads besides the address (LazyDescriptor.key)
+    w_key = (w_tiles.dtype, tuple(w_tiles.shape), w_tiles.stride(), tuple(w_box)) if use_w else None
+    a_key = (a.dtype, tuple(a.shape), a.stride(), (bm, bk)) if use_a else None
+    return ((nb * cdiv(n, bn),), kmajor, w_box if use_w else None, [bm, bk] if use_a else None, w_key, a_key,
+            head, tail, kwargs)
 
 
 def combine(pairs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_experts: int,
@@ -779,12 +797,24 @@ def _meta(a: Any) -> Any:
     return (a.device, a.dtype, a.shape, a.stride(), a.data_ptr() % 16 == 0)
 
 
-def spec_of(*args: Any) -> tuple[Any, ...]:
+def spec_of(*args: Any) -> int:
     """The op's arguments' metadata, what the checks and every launch of one forward follow
     from: each tensor's device, dtype, shape, strides and 16-byte alignment, the other
     arguments by value (the buffers the forward allocates are aligned, and their views'
-    offsets follow from the shapes)."""
-    return tuple(map(_meta, args))
+    offsets follow from the shapes); as an int interned per distinct metadata (never 0,
+    never reused), so the memos and the launcher each hash an int instead of the nested
+    tuple (~0.8 us a hash on the 2-core box, about ten per forward)."""
+    full = tuple(map(_meta, args))
+    got = _SPEC_IDS.get(full)
+    if got is None:
+        if len(_SPEC_IDS) >= _MEMO_LIMIT:  # serving sees many T: a cleared spec gets a new id
+            _SPEC_IDS.clear()
+        got = _SPEC_IDS[full] = next(_SPEC_COUNTER)
+    return got
+
+
+_SPEC_IDS: dict[tuple[Any, ...], int] = {}
+_SPEC_COUNTER = itertools.count(1)
 
 
 _CONFIGS: dict[Any, tuple[dict[str, int], dict[str, int], dict[str, int]]] = {}
@@ -847,7 +877,7 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     c1, c2, cc = picked
     bm = c1["BLOCK_M"]
     with _device_ctx(x):
-        route_buf, sorted_pair_ids, block_expert, tables = _route(ids, e, bm, spec and (spec, "routing"))
+        route_buf, sorted_pair_ids, block_expert, tables = _route_flat(ids, e, bm, spec and (spec, "routing"))
         nb = block_expert.shape[0]
         act = _new_buffer((nb * bm, i), x.dtype, x.device)
         pre = _new_buffer((nb * bm, n1), PRE_DTYPE, x.device) if save else None
@@ -862,7 +892,7 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         combine(pairs, ids, out, e, cc, spec=spec and (spec, "combine"))
     if not save:
         return out
-    return out, Saved(sorted_pair_ids, block_expert, tables, act, pre,
+    return out, Saved(sorted_pair_ids, block_expert, tables.view(3, e), act, pre,
                       {"gemm1": dict(c1), "gemm2": c2, "combine": dict(cc)}, route_buf)
 
 
@@ -897,12 +927,12 @@ def moe_experts_triton(*args: Any) -> torch.Tensor:
     # asked (the check synchronises); unchecked, they contribute nothing.
     if M.checks_ids_here(args[1]):
         M.check_ids(args[1])
-    with torch.no_grad():  # the op's autograd is its own (the reference's): record nothing
-        if why is not None:
-            log_once((M.NAME, "triton", why), logging.INFO,
-                     "opreg: moe_experts/triton runs the grouped path: %s", why)
-            return M.grouped(*args)
-        return fused_experts_forward(*args, spec=spec)
+    if why is not None:
+        log_once((M.NAME, "triton", why), logging.INFO, "opreg: moe_experts/triton runs the grouped path: %s", why)
+    if torch.is_grad_enabled():  # the op's autograd is its own (the reference's): record nothing
+        with torch.no_grad():
+            return M.grouped(*args) if why is not None else fused_experts_forward(*args, spec=spec)
+    return M.grouped(*args) if why is not None else fused_experts_forward(*args, spec=spec)  # no context: ~3 us
 
 
 def moe_experts_triton_train(*args: Any) -> Optional[torch.Tensor]:
@@ -922,7 +952,7 @@ def moe_experts_triton_train(*args: Any) -> Optional[torch.Tensor]:
     return None if checked(args)[1] is not None else T.train(*args)
 
 
-def checked(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Optional[str]]:
+def checked(args: tuple[Any, ...]) -> tuple[int, Optional[str]]:
     """(:func:`spec_of` the op's arguments, :func:`why_not_fused` them) after the op's
     checks (raising what they find), each run once per spec: the checks read metadata only.
     Eager calls only (a traced call has no data pointers to key by)."""
