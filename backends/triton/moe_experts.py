@@ -3,9 +3,9 @@
 Four steps, all on the device, no host sync (CUDA-graph capturable), every launch on the
 current stream (Triton launches on torch's current stream of the current device):
 
-1. **Routing** (:func:`align_block_size`: a three-kernel counting sort of the ids): the
-   S = T*k (token, slot) pairs, pair = t*k + j, sorted by expert (stable), each expert's
-   segment padded to BLOCK_M.
+1. **Routing** (:func:`align_block_size`: a three-kernel counting sort of the ids, one
+   kernel where T*k <= 128): the S = T*k (token, slot) pairs, pair = t*k + j, sorted by
+   expert (stable), each expert's segment padded to BLOCK_M.
    Ids outside [0, E) (the expert-parallel sentinel >= E; negative ids, the caller's error)
    never enter the work list. Buffers have static worst-case sizes, so no size is read back.
 2. **GEMM1** (:func:`_moe_gemm` with ``GATHER``): hidden_states rows read through the sorted
@@ -468,7 +468,8 @@ def routing_tables(top_k_index: torch.Tensor, num_experts: int,
     one int32 buffer (:func:`routing_views`; the forward keeps it as ``Saved.routing``).
 
     A counting sort in three launches (per-chunk counts, a scan per expert, placement)
-    into one int32 buffer. ``torch.sort`` cost 100-250 us of host per call on the H200 box
+    into one int32 buffer; where every pair fits one chunk (T*k <= 128, decode) the
+    placement kernel counts them itself, one launch. ``torch.sort`` cost 100-250 us of host per call on the H200 box
     and 60 us of GPU at T = 4096, k = 8 (eight radix passes over int64 keys)."""
     return _route(top_k_index, num_experts, block_m)[1:]
 
