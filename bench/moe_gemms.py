@@ -8,8 +8,9 @@ GEMM1 (gathered rows x gate_up, the gate in the epilogue) for each candidate of 
 GEMM2 (activation x down, the routing weight on the store) for each of ``GEMM2`` at each
 BLOCK_M (both GEMMs walk the same padded rows, so they share it); each candidate's output
 against the first one's (bit-identical expected: same tiles, same order); then
+GEMM1 on a sorted copy of its rows (``PREGATHER``: the copy and the GEMM timed apart), then
 ``torch._grouped_mm`` on the gathered copy of the same padded rows, and the whole fused
-forward with its default configs, TMA on and off. GPU time: CUDA events around back-to-back
+forward with its default configs, TMA on and off, and GEMM1 pregathered. GPU time: CUDA events around back-to-back
 launches (the GEMMs are GPU-bound), median of ``--reps``.
 """
 from __future__ import annotations
@@ -66,6 +67,19 @@ def one(name: str, t: int, reps: int) -> None:
                 print(f"   max |diff| vs the first {float((act[real] - first[real]).abs().max()):.3g}")
         if first is None:
             continue
+        # GEMM1 on a sorted copy of its rows (the PREGATHER config): the copy, then the GEMM
+        # with its A through a tensor descriptor, at this BLOCK_M's first TMA tile
+        c = next(c for c in GEMM1 if c[0] == bm and c[6])
+        cfg = dict(zip(KEYS, c))
+        xsorted = F.sorted_rows(x, rw, spi, k, False)
+        act = torch.full((nb * bm, i), float("nan"), dtype=x.dtype, device="cuda")
+        copy_us = median_us(lambda: F.sorted_rows(x, rw, spi, k, False), reps, True)
+        us = timed(f"gemm1 pregathered {c}", lambda: F.launch_gemm(
+            cfg, a=xsorted, w_nk=w1, bias=None, out=act, pre=None, n=i, k=h, gather=False, routed=False, gated=True,
+            act=0, **routing), f1, reps)
+        if us < float("inf"):
+            print(f"   + the sorted copy {copy_us:.1f} us; max |diff| vs the first "
+                  f"{float((act[real] - first[real]).abs().max()):.3g}")
         ref = None
         for c in GEMM2:
             cfg = dict(zip(KEYS[1:], c), BLOCK_M=bm)
@@ -89,7 +103,10 @@ def one(name: str, t: int, reps: int) -> None:
     on = median_us(lambda: F.fused_experts_forward(*args), reps, True)
     off = median_us(lambda: F.fused_experts_forward(*args, configs={"gemm1": {**d1, "TMA": 0},
                                                                     "gemm2": {**d2, "TMA": 0}}), reps, True)
-    print(f"  the fused forward, default configs: TMA on {on:.1f} us, off {off:.1f} us")
+    pre = median_us(lambda: F.fused_experts_forward(*args, configs={"gemm1": {**d1, "PREGATHER": 1},
+                                                                    "gemm2": d2}), reps, True)
+    print(f"  the fused forward, default configs: TMA on {on:.1f} us, off {off:.1f} us, "
+          f"GEMM1 pregathered {pre:.1f} us")
 
 
 def main() -> None:

@@ -48,6 +48,7 @@ GATES = ["silu", "gelu", "gelu_tanh", "relu", "relu2", "sigmoid"]
 SMALL = {"gemm1": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2),
          "gemm2": dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=3, num_warps=4, num_stages=2),
          "combine": dict(BLOCK_H=32, num_warps=4)}
+PREGATHERED = {**SMALL, "gemm1": {**SMALL["gemm1"], "PREGATHER": 1}}
 
 
 # ------------------------------------------------------------------ interpreted cases
@@ -84,6 +85,14 @@ CASES: dict[str, dict] = {
     "ragged small blocks, pointer loads": dict(dims=(9, 3, 40, 24, 3), opts=dict(bias=True, transposed=True),
                                                configs={g: {**c, "TMA": 0} if g != "combine" else c for g, c in SMALL.items()},
                                                dtypes=["float32"]),
+    # GEMM1 on a sorted copy of its rows (PREGATHER): its A through a tensor descriptor (the
+    # interpreter's), or, with TMA 0, through pointers at the sorted rows
+    "pregathered rows": dict(dims=(9, 3, 40, 24, 3), opts=dict(bias=True), configs=PREGATHERED),
+    "pregathered rows, gpt_oss transposed": dict(dims=(21, 2, 50, 18, 3), configs=PREGATHERED, opts=dict(
+        activation=M.GPT_OSS, transposed=True, interleaved=True, bias=True, alpha=1.702, limit=1.0, gain=3.0)),
+    "pregathered rows, pointer loads, sentinel NaN weight": dict(
+        dims=(10, 3, 24, 16, 4), opts=dict(sentinels=4), special="nan", dtypes=["float32"],
+        configs={**PREGATHERED, "gemm1": {**PREGATHERED["gemm1"], "TMA": 0}}),
     "default configs, more rows": dict(dims=(64, 2, 48, 32, 4), opts={}, dtypes=["float32"]),
     "sentinels": dict(dims=(10, 2, 16, 8, 4), opts=dict(sentinels=6)),
     "sentinel NaN weight, negative id": dict(dims=(10, 3, 24, 16, 4), opts=dict(sentinels=4), special="nan"),

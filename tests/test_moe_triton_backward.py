@@ -119,6 +119,9 @@ CASES: dict[str, dict] = {
     "dgrad2 split ungated, routing weights only": dict(
         dims=(9, 2, 24, 16, 3), opts=dict(activation="relu2", gated=False, bias=True), dtypes=["float32"],
         configs=SPLIT_BWD, requires=("top_k_weights",), forbid=("TB._dgrad_act_kernel", "TB._moe_wgrad")),
+    # the forward's GEMM1 on a sorted copy of its rows: the backward reads the same saved tensors
+    "pregathered forward": dict(dims=(11, 2, 16, 8, 3), opts=dict(bias=True),
+                                configs={**SMALL_BWD, "gemm1": {**SMALL["gemm1"], "PREGATHER": 1}}),
     "k=1": dict(dims=(7, 1, 24, 16, 4), opts=dict(activation="gelu", interleaved=True)),
     "T=0": dict(dims=(0, 2, 16, 8, 4), opts=dict(bias=True), dtypes=["float32"]),
     "int32 ids, strided inputs, expanded grad": dict(dims=(8, 4, 24, 16, 8), opts=dict(idx_dtype=torch.int32),
@@ -330,7 +333,7 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     assert grouped or not c.get("grouped"), "a grouped_mm case whose weight gradients would not use it"
     if grouped:
         patch[(TB, "_moe_wgrad")] = _Launches(TB._moe_wgrad, wgrad_log)
-        patch[(TB, "_wgrad_rows_kernel")] = _Launches(TB._wgrad_rows_kernel, rows_log)
+        patch[(TM, "_sorted_rows_kernel")] = _Launches(TM._sorted_rows_kernel, rows_log)
     for path in c.get("forbid", ()):
         patch[(TB, path[3:]) if path.startswith("TB.") else (TM, path[3:])] = _Forbidden(path)
     originals = {key: getattr(*key) for key in patch}

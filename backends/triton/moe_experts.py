@@ -22,7 +22,10 @@ current stream (Triton launches on torch's current stream of the current device)
 On sm90+ both GEMMs load the weight's tiles, and GEMM2 its sorted activation rows, through
 tensor descriptors (TMA) instead of pointer arithmetic (:func:`launch_gemm` decides per
 launch): 11-14 % faster forward on the H200 (``bench/moe_gemms.py``); GEMM1's gathered token
-rows stay pointer loads (a row gather by TMA needs Blackwell).
+rows stay pointer loads (a row gather by TMA needs Blackwell), unless its config says
+``PREGATHER``: then one copy kernel (:func:`sorted_rows`) puts the rows in sorted-padded
+order first and GEMM1 loads them as GEMM2 loads its A (a config for the tuner to weigh:
+the copy's bytes against GEMM1's faster loads; off in the shipped table).
 
 Block sizes come from ``moe_experts_configs.json`` (:func:`pick_config`), keyed by GEMM,
 rows-per-expert bucket, N, K and dtype, so a tuning run can rewrite the data alone.
@@ -86,7 +89,7 @@ _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 __all__ = ["ACT_IDS", "CONFIG_FILE", "Saved", "TritonImpl", "align_block_size", "checked", "fused_experts_forward",
            "moe_experts_triton", "pick_config", "register", "routing_size", "routing_tables",
-           "routing_views", "spec_of", "why_not_fused"]
+           "routing_views", "sorted_rows", "spec_of", "why_not_fused"]
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -339,6 +342,36 @@ def interpreting() -> bool:
     cannot take ``type()`` of a Triton kernel ("TritonKernelVariable() has no type"), and
     ``why_not_fused`` asks this inside compiled training."""
     return _INTERPRETING
+
+
+@_jit
+def _sorted_rows_kernel(
+    src_ptr, route_w_ptr, out_ptr, pair_ids_ptr, num_pairs, top_k, num_rows, C,
+    stride_st, stride_sc, stride_rt, stride_rk, stride_om, stride_oc,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SCALED: tl.constexpr,
+):
+    """Token rows in sorted-padded order: out[r] = src[t] for the sorted row r holding pair
+    p = t*k + j (GEMM1's pre-gathered A; the grouped weight gradients' gathered operand);
+    SCALED: times rw[t, j] in fp32, then rounded to out's dtype (the backward's
+    ``_moe_wgrad`` L_SCALED operand, the same bits). 0 at a
+    padding row and at every row past the used blocks (their ids are the sentinel), so all
+    ``num_rows`` rows are written and a sentinel slot's weight is never read.
+    Grid: (row blocks, C blocks)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_list = rows < num_rows
+    pair = tl.load(pair_ids_ptr + rows, mask=in_list, other=num_pairs)
+    row_ok = pair < num_pairs
+    p = tl.where(row_ok, pair, 0)
+    tok = (p // top_k).to(tl.int64)
+    col_ok = cols < C
+    v = tl.load(src_ptr + tok[:, None] * stride_st + cols[None, :] * stride_sc,
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    if SCALED:  # 0 * 0 at a padding row: neither load reads there
+        w = tl.load(route_w_ptr + tok * stride_rt + (p % top_k) * stride_rk, mask=row_ok, other=0.0)
+        v = v.to(tl.float32) * w.to(tl.float32)[:, None]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_oc,
+             v.to(out_ptr.dtype.element_ty), mask=in_list[:, None] & col_ok[None, :])
 
 
 # ----------------------------------------------------------------------------- routing
@@ -780,6 +813,22 @@ def _gemm_static(cfg: dict[str, int], a: torch.Tensor, w_nk: torch.Tensor, b: to
             head, tail, kwargs)
 
 
+def sorted_rows(src: torch.Tensor, rw: torch.Tensor, sorted_pair_ids: torch.Tensor, top_k: int,
+                scaled: bool, spec: Any = None) -> torch.Tensor:
+    """(R, C) copy of ``src``'s token rows (T, C) in sorted-padded order (times the routing
+    weight if ``scaled``), 0 at padding rows and past the used blocks
+    (:func:`_sorted_rows_kernel`): GEMM1's A where its config says ``PREGATHER``, and a
+    grouped weight gradient's gathered operand. ``spec``: as :func:`launch_gemm`'s."""
+    r, c = sorted_pair_ids.shape[0], src.shape[1]
+    out = _new_buffer((r, c), src.dtype, src.device)
+    br, bc = 32, min(128, next_pow2(c))
+    launch(_sorted_rows_kernel, (cdiv(r, br), cdiv(c, bc)),
+           src, rw, out, sorted_pair_ids, rw.shape[0] * top_k, top_k, r, c, src.stride(0), src.stride(1),
+           rw.stride(0), rw.stride(1), out.stride(0), out.stride(1), spec_key=spec,
+           BLOCK_R=br, BLOCK_C=bc, SCALED=scaled, num_warps=4)
+    return out
+
+
 def combine(pairs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_experts: int,
             cfg: dict[str, int], spec: Any = None) -> None:
     """out[t] = the sum over t's slots with an id in [0, E) of pair rows t*k + j, in slot
@@ -885,8 +934,12 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         pairs = _new_buffer((s, h), x.dtype, x.device)
         out = _new_buffer((t, h), x.dtype, x.device)
         routing = dict(rw=rw, sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k)
-        launch_gemm(c1, a=x, w_nk=_nk_view(w1, transposed), bias=gate_up_bias, out=act, pre=pre,
-                    n=i, k=h, gather=True, routed=False, gated=gated, interleaved=interleaved,
+        # PREGATHER: GEMM1 reads a sorted copy of the token rows (its A then loads through a
+        # tensor descriptor, as GEMM2's does) instead of gathering them on its load
+        pregather = bool(c1.get("PREGATHER", 0))
+        a1 = sorted_rows(x, rw, sorted_pair_ids, k, False, spec and (spec, "rows")) if pregather else x
+        launch_gemm(c1, a=a1, w_nk=_nk_view(w1, transposed), bias=gate_up_bias, out=act, pre=pre,
+                    n=i, k=h, gather=not pregather, routed=False, gated=gated, interleaved=interleaved,
                     act=ACT_IDS[activation], alpha=alpha, limit=limit, spec=spec and (spec, "gemm1"), **routing)
         launch_gemm(c2, a=act, w_nk=_nk_view(w2, transposed), bias=down_bias, out=pairs, pre=None,
                     n=h, k=i, gather=False, routed=True, scaled=True, spec=spec and (spec, "gemm2"), **routing)

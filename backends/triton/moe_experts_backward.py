@@ -34,7 +34,7 @@ padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    2-D x 2-D form instead, groups along the reduction dim = each expert's padded run of
    sorted rows (``offs`` = the padded ends). The gathered operands (x[t], and rw * dout[t]
    rounded to bf16 as ``_moe_wgrad`` rounds it) are first copied into sorted-padded order
-   by :func:`_wgrad_rows_kernel`, 0 at padding rows; ``act`` and ``d_pre`` are 0 at the
+   by :func:`.moe_experts.sorted_rows`, 0 at padding rows; ``act`` and ``d_pre`` are 0 at the
    padding rows of blocks in use (so a padding row adds exact zeros, and no unwritten NaN
    meets a 0). Rows past the last used block (the ``offs[-1]``-th on) are unwritten in
    ``act`` and ``d_pre``: this assumes ``torch._grouped_mm`` reads no row past
@@ -356,35 +356,6 @@ def _moe_wgrad(
                  mask=m_ok & (pid_n == 0))
 
 
-@_jit
-def _wgrad_rows_kernel(
-    src_ptr, route_w_ptr, out_ptr, pair_ids_ptr, num_pairs, top_k, num_rows, C,
-    stride_st, stride_sc, stride_rt, stride_rk, stride_om, stride_oc,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SCALED: tl.constexpr,
-):
-    """The grouped weight gradients' gathered operand in sorted-padded order: out[r] =
-    src[t] for the sorted row r holding pair p = t*k + j; SCALED: times rw[t, j] in fp32,
-    then rounded to out's dtype (``_moe_wgrad``'s L_SCALED operand, the same bits). 0 at a
-    padding row and at every row past the used blocks (their ids are the sentinel), so all
-    ``num_rows`` rows are written and a sentinel slot's weight is never read.
-    Grid: (row blocks, C blocks)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    in_list = rows < num_rows
-    pair = tl.load(pair_ids_ptr + rows, mask=in_list, other=num_pairs)
-    row_ok = pair < num_pairs
-    p = tl.where(row_ok, pair, 0)
-    tok = (p // top_k).to(tl.int64)
-    col_ok = cols < C
-    v = tl.load(src_ptr + tok[:, None] * stride_st + cols[None, :] * stride_sc,
-                mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-    if SCALED:  # 0 * 0 at a padding row: neither load reads there
-        w = tl.load(route_w_ptr + tok * stride_rt + (p % top_k) * stride_rk, mask=row_ok, other=0.0)
-        v = v.to(tl.float32) * w.to(tl.float32)[:, None]
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_oc,
-             v.to(out_ptr.dtype.element_ty), mask=in_list[:, None] & col_ok[None, :])
-
-
 # ----------------------------------------------------------------------------- launcher
 
 @functools.cache
@@ -464,21 +435,6 @@ def _w_descriptor(w_nk: torch.Tensor, cfg: dict[str, int]) -> tuple[Any, bool]:
     if not cfg.get("TMA", 1) or not F._tma_ok(tiles, tuple(box)):
         return None, kmajor
     return F._descriptor(tiles, box), kmajor
-
-
-def _sorted_rows(src: torch.Tensor, rw: torch.Tensor, sorted_pair_ids: torch.Tensor, top_k: int,
-                 scaled: bool, spec: Any = None) -> torch.Tensor:
-    """(R, C) copy of ``src``'s token rows (T, C) in sorted-padded order (times the routing
-    weight if ``scaled``), 0 at padding rows and past the used blocks
-    (:func:`_wgrad_rows_kernel`): a grouped weight gradient's gathered operand."""
-    r, c = sorted_pair_ids.shape[0], src.shape[1]
-    out = F._new_buffer((r, c), src.dtype, src.device)
-    br, bc = 32, min(128, F.next_pow2(c))
-    launch(_wgrad_rows_kernel, (F.cdiv(r, br), F.cdiv(c, bc)),
-           src, rw, out, sorted_pair_ids, rw.shape[0] * top_k, top_k, r, c, src.stride(0), src.stride(1),
-           rw.stride(0), rw.stride(1), out.stride(0), out.stride(1), spec_key=spec,
-           BLOCK_R=br, BLOCK_C=bc, SCALED=scaled, num_warps=4)
-    return out
 
 
 _PLANS: dict[Any, tuple[dict[str, dict[str, int]], bool]] = {}  # spec -> (configs, grouped wgrad)
@@ -618,9 +574,9 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             c = cfg["wgrad"]
             dw = None
             if do_w and grouped:  # CUTLASS over the sorted-padded rows (the module docstring)
-                lrows = (_sorted_rows(lhs, rw, sorted_pair_ids, k, l_scaled, key(("rows", l_scaled)))
+                lrows = (F.sorted_rows(lhs, rw, sorted_pair_ids, k, l_scaled, key(("rows", l_scaled)))
                          if l_gather else lhs)
-                rrows = _sorted_rows(rhs, rw, sorted_pair_ids, k, False, key(("rows", False))) if r_gather else rhs
+                rrows = F.sorted_rows(rhs, rw, sorted_pair_ids, k, False, key(("rows", False))) if r_gather else rhs
                 # out[e] = L_e^T R_e is (E, out, in); the (E, in, out) weight takes R_e^T L_e
                 dw = (torch._grouped_mm(rrows.t(), lrows, offs=offs) if transposed
                       else torch._grouped_mm(lrows.t(), rrows, offs=offs))

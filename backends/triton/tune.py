@@ -4,8 +4,9 @@ For each expert shape (E experts, hidden H, intermediate I, top-k) and token cou
 random bf16 inputs (uniform routing, SiLU-gated, transformers' layout), it times the whole
 fused forward (:func:`moe_experts.fused_experts_forward`) with each candidate config:
 first GEMM1's (which also fixes BLOCK_M, the padded row block both GEMMs walk) with GEMM2
-at its default, then GEMM2's with GEMM1's best. Coordinate descent, not the full product:
-13 x 9 candidates would be 117 compiles per shape, this is 22. The winners go into the table
+at its default, then GEMM1's best and two large tiles with ``PREGATHER`` (GEMM1 on a sorted
+copy of its rows), then GEMM2's with GEMM1's best. Coordinate descent, not the full
+product: 13 x 9 candidates would be 117 compiles per shape, this is 25. The winners go into the table
 ``moe_experts_configs.json`` under ``tuned[dtype]["N=<n>,K=<k>"][gemm][bucket]`` (the
 bucket of T * k / E rows per expert), which :func:`moe_experts.pick_config` reads; a
 config that does not beat the default by more than the timing noise (2 %) is not written.
@@ -48,6 +49,9 @@ GEMM1 = [(64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (64, 128, 64, 8, 8, 3), 
          (128, 64, 64, 8, 4, 4), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3),
          (128, 128, 128, 8, 8, 3), (16, 64, 128, 1, 4, 4), (32, 128, 64, 8, 4, 4),
          (128, 128, 64, 16, 8, 4), (128, 128, 64, 32, 8, 4)]
+# GEMM1 on a sorted copy of its rows (PREGATHER, see moe_experts.py): tried with the best
+# gathered tile and these, after the gathered candidates.
+PREGATHER = [(128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3)]
 # (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
 GEMM2 = [(64, 64, 8, 4, 4), (128, 64, 8, 4, 4), (128, 64, 8, 8, 4), (256, 64, 8, 8, 4), (256, 64, 8, 8, 3),
          (128, 128, 8, 8, 3), (256, 128, 8, 8, 3), (256, 64, 16, 8, 4), (256, 64, 32, 8, 4)]
@@ -90,7 +94,7 @@ def inputs(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, device: s
 
 def tune_shape(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, device: str, reps: int,
                deadline: float, gemm1: list[tuple[int, ...]] = GEMM1,
-               gemm2: list[tuple[int, ...]] = GEMM2) -> dict[str, Any]:
+               gemm2: list[tuple[int, ...]] = GEMM2, pregather: list[tuple[int, ...]] = PREGATHER) -> dict[str, Any]:
     """Time the candidates for one shape; returns {"default_us", "best_us", "gemm1", "gemm2",
     "rows_per_expert", "error"}: the winner's normwise error against the grouped path."""
     args = inputs(e, h, i, k, t, dtype, device)
@@ -123,6 +127,13 @@ def tune_shape(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, devic
         us = run(_gemm1(c), None)
         if us < best1_us:
             best1, best1_us = _gemm1(c), us
+    for c1 in [best1] + [_gemm1(c) for c in pregather]:
+        if time.monotonic() > deadline:
+            break
+        tried += 1
+        us = run({**c1, "PREGATHER": 1}, None)
+        if us < best1_us:
+            best1, best1_us = {**c1, "PREGATHER": 1}, us
     d2 = fused.pick_config("gemm2", rpe, h, i, dtype, block_m=best1["BLOCK_M"])
     best2, best_us = d2, best1_us
     for c in gemm2:
@@ -137,7 +148,7 @@ def tune_shape(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, devic
     error = float((got - want).norm() / want.norm().clamp_min(1e-30))
     best2 = {key: v for key, v in best2.items() if key != "BLOCK_M"}  # gemm2 runs with gemm1's
     return {"default_us": default_us, "best_us": best_us, "gemm1": best1, "gemm2": best2, "rows_per_expert": rpe,
-            "error": error, "tried": tried, "of": len(gemm1) + len(gemm2)}
+            "error": error, "tried": tried, "of": len(gemm1) + 1 + len(pregather) + len(gemm2)}
 
 
 def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, device: str, reps: int,
@@ -250,11 +261,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     fused.M.grouped(*inputs(2, 8, 8, 1, 4, dtype, device))
     deadline = time.monotonic() + a.budget_s
     print(f"tuning moe_experts ({a.dtype}) on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
-          f"{len(GEMM1)} GEMM1 and {len(GEMM2)} GEMM2 candidates per shape, budget {a.budget_s:.0f} s", flush=True)
+          f"{len(GEMM1)} + {1 + len(PREGATHER)} GEMM1 and {len(GEMM2)} GEMM2 candidates per shape, "
+          f"budget {a.budget_s:.0f} s", flush=True)
     for (e, h, i, k) in shapes:
         for t in (int(v) for v in a.tokens.split(",")):
             found = tune_shape(e, h, i, k, t, dtype, device, a.reps, deadline,
-                               GEMM1[:a.max_candidates], GEMM2[:a.max_candidates])
+                               GEMM1[:a.max_candidates], GEMM2[:a.max_candidates], PREGATHER[:a.max_candidates])
             kept = record(table, e, h, i, k, t, dtype, found)
             print(f"E={e} H={h} I={i} k={k} T={t}: default {found['default_us']:.0f} us, "
                   f"best {found['best_us']:.0f} us ({found['default_us'] / found['best_us']:.2f}x) "
