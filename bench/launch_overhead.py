@@ -21,26 +21,14 @@ Also the host time of the whole op at ``--tokens`` (the fused forward, its spec 
 from __future__ import annotations
 
 import argparse
-import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from opreg.backends.triton import launch as L
 from opreg.backends.triton import moe_experts as F
 from opreg.backends.triton import tune
-
-
-def per_call_us(call: Callable[[], Any], reps: int) -> float:
-    for _ in range(20):
-        call()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        call()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / reps * 1e6
+from opreg.testing.timing import host_us
 
 
 class Recorder:
@@ -117,7 +105,7 @@ def rows_for(name: str, fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], k
             print(f"  raw launcher failed: {type(e).__name__}: {e}")
     print(f"{name}: {len(args)} positional args")
     for k, call in res.items():
-        print(f"  {k:28s} {per_call_us(call, reps):7.2f} us per launch")
+        print(f"  {k:28s} {host_us(call, reps, warmup=20):7.2f} us per launch")
 
 
 def main() -> None:
@@ -134,8 +122,8 @@ def main() -> None:
         for t in (1, a.tokens, 4096):
             at = tune.inputs(e, h, ffn, k, t, torch.bfloat16, "cuda")
             st = F.spec_of(*at)
-            print(f"whole op, T={t}: {per_call_us(lambda: F.fused_experts_forward(*at, spec=st), 300):.1f} us of host"
-                  " per call (GPU-bound where the GPU time is larger)")
+            us = host_us(lambda: F.fused_experts_forward(*at, spec=st), 300, warmup=20)
+            print(f"whole op, T={t}: {us:.1f} us of host per call (GPU-bound where the GPU time is larger)")
         rec = Recorder()
         old = F.launch, F.launch_args
         F.launch, F.launch_args = rec.launch, rec.launch_args

@@ -16,7 +16,6 @@ Per config and T, bf16, in one process:
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
@@ -24,22 +23,9 @@ import opreg  # noqa: F401
 import opreg.integrations.transformers  # noqa: F401
 from opreg.backends.triton import moe_experts as fused
 from opreg.backends.triton import tune
-from opreg.testing.timing import median_us
+from opreg.testing.timing import host_us, median_us
 
 import bench_moe_block as bb
-
-
-def host_us(call, reps: int = 20) -> float:
-    """Host time to enqueue one call: a batch of ``reps`` calls without a sync inside."""
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        call()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / reps * 1e6
 
 
 def host_profile(call, reps: int) -> None:

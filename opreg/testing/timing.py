@@ -1,4 +1,5 @@
-"""The median time of back-to-back calls, as the benchmarks and ``opreg tune`` take it."""
+"""The median time of back-to-back calls, as the benchmarks and ``opreg tune`` take it, and the
+host time to enqueue a call."""
 from __future__ import annotations
 
 import statistics
@@ -29,3 +30,18 @@ def median_us(call: Callable[[], Any], reps: int, cuda: bool) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
+
+
+def host_us(call: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:
+    """Host time to enqueue one call on CUDA, in µs: the wall clock of a batch of ``reps``
+    calls with no sync inside (after ``warmup`` calls and a sync). A call whose host time
+    exceeds its GPU time is launch-bound, and events then measure the host."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        call()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / reps * 1e6
