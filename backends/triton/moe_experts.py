@@ -429,9 +429,9 @@ def _route_place_kernel(ids_ptr, offsets_ptr, tables_ptr, out_ptr, block_expert_
                         num_pairs, top_k, stride_t, stride_k, num_experts, num_chunks, num_m_blocks,
                         CHUNK: tl.constexpr, BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
                         ONE_CHUNK: tl.constexpr):
-    """Program c: the experts' run starts and padded starts (runs padded to BLOCK_M, laid
-    end to end) from their totals, into tables[0] and tables[1] (every program writes the
-    same values); chunk c's pairs go to out[padded start of e + offsets[e, c] + their rank
+    """Program c: the experts' run starts, padded starts and padded ends (runs padded to
+    BLOCK_M, laid end to end) from their totals, into tables[0], [1] and [3] (every program
+    writes the same values); chunk c's pairs go to out[padded start of e + offsets[e, c] + their rank
     among the chunk's pairs of expert e] (pair order kept: a stable counting sort); then
     the expert of M blocks [c * bpp, (c+1) * bpp) (-1 past the last padded row) and the
     sentinel S in their padding rows. Every out entry is written once.
@@ -457,6 +457,7 @@ def _route_place_kernel(ids_ptr, offsets_ptr, tables_ptr, out_ptr, block_expert_
     pend = pstart + padded
     tl.store(tables_ptr + e, tl.cumsum(total, 0) - total, mask=real)
     tl.store(tables_ptr + num_experts + e, pstart, mask=real)
+    tl.store(tables_ptr + 3 * num_experts + e, pend, mask=real)
     tl.debug_barrier()  # this program's stores seen by its own threads' loads below
     b = tl.where(valid, ids, -1).to(tl.int32)
     rank = tl.sum(((b[:, None] == b[None, :]) & (q[None, :] < q[:, None])).to(tl.int32), axis=1)
@@ -487,7 +488,7 @@ def _route_place_kernel(ids_ptr, offsets_ptr, tables_ptr, out_ptr, block_expert_
 def routing_tables(top_k_index: torch.Tensor, num_experts: int,
                    block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(T, k) expert ids -> ``sorted_pair_ids`` (num_blocks * block_m,) int32,
-    ``block_expert`` (num_blocks,) int32 and ``tables`` (3, E) int32, on the ids' device,
+    ``block_expert`` (num_blocks,) int32 and ``tables`` (4, E) int32, on the ids' device,
     without a host sync.
 
     ``sorted_pair_ids`` lists the pairs (t*k + j) whose id is in [0, E), grouped by expert
@@ -495,8 +496,9 @@ def routing_tables(top_k_index: torch.Tensor, num_experts: int,
     S = T*k to a multiple of block_m; unused tail entries are S too. ``block_expert[b]`` is
     the expert of rows [b*block_m, (b+1)*block_m), or -1 past the last padded row.
     ``tables`` = each expert's run start among the sorted real pairs, its padded start (its
-    first row in ``sorted_pair_ids``) and its count (the backward's weight gradients walk an
-    expert's rows [padded start, padded start + count): all real pairs). Sizes are static
+    first row in ``sorted_pair_ids``), its count (the backward's weight gradients walk an
+    expert's rows [padded start, padded start + count): all real pairs) and its padded end
+    (``torch._grouped_mm``'s group ends in the backward). Sizes are static
     (:func:`num_blocks`), so this can be captured in a CUDA graph. All three are views of
     one int32 buffer (:func:`routing_views`; the forward keeps it as ``Saved.routing``).
 
@@ -513,23 +515,23 @@ def routing_views(buf: torch.Tensor, num_pairs: int, num_experts: int,
     routing's one int32 buffer (a saved buffer is one tensor to keep)."""
     nb = num_blocks(num_pairs, num_experts, block_m)
     cap = nb * block_m
-    return buf[:cap], buf[cap:cap + nb], buf[cap + nb:cap + nb + 3 * num_experts].view(3, num_experts)
+    return buf[:cap], buf[cap:cap + nb], buf[cap + nb:cap + nb + 4 * num_experts].view(4, num_experts)
 
 
 def routing_size(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Length of the routing's int32 buffer: the padded pair list, the block
-    experts, the (3, E) tables, then the count kernel's per-chunk counts (E per chunk)."""
+    experts, the (4, E) tables, then the count kernel's per-chunk counts (E per chunk)."""
     nb = num_blocks(num_pairs, num_experts, block_m)
     if nb == 0:
-        return 3 * num_experts
-    return nb * block_m + nb + 3 * num_experts + num_experts * cdiv(num_pairs, ROUTE_CHUNK)
+        return 4 * num_experts
+    return nb * block_m + nb + 4 * num_experts + num_experts * cdiv(num_pairs, ROUTE_CHUNK)
 
 
 def _route(top_k_index: torch.Tensor, num_experts: int, block_m: int, spec: Any = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(buffer, sorted_pair_ids, block_expert, tables). ``spec``: as :func:`launch_gemm`'s."""
     buf, sorted_pair_ids, block_expert, flat = _route_flat(top_k_index, num_experts, block_m, spec)
-    return buf, sorted_pair_ids, block_expert, flat.view(3, num_experts)
+    return buf, sorted_pair_ids, block_expert, flat.view(4, num_experts)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -542,23 +544,23 @@ def _route_layout(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, 
 
 def _route_flat(top_k_index: torch.Tensor, num_experts: int, block_m: int, spec: Any = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_route` with the tables as one (3 E,) view (each view is ~3 us of host on the
+    """:func:`_route` with the tables as one (4 E,) view (each view is ~3 us of host on the
     2-core box, and the forward alone reads no table)."""
     t, k = top_k_index.shape
     s = t * k
     nb, cap, length, nc, bins = _route_layout(s, num_experts, block_m)
     dev = top_k_index.device
     if nb == 0:  # no real pair can be routed: empty lists, zero tables
-        buf = torch.zeros((3 * num_experts,), dtype=torch.int32, device=dev)
+        buf = torch.zeros((4 * num_experts,), dtype=torch.int32, device=dev)
         return buf, buf[:0], buf[:0], buf
     buf = torch.empty((length,), dtype=torch.int32, device=dev)
     t0 = cap + nb
-    sorted_pair_ids, block_expert, tables = buf[:cap], buf[cap:t0], buf[t0:t0 + 3 * num_experts]
+    sorted_pair_ids, block_expert, tables = buf[:cap], buf[cap:t0], buf[t0:t0 + 4 * num_experts]
     st, sk = top_k_index.stride()
     one = nc == 1  # decode-sized: one launch instead of three (each ~15-25 us of host on the H200 box)
     counts = tables  # never read where one chunk holds every pair
     if not one:
-        counts = buf[t0 + 3 * num_experts:]
+        counts = buf[t0 + 4 * num_experts:]
         launch(_route_count_kernel, (nc,), top_k_index, counts, s, k, st, sk, num_experts, nc, spec_key=spec,
                CHUNK=ROUTE_CHUNK, BINS=bins, num_warps=4)
         launch(_route_scan_kernel, (num_experts,), counts, tables, num_experts, nc, spec_key=spec,
@@ -699,8 +701,8 @@ def _device_ctx(x: torch.Tensor) -> Any:
 
 class Saved(NamedTuple):
     """What :func:`fused_experts_forward` keeps for the backward (``save=True``): the
-    routing (``sorted_pair_ids`` (R,), ``block_expert`` (R / BLOCK_M,), ``tables`` (3, E):
-    run start, padded start, count; int32), GEMM1's output ``act`` (R, I) in hidden_states'
+    routing (``sorted_pair_ids`` (R,), ``block_expert`` (R / BLOCK_M,), ``tables`` (4, E):
+    run start, padded start, count, padded end; int32), GEMM1's output ``act`` (R, I) in hidden_states'
     dtype and its pre-activation ``pre`` (R, N) float32 (:data:`PRE_DTYPE`) in
     gate_up_proj's column order (R = the padded rows; a padding row of a block in use is 0
     in ``act`` and unwritten in ``pre``; blocks past the work list unwritten in both), the
@@ -946,7 +948,7 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         combine(pairs, ids, out, e, cc, spec=spec and (spec, "combine"))
     if not save:
         return out
-    return out, Saved(sorted_pair_ids, block_expert, tables.view(3, e), act, pre,
+    return out, Saved(sorted_pair_ids, block_expert, tables.view(4, e), act, pre,
                       {"gemm1": dict(c1), "gemm2": c2, "combine": dict(cc)}, route_buf)
 
 

@@ -58,12 +58,12 @@ TF/s) it was 4111 / 4014 (2026-12-01).
 """
 import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from opreg.backends.triton import moe_experts as F
-from opreg.backends.triton.launch import launch
+from opreg.backends.triton.launch import LazyDescriptor, launch_args
 from opreg.backends.triton.moe_experts import _IDENTITY, _act, _halves, _jit, _mma, _tile, tl
 from opreg.ops import moe_experts as M
 
@@ -424,17 +424,35 @@ def grouped_mm_wgrad_default(x: torch.Tensor, n1: int, i: int) -> bool:
             and _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
-def _w_descriptor(w_nk: torch.Tensor, cfg: dict[str, int]) -> tuple[Any, bool]:
-    """(a tensor descriptor of W's tiles or None, W k-major) for a (E, N, K) weight view, as
-    the forward's GEMMs load theirs (``cfg["TMA"]``, default 1, where :func:`F._tma_ok` allows).
-    GEMM2's dgrad reads down_proj transposed (N = I, K = H): with the pointer loads it ran at
-    ~230 TF/s on the H200, where the forward's GEMMs went 11-14 % faster with TMA."""
+def _w_tiles(w_nk: torch.Tensor, cfg: dict[str, int]) -> tuple[bool, list[int] | None, Any]:
+    """(W k-major, the box of a tensor descriptor of W's tiles or None, what the descriptor's
+    encoding reads besides the address) for a (E, N, K) weight view, as the forward's GEMMs
+    load theirs (``cfg["TMA"]``, default 1, where :func:`F._tma_ok` allows). GEMM2's dgrad
+    reads down_proj transposed (N = I, K = H): with the pointer loads it ran at ~230 TF/s on
+    the H200, where the forward's GEMMs went 11-14 % faster with TMA."""
     kmajor = w_nk.stride(2) == 1
     tiles = w_nk if kmajor else w_nk.transpose(1, 2)
     box = [1, cfg["BLOCK_N"], cfg["BLOCK_K"]] if kmajor else [1, cfg["BLOCK_K"], cfg["BLOCK_N"]]
     if not cfg.get("TMA", 1) or not F._tma_ok(tiles, tuple(box)):
-        return None, kmajor
-    return F._descriptor(tiles, box), kmajor
+        return kmajor, None, None
+    return kmajor, box, (tiles.dtype, tuple(tiles.shape), tiles.stride(), tuple(box))
+
+
+_STATIC: dict[Any, Any] = {}  # (spec, launch site) -> what the launch derives from metadata alone
+
+
+def _static(site: Any, make: Callable[[], Any]) -> Any:
+    """``make()``: a launch's grid, int arguments and options, all derived from its inputs'
+    metadata, once per spec and launch site (``site`` None: worked out on every call). The
+    backward's Python took ~190 us a call on the 2-core box with its launches stubbed,
+    54 ``stride()`` calls among it."""
+    if site is None:
+        return make()
+    got = _STATIC.get(site)
+    if got is None:
+        got = make()
+        F._remember(_STATIC, site, got)
+    return got
 
 
 _PLANS: dict[Any, tuple[dict[str, dict[str, int]], bool]] = {}  # spec -> (configs, grouped wgrad)
@@ -495,13 +513,23 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             F._remember(_PLANS, spec, plan)
     cfg, grouped = plan
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    sorted_pair_ids, pstart, count = saved.sorted_pair_ids, saved.tables[1], saved.tables[2]
+    sorted_pair_ids, block_expert = saved.sorted_pair_ids, saved.block_expert
+    pstart, count = saved.tables[1], saved.tables[2]
     out: list[torch.Tensor | None] = [None] * 6
 
     def key(name: Any) -> Any:
         return None if spec is None else (spec, name)
 
     need_dpre = need_x or need_w1 or need_b1
+    finite = gated and math.isfinite(limit)
+    fl = (float(alpha), float(limit) if finite else 0.0)
+
+    def gate_options() -> dict[str, Any]:  # the gate's constexprs (a launch's static part)
+        ties = clamp_ties()
+        return dict(GATED=gated, INTERLEAVED=gated and interleaved, ACT=F.ACT_IDS[activation], HAS_LIMIT=finite,
+                    GATE_TIE=ties[0], UP_LO_TIE=ties[1], UP_HI_TIE=ties[2], WRITE_DPRE=need_dpre,
+                    ROUTE_GRAD=need_rw)
+
     with F._device_ctx(x):
         if need_dpre or need_rw:
             c = cfg["dgrad2"]
@@ -509,65 +537,73 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             nnb = 1 if split else F.cdiv(i, c["BLOCK_N"])
             d_pre = F._new_buffer((nb * bm, n1), x.dtype, dev) if need_dpre else saved.act
             part = F._new_buffer((s, nnb), torch.float32, dev) if need_rw else saved.act
-            finite = gated and math.isfinite(limit)
-            ties = clamp_ties()
             w_nk = F._nk_view(w2, not transposed)  # down seen as (E, I, H)
-            sw = w_nk.stride()
-            gate = dict(GATED=gated, INTERLEAVED=gated and interleaved, ACT=F.ACT_IDS[activation], HAS_LIMIT=finite,
-                        GATE_TIE=ties[0], UP_LO_TIE=ties[1], UP_HI_TIE=ties[2], WRITE_DPRE=need_dpre,
-                        ROUTE_GRAD=need_rw)
+            pre = saved.pre
             if split:
                 # g = dout[t] @ down[e] on the forward's GEMM (a plain tile, any width), fp32 at
                 # the padded rows; then the gate's backward as its own pass (see the table's about)
                 g = F._new_buffer((nb * bm, i), torch.float32, dev)
                 F.launch_gemm(c, a=dout, w_nk=w_nk, bias=None, rw=rw, out=g, pre=None,
-                              sorted_pair_ids=sorted_pair_ids, block_expert=saved.block_expert, top_k=k, n=i, k=h,
+                              sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k, n=i, k=h,
                               gather=True, routed=False, act=_IDENTITY, spec=key("dgrad2"))
                 br = min(bm, 32)
-                launch(_gate_grad_kernel, (nb * bm // br,),
-                       g, saved.pre, rw, d_pre, part, sorted_pair_ids, saved.block_expert,
-                       s, k, i, bm, float(alpha), float(limit) if finite else 0.0,
-                       g.stride(0), g.stride(1), saved.pre.stride(0), saved.pre.stride(1),
-                       rw.stride(0), rw.stride(1), d_pre.stride(0), d_pre.stride(1), part.stride(0),
-                       BLOCK_R=br, BLOCK_N=min(64, F.next_pow2(i)), num_warps=4, spec_key=key("gate grad"), **gate)
+                site = key("gate grad")
+                grid, tail, opts = _static(site, lambda: (
+                    (nb * bm // br,),
+                    (s, k, i, bm, *fl, g.stride(0), g.stride(1), pre.stride(0), pre.stride(1), rw.stride(0),
+                     rw.stride(1), d_pre.stride(0), d_pre.stride(1), part.stride(0)),
+                    dict(BLOCK_R=br, BLOCK_N=min(64, F.next_pow2(i)), num_warps=4, **gate_options())))
+                launch_args(_gate_grad_kernel, grid, (g, pre, rw, d_pre, part, sorted_pair_ids, block_expert) + tail,
+                            site, opts)
             else:
-                w_desc, kmajor = _w_descriptor(w_nk, c)
-                launch(_dgrad_act_kernel, (nb * nnb,),
-                       dout, w2, saved.pre, rw, d_pre, part, sorted_pair_ids, saved.block_expert, w_desc,
-                       s, k, i, h, nb, float(alpha), float(limit) if finite else 0.0,
-                       dout.stride(0), dout.stride(1), sw[0], sw[1], sw[2], saved.pre.stride(0),
-                       saved.pre.stride(1), rw.stride(0), rw.stride(1), d_pre.stride(0), d_pre.stride(1),
-                       part.stride(0), part.stride(-1),
-                       BLOCK_M=bm, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"],
-                       DOT_PRECISION=precision, EVEN_K=h % c["BLOCK_K"] == 0, W_TMA=w_desc is not None,
-                       W_KMAJOR=kmajor, num_warps=c["num_warps"], num_stages=c["num_stages"],
-                       spec_key=key("dgrad2"), **gate)
+                site = key("dgrad2")
+
+                def dgrad_static() -> tuple[Any, ...]:
+                    sw = w_nk.stride()
+                    kmajor, box, dkey = _w_tiles(w_nk, c)
+                    return ((nb * nnb,),
+                            (s, k, i, h, nb, *fl, dout.stride(0), dout.stride(1), sw[0], sw[1], sw[2],
+                             pre.stride(0), pre.stride(1), rw.stride(0), rw.stride(1), d_pre.stride(0),
+                             d_pre.stride(1), part.stride(0), part.stride(-1)),
+                            dict(BLOCK_M=bm, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"],
+                                 DOT_PRECISION=precision, EVEN_K=h % c["BLOCK_K"] == 0, W_TMA=box is not None,
+                                 W_KMAJOR=kmajor, num_warps=c["num_warps"], num_stages=c["num_stages"],
+                                 **gate_options()),
+                            (kmajor, box, dkey))
+
+                grid, tail, opts, (kmajor, box, dkey) = _static(site, dgrad_static)
+                # built only where the launch needs the descriptor object (see .launch)
+                w_desc = None if box is None else LazyDescriptor(w_nk if kmajor else w_nk.transpose(1, 2), box, dkey)
+                launch_args(_dgrad_act_kernel, grid,
+                            (dout, w2, pre, rw, d_pre, part, sorted_pair_ids, block_expert, w_desc) + tail, site, opts)
         if need_rw:
             drw = F._new_buffer(tuple(rw.shape), rw.dtype, dev)
             bp, bh = 32, min(128, F.next_pow2(h))
             bias = b2 if b2 is not None else w2  # a valid pointer, never read
-            launch(_route_grad_kernel, (F.cdiv(s, bp),),
-                   part, dout, bias, ids, drw, s, k, e, h, nnb, part.stride(0), part.stride(-1),
-                   dout.stride(0), dout.stride(1), bias.stride(0), bias.stride(-1), ids.stride(0), ids.stride(1),
-                   drw.stride(0), drw.stride(1), BLOCK_P=bp, BLOCK_H=bh, HAS_BIAS=b2 is not None, num_warps=4,
-                   spec_key=key("route grad"))
+            site = key("route grad")
+            grid, tail, opts = _static(site, lambda: (
+                (F.cdiv(s, bp),),
+                (s, k, e, h, nnb, part.stride(0), part.stride(-1), dout.stride(0), dout.stride(1), bias.stride(0),
+                 bias.stride(-1), ids.stride(0), ids.stride(1), drw.stride(0), drw.stride(1)),
+                dict(BLOCK_P=bp, BLOCK_H=bh, HAS_BIAS=b2 is not None, num_warps=4)))
+            launch_args(_route_grad_kernel, grid, (part, dout, bias, ids, drw) + tail, site, opts)
             out[1] = drw
         if need_x:
             pairs = F._new_buffer((s, h), x.dtype, dev)
             F.launch_gemm(cfg["dgrad1"], a=d_pre, w_nk=F._nk_view(w1, not transposed), bias=None,
                           rw=rw, out=pairs, pre=None, sorted_pair_ids=sorted_pair_ids,
-                          block_expert=saved.block_expert, top_k=k, n=h, k=n1, gather=False, routed=True,
+                          block_expert=block_expert, top_k=k, n=h, k=n1, gather=False, routed=True,
                           scaled=False, act=_IDENTITY, spec=key("dgrad1"))
             dx = F._new_buffer((t, h), x.dtype, dev)
             F.combine(pairs, ids, dx, e, cfg["combine"], spec=key("combine"))
             out[0] = dx
 
-        if grouped and (need_w1 or need_w2):
-            # torch._grouped_mm's groups along the reduction dim: each expert's padded end row
-            # (the padded runs lie end to end from row 0). An expert with no rows is an empty
-            # group: zeros from the CPU's grouped_mm (the interpreter cases) and from CUTLASS
-            # on sm90 (pytorch/pytorch#172439 saw zeros on the H800; the CUDA cases check it).
-            offs = pstart + (count + (bm - 1)) // bm * bm
+        # torch._grouped_mm's groups along the reduction dim: each expert's padded end row
+        # (the padded runs lie end to end from row 0; the routing's fourth table). An expert
+        # with no rows is an empty group: zeros from the CPU's grouped_mm (the interpreter
+        # cases) and from CUTLASS on sm90 (pytorch/pytorch#172439 saw zeros on the H800; the
+        # CUDA cases check it).
+        offs = saved.tables[3] if grouped and (need_w1 or need_w2) else None
 
         def wgrad(lhs: torch.Tensor, rhs: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, m: int, n: int,
                   l_gather: bool, l_scaled: bool, r_gather: bool, do_w: bool, do_b: bool) -> tuple[Any, Any]:
@@ -583,7 +619,6 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             elif do_w:
                 dw = F._new_buffer(tuple(w.shape), w.dtype, dev)
             db = F._new_buffer(tuple(b.shape), b.dtype, dev) if do_b and b is not None else None
-            so = _oi_strides(dw, transposed) if dw is not None else (0, 0, 0)
             # The weight and the bias gradient in separate launches: both in one (the
             # bias's row sums beside the dot) computed wrong, run-to-run different dW at
             # 128 x 256 x 64 tiles, 8 warps, 3 stages on the H200 with triton 3.6
@@ -594,15 +629,21 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                     continue
                 do = dw if weight else lhs  # valid pointers, never written
                 dob = lhs if weight else db
-                nn = F.cdiv(n, c["BLOCK_N"]) if weight else 1
-                launch(_moe_wgrad, (F.cdiv(m, c["BLOCK_M"]) * nn, e),
-                       lhs, rhs, rw, do, dob, sorted_pair_ids, pstart, count, k, m, n,
-                       lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), rw.stride(0), rw.stride(1),
-                       so[0], so[1], so[2], dob.stride(0), dob.stride(-1),
-                       BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], L_GATHER=l_gather,
-                       L_SCALED=l_scaled, R_GATHER=r_gather, WEIGHT_GRAD=weight, BIAS_GRAD=not weight,
-                       DOT_PRECISION=precision, num_warps=c["num_warps"], num_stages=c["num_stages"],
-                       spec_key=key(("wgrad", weight, l_gather)))
+                site = key(("wgrad", weight, l_gather))
+
+                def wgrad_static() -> tuple[Any, ...]:
+                    so = _oi_strides(dw, transposed) if dw is not None else (0, 0, 0)
+                    nn = F.cdiv(n, c["BLOCK_N"]) if weight else 1
+                    return ((F.cdiv(m, c["BLOCK_M"]) * nn, e),
+                            (k, m, n, lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), rw.stride(0),
+                             rw.stride(1), so[0], so[1], so[2], dob.stride(0), dob.stride(-1)),
+                            dict(BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], L_GATHER=l_gather,
+                                 L_SCALED=l_scaled, R_GATHER=r_gather, WEIGHT_GRAD=weight, BIAS_GRAD=not weight,
+                                 DOT_PRECISION=precision, num_warps=c["num_warps"], num_stages=c["num_stages"]))
+
+                grid, tail, opts = _static(site, wgrad_static)
+                launch_args(_moe_wgrad, grid, (lhs, rhs, rw, do, dob, sorted_pair_ids, pstart, count) + tail, site,
+                            opts)
             return dw, db
 
         if need_w2 or need_b2:  # d down_proj[e] = (rw * dout[t])^T act, d down_bias[e] = sum rw * dout[t]
