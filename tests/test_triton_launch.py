@@ -1,0 +1,151 @@
+"""The launcher's direct call of Triton's C launcher (backends/triton/launch.py), without a GPU.
+
+On triton 3.6 a cached launch calls the generated C ``launch`` itself, with the arguments
+Triton's Python would hand it: ``CudaLauncher.__call__`` puts the grid, stream, function,
+cooperative/PDL flags, scratch pointers, metadata and hooks first, and the tensor
+descriptor wrapper (``wrap_handle_tensordesc``'s ``inner``) expands each descriptor
+parameter into ``make_tensordesc_arg``'s list. Here a stand-in of that layout (its ``inner``
+copied from triton 3.6's ``backends/nvidia/driver.py``) checks that :class:`_RawLaunch`
+passes exactly what ``inner`` would, wherever the descriptors sit, that an encoded
+descriptor is reused only for the same address and metadata, and that any other layout is
+not taken (None: Triton's own path).
+"""
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from opreg.backends.triton import launch as L  # noqa: E402
+
+_BASE = "iiiKKppOOOOOO"
+
+
+def _driver_namespace(encoded: list[Any]) -> dict[str, Any]:
+    """A module namespace as triton 3.6's driver: the base format, and an encoder that
+    records each encoding (so a reuse shows as a missing entry)."""
+    def make_tensordesc_arg(arg: Any, metadata: Any) -> list[Any]:
+        tmap = ("tmap", arg.base.data_ptr(), tuple(arg.shape), tuple(arg.strides), metadata["swizzle"])
+        encoded.append(tmap)
+        return [tmap, *arg.shape, *arg.strides]
+
+    return {"_BASE_ARGS_FORMAT": _BASE, "_BASE_ARGS_FORMAT_LEN": len(_BASE),
+            "make_tensordesc_arg": make_tensordesc_arg}
+
+
+# triton 3.6's wrapper, as in its backends/nvidia/driver.py (the function body verbatim)
+_WRAP = '''
+def wrap_handle_tensordesc(launcher, signature, tensordesc_meta):
+    has_tensor_desc_arg = any(isinstance(sig, str) and sig.startswith("tensordesc") for sig in signature.values())
+    if not has_tensor_desc_arg:
+        return launcher
+
+    tensordesc_indices = set(
+        [i for i, sig in enumerate(signature.values()) if isinstance(sig, str) and sig.startswith("tensordesc")])
+    assert not tensordesc_meta or len(tensordesc_meta) == len(tensordesc_indices)
+    if not tensordesc_meta:
+        tensordesc_meta = [None] * len(tensordesc_indices)
+
+    def inner(*args):
+        final_args = list(args[:_BASE_ARGS_FORMAT_LEN])
+        tensordesc_idx = 0
+        for i, arg in enumerate(args[_BASE_ARGS_FORMAT_LEN:]):
+            if i in tensordesc_indices:
+                final_args.extend(make_tensordesc_arg(arg, tensordesc_meta[tensordesc_idx]))
+                tensordesc_idx += 1
+            else:
+                final_args.append(arg)
+        return launcher(*final_args)
+
+    return inner
+'''
+
+
+class CudaLauncher:  # the name _raw_launcher checks
+    def __init__(self, launch: Any, scratch: int = 0) -> None:
+        self.launch = launch
+        self.global_scratch_size = scratch
+        self.profile_scratch_size = 0
+        self.launch_cooperative_grid = False
+        self.launch_pdl = True
+
+
+def _kernel(signature: dict[str, str], metas: list[Any], c_launch: Any, encoded: list[Any],
+            scratch: int = 0) -> Any:
+    ns = _driver_namespace(encoded)
+    exec(_WRAP, ns)
+    inner = ns["wrap_handle_tensordesc"](c_launch, signature, metas)
+    return types.SimpleNamespace(run=CudaLauncher(inner, scratch), function=0xF00,
+                                 packed_metadata=(4, 1, 1024))
+
+
+def _desc(t: torch.Tensor, box: list[int]) -> Any:
+    if L._TensorDescriptor is None:
+        pytest.skip("this triton has no tensor descriptors")
+    return L.descriptor(t, box)
+
+
+SIGNATURE = {"a": "*bf16", "w_desc": "tensordesc<bf16[1, 16, 16]>", "n": "i32", "a_desc": "tensordesc<bf16[16, 16]>",
+             "s": "i32", "BLOCK": "constexpr", "tail_desc": "tensordesc<bf16[16, 16]>", "last": "i32"}
+METAS = [{"swizzle": 128}, {"swizzle": 64}, {"swizzle": 32}]
+
+
+def test_the_c_launcher_gets_what_tritons_wrapper_would_give_it() -> None:
+    got_calls: list[tuple[Any, ...]] = []
+    want_calls: list[tuple[Any, ...]] = []
+    encoded: list[Any] = []
+    kernel = _kernel(SIGNATURE, METAS, "{}".format, encoded)  # a builtin stands in for the C launcher
+    raw = L._raw_launcher(kernel)
+    assert raw is not None and [p for p, _ in raw.descs] == [1, 3, 6]
+    raw.c_launch = lambda *a: got_calls.append(a)
+
+    w = torch.randn(2, 16, 32, dtype=torch.bfloat16)
+    a = torch.randn(32, 16, dtype=torch.bfloat16)
+    tail_t = torch.randn(48, 16, dtype=torch.bfloat16)
+    args = (a, L.LazyDescriptor(w, [1, 16, 16], ("w", w.dtype, tuple(w.shape), w.stride())), 7,
+            _desc(a, [16, 16]), 9)
+    tail = ("BLOCK=64", _desc(tail_t, [16, 16]), 11)
+    raw(3, 2, 1, 0xABC, args, tail)
+    # Triton's own path: CudaLauncher.__call__ then inner, every descriptor built
+    oracle = _kernel(SIGNATURE, METAS, lambda *x: want_calls.append(x), [])
+    built = L._built(args)
+    oracle.run.launch(3, 2, 1, 0xABC, 0xF00, False, True, None, None, (4, 1, 1024), None, None, None,
+                      *built, *tail)
+    assert got_calls == want_calls
+    assert got_calls[0][:13] == (3, 2, 1, 0xABC, 0xF00, False, True, None, None, (4, 1, 1024), None, None, None)
+
+
+def test_an_encoded_descriptor_is_reused_only_for_the_same_address() -> None:
+    encoded: list[Any] = []
+    kernel = _kernel({"w_desc": "tensordesc<bf16[1, 16, 16]>", "n": "i32"}, [{"swizzle": 128}], "{}".format,
+                     encoded)
+    raw = L._raw_launcher(kernel)
+    calls: list[tuple[Any, ...]] = []
+    raw.c_launch = lambda *a: calls.append(a)
+    w = torch.randn(2, 16, 32, dtype=torch.bfloat16)
+    key = (w.dtype, tuple(w.shape), w.stride(), (1, 16, 16))
+    for _ in range(3):
+        raw(1, 1, 1, 0, (L.LazyDescriptor(w, [1, 16, 16], key), 5), ())
+    assert len(encoded) == 1, "the same address and metadata: encoded once"
+    other = w.clone()
+    raw(1, 1, 1, 0, (L.LazyDescriptor(other, [1, 16, 16], key), 5), ())
+    assert len(encoded) == 2 and calls[-1][13][1] == other.data_ptr() != w.data_ptr()
+    raw(1, 1, 1, 0, (_desc(w, [1, 16, 16]), 5), ())  # a built descriptor of w: its own key
+    assert calls[-1][13][1] == w.data_ptr()
+
+
+def test_other_layouts_keep_tritons_path() -> None:
+    encoded: list[Any] = []
+    assert L._raw_launcher(_kernel(SIGNATURE, METAS, "{}".format, encoded, scratch=128)) is None  # scratch
+    assert L._raw_launcher(_kernel(SIGNATURE, METAS, lambda *a: None, encoded)) is None  # not a C function
+    no_desc = _kernel({"a": "*bf16", "n": "i32"}, [], "{}".format, encoded)  # the C launcher itself
+    assert L._raw_launcher(no_desc) is not None and L._raw_launcher(no_desc).descs == []
+    other = _kernel(SIGNATURE, METAS, "{}".format, encoded)
+    other.run.launch.__globals__["_BASE_ARGS_FORMAT"] = "iiiKKOOOOOO"  # another base layout
+    assert L._raw_launcher(other) is None
+    renamed = types.SimpleNamespace(run=types.SimpleNamespace(**vars(other.run)), function=0, packed_metadata=())
+    assert L._raw_launcher(renamed) is None  # not a CudaLauncher
