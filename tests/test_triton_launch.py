@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 from opreg.backends.triton import launch as L  # noqa: E402
 
 _BASE = "iiiKKppOOOOOO"
+_BASE_ARGS_FORMAT = _BASE  # this module stands in for triton 3.6's driver module (CudaLauncher's)
 
 
 def _driver_namespace(encoded: list[Any]) -> dict[str, Any]:
@@ -65,13 +66,30 @@ def wrap_handle_tensordesc(launcher, signature, tensordesc_meta):
 '''
 
 
-class CudaLauncher:  # the name _raw_launcher checks
+class CudaLauncher:  # the name _raw_launcher checks; __call__ as triton 3.6's
     def __init__(self, launch: Any, scratch: int = 0) -> None:
         self.launch = launch
         self.global_scratch_size = scratch
         self.profile_scratch_size = 0
         self.launch_cooperative_grid = False
         self.launch_pdl = True
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):  # noqa: ANN001, N803 - triton's names
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, None,
+                    None, *args)
+
+
+# triton 3.8's: hooks by name, one generic C launch taking the kernel's signature
+_LAUNCHER_38 = '''
+class CudaLauncher:
+    def __init__(self, launch):
+        self.launch, self.global_scratch_size, self.profile_scratch_size = launch, 0, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, False
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata, launch_enter_hook,
+                 launch_exit_hook, *args):
+        pass
+'''
 
 
 def _kernel(signature: dict[str, str], metas: list[Any], c_launch: Any, encoded: list[Any],
@@ -149,3 +167,7 @@ def test_other_layouts_keep_tritons_path() -> None:
     assert L._raw_launcher(other) is None
     renamed = types.SimpleNamespace(run=types.SimpleNamespace(**vars(other.run)), function=0, packed_metadata=())
     assert L._raw_launcher(renamed) is None  # not a CudaLauncher
+    ns: dict[str, Any] = {}
+    exec(_LAUNCHER_38, ns)  # a no-descriptor kernel of triton 3.8: its launch is a C function too
+    newer = types.SimpleNamespace(run=ns["CudaLauncher"]("{}".format), function=0, packed_metadata=())
+    assert L._raw_launcher(newer) is None

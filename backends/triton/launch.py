@@ -239,17 +239,34 @@ class _RawLaunch:
         self.c_launch(g0, g1, g2, stream, self.function, *self.head, *params)
 
 
+_BASE_36 = "iiiKKppOOOOOO"  # triton 3.6's C launch: grid, stream, function, flags, scratch, metadata, hooks
+_CALL_36 = ("self", "gridX", "gridY", "gridZ", "stream", "function")
+
+
+def _calls_as_36(launcher_cls: type) -> bool:
+    """Does this ``CudaLauncher`` call its ``launch`` as triton 3.6's does: ``__call__(self,
+    gridX, gridY, gridZ, stream, function, *args)`` in a driver module whose C launch takes
+    :data:`_BASE_36` first? (triton 3.8's takes hooks by name and one generic C launch with
+    the kernel's signature as arguments: another layout.)"""
+    call = getattr(launcher_cls, "__call__", None)
+    code = getattr(call, "__code__", None)
+    return (code is not None and code.co_argcount == len(_CALL_36) and code.co_varnames[:len(_CALL_36)] == _CALL_36
+            and getattr(call, "__globals__", {}).get("_BASE_ARGS_FORMAT") == _BASE_36)
+
+
 def _raw_launcher(kernel: Any) -> Optional[_RawLaunch]:
     """A :class:`_RawLaunch` for ``kernel`` where its launcher is triton 3.6's layout: a
-    ``CudaLauncher`` without scratch buffers whose ``launch`` is the generated C function,
-    or the tensor-descriptor wrapper around it (``wrap_handle_tensordesc``'s ``inner``,
-    recognised by its free variables and module globals). Else None: ``kernel.run``."""
+    ``CudaLauncher`` that calls as 3.6's does (:func:`_calls_as_36`), without scratch
+    buffers, whose ``launch`` is the generated C function, or the tensor-descriptor wrapper
+    around it (``wrap_handle_tensordesc``'s ``inner``, recognised by its free variables and
+    module globals). Else None: ``kernel.run``."""
     try:
         run = kernel.run
     except Exception:  # noqa: BLE001 - no launcher to inspect: Triton's own path
         return None
     if type(run).__name__ != "CudaLauncher" or getattr(run, "global_scratch_size", 1) != 0 \
-            or getattr(run, "profile_scratch_size", 1) != 0 or not hasattr(run, "launch_pdl"):
+            or getattr(run, "profile_scratch_size", 1) != 0 or not hasattr(run, "launch_pdl") \
+            or not _calls_as_36(type(run)):
         return None
     inner = getattr(run, "launch", None)
     if type(inner).__name__ == "builtin_function_or_method":
@@ -258,7 +275,7 @@ def _raw_launcher(kernel: Any) -> Optional[_RawLaunch]:
         getattr(inner, "__globals__", {})
     if code is None or cells is None or code.co_name != "inner" \
             or set(code.co_freevars) != {"launcher", "tensordesc_indices", "tensordesc_meta"} \
-            or glob.get("_BASE_ARGS_FORMAT") != "iiiKKppOOOOOO":
+            or glob.get("_BASE_ARGS_FORMAT") != _BASE_36:
         return None
     free = dict(zip(code.co_freevars, (c.cell_contents for c in cells)))
     encode = glob.get("make_tensordesc_arg")
