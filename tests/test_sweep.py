@@ -100,3 +100,37 @@ def test_summary_counts(sweep):
     assert summary["wrong"] == ["d"]
     assert summary["worst"][0]["label"] == "b"
     assert any(ln.startswith("slower than eager by > 3 %: cat_linear/list/fwd: 1 of 2 (1 where eager") for ln in lines)
+
+
+def test_confirm_retimes_the_losers_only(sweep, monkeypatch):
+    """--confirm-rounds: each cat_linear shape with a row > 3 % slower is timed again (both
+    modes) with that many rounds, and its rows are replaced by the new, ``confirmed`` ones;
+    the other shapes' rows stay; the summary counts what the longer run still finds."""
+    R = sweep.Row
+    shapes = [(2, 1, 16, 24, "fp32"), (2, 16, 16, 24, "fp32")]
+    lose, win = (sweep.cat_label(s) for s in shapes)
+    cfg = sweep.Config("cpu", sweep.GRIDS["tiny"], "none", 1e9, 0.0, confirm_rounds=9, rows=[
+        R("cat_linear", "list", "fwd", lose, {"dtype": "fp32"}, {"opreg": 1.1, "eager": 1.0}, 1.10),
+        R("cat_linear", "list", "fwdbwd", lose, {"dtype": "fp32"}, {"opreg": 1.0, "eager": 1.0}, 1.0),
+        R("cat_linear", "list", "fwd", win, {"dtype": "fp32"}, {"opreg": 1.0, "eager": 1.0}, 0.9)])
+    timed: list[tuple[tuple, int]] = []
+
+    def fake_run(c, shape, forms):
+        timed.append((shape, c.grid["rounds"]))
+        return [R("cat_linear", "list", m, sweep.cat_label(shape), {"dtype": "fp32"}, {"opreg": 1.0, "eager": 1.0},
+                  1.01 if m == "fwd" else 1.05) for m in ("fwd", "fwdbwd")]
+
+    monkeypatch.setattr(sweep, "run_cat_shape", fake_run)
+    sweep.confirm(cfg, "cat_linear", "list", shapes, deadline=float("inf"))
+    assert timed == [(shapes[0], 9)], "only the loser, with the confirmation's rounds"
+    by = {(r.label, r.mode): r for r in cfg.rows}
+    assert len(cfg.rows) == 3 and by[(win, "fwd")].ratio == 0.9 and not by[(win, "fwd")].confirmed
+    assert by[(lose, "fwd")].ratio == 1.01 and by[(lose, "fwdbwd")].ratio == 1.05
+    assert by[(lose, "fwd")].confirmed and by[(lose, "fwdbwd")].confirmed
+    lines, summary = sweep.summarize(cfg)
+    assert "timed again with --confirm-rounds 9: 2 rows, still > 3 % slower in 1" in lines
+    assert summary["slower"]["cat_linear/list/fwd"] == [] and summary["slower"]["cat_linear/list/fwdbwd"] == [lose]
+    timed.clear()
+    cfg.rows.append(R("cat_linear", "list", "fwdbwd", win, {"dtype": "fp32"}, {"opreg": 1.2, "eager": 1.0}, 1.2))
+    sweep.confirm(cfg, "cat_linear", "list", shapes, deadline=0.0)  # a new loser, no time left: not timed
+    assert timed == [] and not cfg.rows[-1].confirmed
