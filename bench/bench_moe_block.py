@@ -81,15 +81,26 @@ def variant(block: torch.nn.Module, name: str) -> Callable[[torch.Tensor], torch
     return b
 
 
-def step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, mode: str) -> Callable[[], None]:
+def step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, mode: str,
+         accumulate: bool = False) -> Callable[[], None]:
+    """One call of ``fn`` on ``x``: under no_grad (``fwd``), or a training step (``fwd+bwd``):
+    the gradients set to None, as ``optimizer.zero_grad()`` does by default, then forward and
+    backward. ``accumulate``: keep the gradients instead, so each backward adds into every
+    ``.grad`` (the tables before 2026-12-02's fourteenth session: a read-modify-write of every
+    weight's gradient each step, 1.2 GB of them at Qwen3-MoE's sizes, which neither side's
+    kernels choose and a training step with ``zero_grad()`` does not pay)."""
     if mode == "fwd":
         def fwd() -> None:
             with torch.no_grad():
                 fn(x)
         return fwd
     xg = x.detach().requires_grad_()
+    leaves = [xg] + (list(fn.parameters()) if isinstance(fn, torch.nn.Module) else [])
 
     def fwd_bwd() -> None:
+        if not accumulate:
+            for t in leaves:
+                t.grad = None
         fn(xg).sum().backward()
     return fwd_bwd
 
@@ -157,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", default="4096", help="token counts, comma-separated (issue 18: 1,64,512,4096,16384)")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--configs", nargs="*", default=list(CONFIGS))
+    p.add_argument("--accumulate-grads", action="store_true",
+                   help="fwd+bwd adds into the kept .grad of every weight each step (the tables before "
+                        "2026-12-02's fourteenth session); default: set to None first, as zero_grad() does")
     p.add_argument("--variants", nargs="*", default=[v for v in VARIANTS if v != "hf_eager"],
                    help="default: all but hf_eager (the per-expert loop: 0.02-0.3x, 0.2 s a call at T 4096)")
     a = p.parse_args(argv)
@@ -167,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device {torch.cuda.get_device_name() if not cpu else 'cpu'}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}, {'float32 tiny' if cpu else 'bf16'}, median of {a.reps} "
           f"back-to-back calls, us (ratio = hf_grouped_mm_inductor / variant; TF/s of the experts' GEMMs; "
-          f"floor = those FLOPs at {PEAK_TFLOPS:.0f} TF/s)")
+          f"floor = those FLOPs at {PEAK_TFLOPS:.0f} TF/s; fwd+bwd: "
+          f"{'gradients accumulated' if a.accumulate_grads else 'gradients set to None each step'})")
     print("| config | T | mode | " + " | ".join(variants) + " | floor |")
     print("|---|---|---|" + "---|" * (len(variants) + 1))
     for config in a.configs:
@@ -182,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {config} | {tokens} | error vs float64 | " + " | ".join(f"{errs[v]:.2e}" for v in variants)
                   + " | |")
             for mode in MODES:
-                us = {v: median_us(step(fn, x, mode), a.reps, DEVICE == "cuda") for v, fn in fns.items()}
+                us = {v: median_us(step(fn, x, mode, a.accumulate_grads), a.reps, DEVICE == "cuda")
+                      for v, fn in fns.items()}
                 base, flops = us["hf_grouped_mm_inductor"], expert_flops(config, tokens, mode, cpu)
                 cells = [f"{us[v]:.0f} ({base / us[v]:.2f}x, {flops / us[v] / 1e6:.0f} TF/s)" for v in variants]
                 floor = flops / (PEAK_TFLOPS * 1e6)
