@@ -115,8 +115,8 @@ def compiled_block(block: torch.nn.Module, x: torch.Tensor, reps: int, modes: li
                    host: bool = False) -> None:
     """The block eager and under torch.compile: same kernels (their GPU sums match), so a
     gap between the two GPU times (events, back to back) is the GPU waiting on the host.
-    fwd+bwd: the training step (``bench_moe_block.step``: the sum's backward, gradients
-    accumulated into ``.grad``), with HF's grouped_mm + Inductor beside it. ``host``: also
+    fwd+bwd: the training step (``bench_moe_block.step``: the gradients set to None, then
+    the sum's backward), with HF's grouped_mm + Inductor beside it. ``host``: also
     cProfile each step's host path."""
     from torch.profiler import ProfilerActivity, profile
 
