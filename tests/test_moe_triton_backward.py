@@ -271,11 +271,14 @@ def _grouped_wgrad(args: tuple, configs: dict | None) -> bool:
 
 
 def _check_wgrad_path(grouped: bool, names: tuple[str, ...], args: tuple, mm_calls: list[int],
-                      wgrad_log: list[dict[str, Any]], rows_log: list[dict[str, Any]]) -> None:
+                      wgrad_log: list[dict[str, Any]], rows_log: list[dict[str, Any]],
+                      fwd_rows_log: list[dict[str, Any]]) -> None:
     """The weight gradients ran where they should: ``grouped``, one torch._grouped_mm per
-    weight gradient asked for, Triton's _moe_wgrad for the biases alone, and one row
-    gather per gathered operand (rw * dout scaled for down_proj, x for gate_up_proj);
-    else no torch._grouped_mm."""
+    weight gradient asked for, Triton's _moe_wgrad for the biases alone, and each gathered
+    operand's rows copied once: rw * dout (scaled) for down_proj in the backward, x for
+    gate_up_proj in the forward (GEMM1 read that copy, and the backward reuses it:
+    ``keeps_rows``); else no torch._grouped_mm, and the forward copies x only where its
+    table says PREGATHER."""
     weights = [n for n in ("down_proj", "gate_up_proj") if n in names]
     if not grouped:
         assert not mm_calls, f"torch._grouped_mm ran {len(mm_calls)} times, not asked for"
@@ -283,7 +286,9 @@ def _check_wgrad_path(grouped: bool, names: tuple[str, ...], args: tuple, mm_cal
     biases = [n for n in ("down_bias", "gate_up_bias") if n in names and args[ARGS.index(n)] is not None]
     assert len(mm_calls) == len(weights), f"torch._grouped_mm ran {len(mm_calls)} times for {weights}"
     assert [kw["WEIGHT_GRAD"] for kw in wgrad_log] == [False] * len(biases), wgrad_log
-    assert sorted(kw["SCALED"] for kw in rows_log) == sorted(n == "down_proj" for n in weights), rows_log
+    assert [kw["SCALED"] for kw in rows_log] == [True] * ("down_proj" in weights), rows_log
+    if "gate_up_proj" in weights:
+        assert [kw["SCALED"] for kw in fwd_rows_log] == [False], fwd_rows_log
 
 
 def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
@@ -315,8 +320,14 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     before = [a.detach().clone() for a in inputs]
     assert TM.why_not_fused(*args) is None
     configs = c.get("configs")
-
-    out = TB.FusedExperts.apply(*args, configs)
+    grouped = _grouped_wgrad(args, configs)
+    fwd_rows_log: list[dict[str, Any]] = []
+    kernel = TM._sorted_rows_kernel
+    TM._sorted_rows_kernel = _Launches(kernel, fwd_rows_log)
+    try:
+        out = TB.FusedExperts.apply(*args, configs)
+    finally:
+        TM._sorted_rows_kernel = kernel
     want = M.reference(*args64)
     assert_matches(out, want, dtype)
     cot = torch.randn(want.shape, dtype=torch.float64, device=device)
@@ -329,7 +340,6 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     patch: dict[tuple[Any, str], Any] = {}
     if hasattr(torch, "_grouped_mm"):
         patch[(torch, "_grouped_mm")] = _counted(torch._grouped_mm, mm_calls)
-    grouped = _grouped_wgrad(args, configs)
     assert grouped or not c.get("grouped"), "a grouped_mm case whose weight gradients would not use it"
     if grouped:
         patch[(TB, "_moe_wgrad")] = _Launches(TB._moe_wgrad, wgrad_log)
@@ -344,7 +354,7 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     finally:
         for (mod, attr), fn in originals.items():
             setattr(mod, attr, fn)
-    _check_wgrad_path(grouped, names, args, mm_calls, wgrad_log, rows_log)
+    _check_wgrad_path(grouped, names, args, mm_calls, wgrad_log, rows_log, fwd_rows_log)
     # The reference's cotangent is the one the op got (rounded to dtype): a fp16 rounding of
     # cot alone moved d top_k_weights' dot over H by > 0.002 of its size where it cancels
     # (T = 1, float16: 3 of 200 seeds, with or without TMA loads).

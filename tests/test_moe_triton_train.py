@@ -94,6 +94,33 @@ def _case_compiled(seed: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), "compiled gradients differ from eager"
 
 
+def _case_keep_rows(seed: int) -> None:
+    """``keep_rows``: GEMM1 reads a sorted copy of the token rows and the op returns it for
+    the backward's dW1. Right gradients eager and traced (the fake kernel gives the copy's
+    shape; the same bits both ways), and the copy holds x's row for each sorted pair, 0 at
+    every padding row."""
+    dims, opts = FAMILIES["gpt_oss biases"]
+    torch.manual_seed(seed)
+    args = make(*dims, torch.float32, "cpu", **opts)
+
+    def kept(*a: Any) -> torch.Tensor:
+        return torch.ops.opreg.moe_experts_fused(*a, True)[0]
+
+    eager = _check_grads(kept, args, seed=seed)
+    x, ids, w1, gated, transposed = args[0], args[1], args[3], args[8], args[9]
+    out, routing, _, _, rows = torch.ops.opreg.moe_experts_fused(*args, True)
+    (t, k), e = ids.shape, w1.shape[0]
+    spi = TM.routing_views(routing, t * k, e, TR._block_m(x, ids, w1, gated, transposed))[0].long()
+    assert rows.shape == (spi.shape[0], x.shape[1]), rows.shape
+    real = spi < t * k
+    assert torch.equal(rows[real], x[spi[real] // k]), "a kept row is not x's row of its pair"
+    assert bool((rows[~real] == 0).all()), "a padding row of the kept copy is not 0"
+    assert torch.ops.opreg.moe_experts_fused(*args)[4].shape == (0, x.shape[1]), "rows kept, not asked for"
+    torch._dynamo.reset()
+    compiled = _check_grads(torch.compile(kept, backend="aot_eager", fullgraph=True), args, seed=seed)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), "compiled gradients differ from eager"
+
+
 def _case_opcheck(seed: int) -> None:
     """Schema, fake kernels (the saved tensors' sizes), autograd registration. Not opcheck's
     AOT-dispatch test: it compares every output of eager and traced runs, and the saved
@@ -226,6 +253,7 @@ CASES: dict[str, Callable[[int], None]] = {
     "op fp32 sentinels, hidden_states only": lambda s: _case_op(s, "sentinels", torch.float32, (0,)),
     "op fp32 empty experts, weights only": lambda s: _case_op(s, "k=1 empty experts", torch.float32, (3, 5)),
     "compiled": _case_compiled,
+    "keep rows": _case_keep_rows,
     "opcheck": _case_opcheck,
     "no slot": _case_no_slot,
     "transformers block": _case_transformers,
@@ -275,6 +303,24 @@ def test_cuda_train_matches_reference(family: str) -> None:
     first = _check_grads(_fused, args)
     second = _check_grads(_fused, args)
     assert all(torch.equal(a, b) for a, b in zip(first, second)), "two runs differ"
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("family", ["mixtral silu", "sentinels"])
+def test_cuda_keep_rows(family: str) -> None:
+    """bf16 on the GPU with GEMM1's sorted copy of the rows kept for dW1 (``keep_rows``, as
+    the traced training path asks where dW1 runs on torch._grouped_mm): every gradient
+    against float64, and the same bits as without it (the same values reach the same MMAs
+    and the same grouped_mm), run twice."""
+    dims, opts = FAMILIES[family]
+    torch.manual_seed(zlib.crc32(family.encode()) + 1)
+    args = make(*dims, torch.bfloat16, "cuda", **opts)
+    kept = _check_grads(lambda *a: torch.ops.opreg.moe_experts_fused(*a, True)[0], args)
+    again = _check_grads(lambda *a: torch.ops.opreg.moe_experts_fused(*a, True)[0], args)
+    plain = _check_grads(_fused, args)
+    assert all(torch.equal(a, b) for a, b in zip(kept, again)), "two runs differ"
+    assert all(torch.equal(a, b) for a, b in zip(kept, plain)), "kept rows changed a gradient's bits"
 
 
 @pytest.mark.cuda

@@ -25,7 +25,9 @@ launch): 11-14 % faster forward on the H200 (``bench/moe_gemms.py``); GEMM1's ga
 rows stay pointer loads (a row gather by TMA needs Blackwell), unless its config says
 ``PREGATHER``: then one copy kernel (:func:`sorted_rows`) puts the rows in sorted-padded
 order first and GEMM1 loads them as GEMM2 loads its A (a config for the tuner to weigh:
-the copy's bytes against GEMM1's faster loads; off in the shipped table).
+the copy's bytes against GEMM1's faster loads; on for Mixtral's shape in the shipped
+table). A training forward whose backward would make that copy for dW1 anyway
+(``keep_rows``) always pregathers and keeps the copy for it.
 
 Block sizes come from ``moe_experts_configs.json`` (:func:`pick_config`), keyed by GEMM,
 rows-per-expert bucket, N, K and dtype, so a tuning run can rewrite the data alone.
@@ -706,8 +708,10 @@ class Saved(NamedTuple):
     dtype and its pre-activation ``pre`` (R, N) float32 (:data:`PRE_DTYPE`) in
     gate_up_proj's column order (R = the padded rows; a padding row of a block in use is 0
     in ``act`` and unwritten in ``pre``; blocks past the work list unwritten in both), the
-    block configs used, and ``routing``, the one buffer the three routing tables view
-    (:func:`routing_views` rebuilds them from it; None where the caller kept the views)."""
+    block configs used, ``routing``, the one buffer the three routing tables view
+    (:func:`routing_views` rebuilds them from it; None where the caller kept the views), and
+    ``rows``, GEMM1's sorted copy of the token rows (R, H) where the forward kept it
+    (``keep_rows``; else None): the backward's dW1 reads it instead of making it again."""
 
     sorted_pair_ids: torch.Tensor
     block_expert: torch.Tensor
@@ -716,6 +720,7 @@ class Saved(NamedTuple):
     pre: torch.Tensor
     configs: dict[str, dict[str, int]]
     routing: Optional[torch.Tensor] = None
+    rows: Optional[torch.Tensor] = None
 
 
 # The saved pre-activation is float32 whatever the input dtype: the forward's own accumulators,
@@ -894,15 +899,19 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
                           down_proj: torch.Tensor, down_bias: Optional[torch.Tensor], activation: str,
                           gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float,
                           *, configs: Optional[dict[str, dict[str, int]]] = None,
-                          save: bool = False, spec: Any = None) -> Any:
+                          save: bool = False, keep_rows: bool = False, spec: Any = None) -> Any:
     """The op's forward with the fused kernels: (T, H) in hidden_states' dtype. Arguments as
     the op's (checked by the caller; :func:`why_not_fused` must be None). ``configs``
     overrides :func:`pick_config` ({"gemm1": ..., "gemm2": ..., "combine": ...}; gemm2's
     BLOCK_M is gemm1's), for tests and tuning. ``save``: returns ``(out, saved)``, with
     ``saved`` the :class:`Saved` the backward
     (:func:`opreg.backends.triton.moe_experts_backward.fused_experts_backward`) reads, or
-    None when there is no slot (every gradient is then zero). ``spec``: :func:`spec_of`
-    these arguments, if the caller has it."""
+    None when there is no slot (every gradient is then zero). ``keep_rows`` (with ``save``):
+    GEMM1 reads a sorted copy of the token rows (``PREGATHER``, whatever the table says) and
+    ``saved.rows`` keeps it: for a backward whose dW1 runs on ``torch._grouped_mm``, which
+    reads the same copy (:func:`.moe_experts_backward.keeps_rows`), so it is made once, and
+    GEMM1 loads it through TMA (H200, T = 4096: 5-14 % faster GEMM1, ``bench/moe_gemms.py``).
+    ``spec``: :func:`spec_of` these arguments, if the caller has it."""
     x, ids, rw, w1, w2 = hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj
     t, h = x.shape
     k = ids.shape[1]
@@ -916,14 +925,17 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     # The launches' specialisation follows from the inputs' metadata (and ``save``): one key
     # for the host-side work of every launch (configs, grids, descriptor checks, launcher
     # keys). Given configs (tests, tuning) take the full path.
+    keep_rows = keep_rows and save
     if configs is not None:
         spec = None
     else:
         spec = (spec or spec_of(x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed,
-                                interleaved, alpha, limit), save)
+                                interleaved, alpha, limit), save, keep_rows)
     picked = _CONFIGS.get(spec) if spec is not None else None
     if picked is None:
         picked = _configs(configs or {}, s / e, n1, h, i, k, x.dtype)
+        if keep_rows and not picked[0].get("PREGATHER", 0):
+            picked = ({**picked[0], "PREGATHER": 1},) + picked[1:]
         if spec is not None:
             _remember(_CONFIGS, spec, picked)
     c1, c2, cc = picked
@@ -949,7 +961,8 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     if not save:
         return out
     return out, Saved(sorted_pair_ids, block_expert, tables.view(4, e), act, pre,
-                      {"gemm1": dict(c1), "gemm2": c2, "combine": dict(cc)}, route_buf)
+                      {"gemm1": dict(c1), "gemm2": c2, "combine": dict(cc)}, route_buf,
+                      a1 if keep_rows else None)
 
 
 # ----------------------------------------------------------------------------- registration

@@ -68,7 +68,7 @@ from opreg.backends.triton.moe_experts import _IDENTITY, _act, _halves, _jit, _m
 from opreg.ops import moe_experts as M
 
 __all__ = ["FusedExperts", "clamp_ties", "fused_experts", "fused_experts_backward", "grouped_mm_unfit",
-           "grouped_mm_wgrad_default"]
+           "grouped_mm_wgrad_default", "keeps_rows"]
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -424,6 +424,26 @@ def grouped_mm_wgrad_default(x: torch.Tensor, n1: int, i: int) -> bool:
             and _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
+def keeps_rows(x: torch.Tensor, w1: torch.Tensor, gated: bool, transposed: bool, needs_w1: bool,
+               configs: dict[str, dict[str, int]] | None = None) -> bool:
+    """Should a training forward keep GEMM1's sorted copy of the token rows
+    (``fused_experts_forward(keep_rows=True)``)? Where the backward will make that copy
+    anyway: gate_up_proj's gradient is wanted and runs on ``torch._grouped_mm`` (the
+    default, :func:`grouped_mm_wgrad_default`, or ``configs["wgrad"]["GROUPED_MM"]``), which
+    reads the rows in sorted order. Then the copy is made once, in the forward, where GEMM1
+    reads it through TMA; the cost is holding it (R x H) until the backward, as transformers'
+    grouped_mm path holds its gathered rows. Elsewhere (a frozen gate_up_proj, the Triton
+    weight gradients, which gather on their loads) the forward's table decides alone."""
+    if not needs_w1:
+        return False
+    n1 = w1.shape[2] if transposed else w1.shape[1]
+    i = n1 // 2 if gated else n1
+    forced = ((configs or {}).get("wgrad") or {}).get("GROUPED_MM")
+    if forced is not None:
+        return bool(forced) and grouped_mm_unfit(x, n1, i) is None
+    return grouped_mm_wgrad_default(x, n1, i)
+
+
 def _w_tiles(w_nk: torch.Tensor, cfg: dict[str, int]) -> tuple[bool, list[int] | None, Any]:
     """(W k-major, the box of a tensor descriptor of W's tiles or None, what the descriptor's
     encoding reads besides the address) for a (E, N, K) weight view, as the forward's GEMMs
@@ -612,7 +632,10 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             if do_w and grouped:  # CUTLASS over the sorted-padded rows (the module docstring)
                 lrows = (F.sorted_rows(lhs, rw, sorted_pair_ids, k, l_scaled, key(("rows", l_scaled)))
                          if l_gather else lhs)
-                rrows = F.sorted_rows(rhs, rw, sorted_pair_ids, k, False, key(("rows", False))) if r_gather else rhs
+                # x's rows in sorted order: the forward's copy where it kept one (keeps_rows)
+                rrows = ((saved.rows if saved.rows is not None
+                          else F.sorted_rows(rhs, rw, sorted_pair_ids, k, False, key(("rows", False))))
+                         if r_gather else rhs)
                 # out[e] = L_e^T R_e is (E, out, in); the (E, in, out) weight takes R_e^T L_e
                 dw = (torch._grouped_mm(rrows.t(), lrows, offs=offs) if transposed
                       else torch._grouped_mm(lrows.t(), rrows, offs=offs))
@@ -667,9 +690,10 @@ class FusedExperts(torch.autograd.Function):
         args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias,
                 activation, gated, transposed, interleaved, alpha, limit)
         spec = None if configs else F.spec_of(*args)  # the forward's and the backward's launch keys
-        out, saved = F.fused_experts_forward(*args, configs=configs, save=True, spec=spec)
+        keep = keeps_rows(hidden_states, gate_up_proj, gated, transposed, ctx.needs_input_grad[3], configs)
+        out, saved = F.fused_experts_forward(*args, configs=configs, save=True, keep_rows=keep, spec=spec)
         kept = () if saved is None else (saved.sorted_pair_ids, saved.block_expert, saved.tables, saved.act,
-                                          saved.pre)
+                                          saved.pre, saved.rows)
         ctx.save_for_backward(*args[:7], *kept)
         ctx.rest = args[7:]
         ctx.fwd_configs = None if saved is None else saved.configs
@@ -682,7 +706,7 @@ class FusedExperts(torch.autograd.Function):
             return _reference_grads(ctx, grad)
         tensors = ctx.saved_tensors
         args, kept = tensors[:7], tensors[7:]
-        saved = F.Saved(*kept, ctx.fwd_configs) if kept else None
+        saved = F.Saved(*kept[:5], ctx.fwd_configs, None, kept[5]) if kept else None
         n = ctx.needs_input_grad
         grads = fused_experts_backward(grad, *args, *ctx.rest, saved, configs=ctx.configs,
                                        needs=(n[0], n[2], n[3], n[4], n[5], n[6]), fwd_spec=ctx.spec)

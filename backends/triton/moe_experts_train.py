@@ -2,12 +2,14 @@
 
 ``opreg::moe_experts_fused`` runs the fused forward (:func:`.moe_experts.fused_experts_forward`
 with ``save=True``) and returns, beside the output, what the backward reads: the routing
-buffer, GEMM1's activation and its pre-activation. ``opreg::moe_experts_fused_backward``
-runs :func:`.moe_experts_backward.fused_experts_backward` on them. As custom ops they are
-one opaque node each in a traced graph: under ``torch.compile`` AOT autograd puts the
-first in the forward graph and the second in the backward graph, and Inductor compiles
-the rest of the model around them (the launcher's direct kernel calls are not traceable,
-and the saved tensors' sizes are static, so the fake kernels can give them).
+buffer, GEMM1's activation and its pre-activation, and GEMM1's sorted copy of the token rows
+where ``keep_rows`` (:func:`.moe_experts_backward.keeps_rows`; else an empty (0, H)).
+``opreg::moe_experts_fused_backward`` runs :func:`.moe_experts_backward.fused_experts_backward`
+on them. As custom ops they are one opaque node each in a traced graph: under
+``torch.compile`` AOT autograd puts the first in the forward graph and the second in the
+backward graph, and Inductor compiles the rest of the model around them (the launcher's
+direct kernel calls are not traceable, and the saved tensors' sizes are static, so the fake
+kernels can give them).
 
 :func:`fused_trains` says whether a call takes this path; :func:`train` runs it: the
 custom ops when traced, in eager :class:`.moe_experts_backward.FusedExperts` (an
@@ -55,30 +57,32 @@ def _layout(x: Tensor, ids: Tensor, w1: Tensor, gated: bool, transposed: bool
 @torch.library.custom_op("opreg::moe_experts_fused", mutates_args=())
 def _fused(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor,
            gate_up_bias: Optional[Tensor], down_proj: Tensor, down_bias: Optional[Tensor], activation: str,
-           gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float
-           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out (T, H), routing (int32), act (R, I), pre (R, N1) float32): the fused forward
-    and what its backward reads (empty where it saves nothing)."""
+           gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float, keep_rows: bool = False
+           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out (T, H), routing (int32), act (R, I), pre (R, N1) float32, rows (R, H) or (0, H)):
+    the fused forward and what its backward reads (empty where it saves nothing; ``rows``
+    where ``keep_rows``)."""
     args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias,
             activation, gated, transposed, interleaved, alpha, limit)
-    out, saved = F.fused_experts_forward(*args, save=True)
+    out, saved = F.fused_experts_forward(*args, save=True, keep_rows=keep_rows)
     if saved is None:
         return (out, *_nothing_saved(hidden_states, gate_up_proj, gated, transposed))
-    return out, saved.routing, saved.act, saved.pre
+    rows = saved.rows if saved.rows is not None else hidden_states.new_empty((0, hidden_states.shape[1]))
+    return out, saved.routing, saved.act, saved.pre, rows
 
 
-def _nothing_saved(x: Tensor, w1: Tensor, gated: bool, transposed: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _nothing_saved(x: Tensor, w1: Tensor, gated: bool, transposed: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     n1 = w1.shape[2] if transposed else w1.shape[1]
     i = n1 // 2 if gated else n1
     return (x.new_empty((0,), dtype=torch.int32), x.new_empty((0, i)),
-            x.new_empty((0, n1), dtype=F.PRE_DTYPE))
+            x.new_empty((0, n1), dtype=F.PRE_DTYPE), x.new_empty((0, x.shape[1])))
 
 
 @_fused.register_fake
 def _(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor,
       gate_up_bias: Optional[Tensor], down_proj: Tensor, down_bias: Optional[Tensor], activation: str,
-      gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float
-      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+      gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float, keep_rows: bool = False
+      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     out = hidden_states.new_empty(hidden_states.shape)
     lay = _layout(hidden_states, top_k_index, gate_up_proj, gated, transposed)
     if lay is None:
@@ -86,7 +90,7 @@ def _(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up
     rows, length, i, n1 = lay
     x = hidden_states
     return (out, x.new_empty((length,), dtype=torch.int32), x.new_empty((rows, i)),
-            x.new_empty((rows, n1), dtype=F.PRE_DTYPE))
+            x.new_empty((rows, n1), dtype=F.PRE_DTYPE), x.new_empty((rows if keep_rows else 0, x.shape[1])))
 
 
 _GRAD_INPUTS = (0, 2, 3, 4, 5, 6)  # hidden_states, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias
@@ -95,8 +99,8 @@ _GRAD_INPUTS = (0, 2, 3, 4, 5, 6)  # hidden_states, top_k_weights, gate_up_proj,
 @torch.library.custom_op("opreg::moe_experts_fused_backward", mutates_args=())
 def _fused_backward(grad: Tensor, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
                     gate_up_proj: Tensor, gate_up_bias: Optional[Tensor], down_proj: Tensor,
-                    down_bias: Optional[Tensor], routing: Tensor, act: Tensor, pre: Tensor, activation: str,
-                    gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float,
+                    down_bias: Optional[Tensor], routing: Tensor, act: Tensor, pre: Tensor, rows: Tensor,
+                    activation: str, gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float,
                     needs: list[bool]) -> list[Tensor]:
     """Gradients for (hidden_states, top_k_weights, gate_up_proj, gate_up_bias, down_proj,
     down_bias), each where ``needs`` asks and the input is present, else an empty tensor."""
@@ -106,7 +110,8 @@ def _fused_backward(grad: Tensor, hidden_states: Tensor, top_k_index: Tensor, to
         s, e = ids.shape[0] * ids.shape[1], w1.shape[0]
         bm = _block_m(x, ids, w1, gated, transposed)
         spi, block_expert, tables = F.routing_views(routing, s, e, bm)
-        saved = F.Saved(spi, block_expert, tables, act, pre, {"gemm1": {"BLOCK_M": bm}}, routing)
+        saved = F.Saved(spi, block_expert, tables, act, pre, {"gemm1": {"BLOCK_M": bm}}, routing,
+                        rows if rows.shape[0] > 0 else None)
     grads = B.fused_experts_backward(grad, x, ids, top_k_weights, w1, gate_up_bias, down_proj, down_bias,
                                      activation, gated, transposed, interleaved, alpha, limit, saved,
                                      needs=tuple(needs))
@@ -129,7 +134,7 @@ def _block_m_of(t: int, k: int, e: int, n1: int, h: int, gated: bool, dtype: tor
 @_fused_backward.register_fake
 def _(grad: Tensor, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor,
       gate_up_bias: Optional[Tensor], down_proj: Tensor, down_bias: Optional[Tensor], routing: Tensor,
-      act: Tensor, pre: Tensor, activation: str, gated: bool, transposed: bool, interleaved: bool,
+      act: Tensor, pre: Tensor, rows: Tensor, activation: str, gated: bool, transposed: bool, interleaved: bool,
       alpha: float, limit: float, needs: list[bool]) -> list[Tensor]:
     inputs = (hidden_states, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias)
     return [t.new_empty(t.shape) if t is not None and need else hidden_states.new_empty(0)
@@ -137,22 +142,22 @@ def _(grad: Tensor, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: T
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-    _, routing, act, pre = output
-    ctx.save_for_backward(*inputs[:7], routing, act, pre)
-    ctx.rest = inputs[7:]
+    _, routing, act, pre, rows = output
+    ctx.save_for_backward(*inputs[:7], routing, act, pre, rows)
+    ctx.rest = inputs[7:13]  # activation .. limit (not keep_rows: the backward reads ``rows``)
     # The saved tensors are outputs only for the backward's sake: without this, autograd
     # fills a zero gradient for each (the pre-activation alone is R x N1 float32, 268 MB at
     # Mixtral's T = 4096) before every backward, ~4x this path's host time on the CPU.
-    ctx.mark_non_differentiable(routing, act, pre)
+    ctx.mark_non_differentiable(routing, act, pre, rows)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, grad: Tensor, *_unused: Any) -> tuple[Optional[Tensor], ...]:
-    x, ids, rw, w1, b1, w2, b2, routing, act, pre = ctx.saved_tensors
+    x, ids, rw, w1, b1, w2, b2, routing, act, pre, rows = ctx.saved_tensors
     needs = [bool(ctx.needs_input_grad[j]) for j in _GRAD_INPUTS]
     grads = torch.ops.opreg.moe_experts_fused_backward(grad, x, ids, rw, w1, b1, w2, b2, routing, act, pre,
-                                                       *ctx.rest, needs)
-    out: list[Optional[Tensor]] = [None] * (7 + len(ctx.rest))
+                                                       rows, *ctx.rest, needs)
+    out: list[Optional[Tensor]] = [None] * len(ctx.needs_input_grad)
     for j, g, need in zip(_GRAD_INPUTS, grads, needs):
         out[j] = g if need else None
     return tuple(out)
@@ -201,5 +206,17 @@ def train(*args: Any) -> Tensor:
     if M.checks_ids_here(args[1]):  # as the op's other paths: traced, the graph checks
         args = (args[0], M.checked_ids(args[1]), *args[2:])
     if traced:
-        return torch.ops.opreg.moe_experts_fused(*args)[0]
+        x, w1, gated, transposed = args[0], args[3], args[8], args[9]
+        keep = w1.requires_grad and torch.is_grad_enabled() and _keeps_rows(
+            str(x.dtype).split(".")[-1], x.device.type, x.device.index, x.shape[1],
+            w1.shape[2] if transposed else w1.shape[1], gated)
+        return torch.ops.opreg.moe_experts_fused(*args, keep)[0]
     return B.FusedExperts.apply(*args)
+
+
+@torch.compiler.assume_constant_result
+def _keeps_rows(dtype: str, device_type: str, index: Optional[int], h: int, n1: int, gated: bool) -> bool:
+    """:func:`.moe_experts_backward.keeps_rows` (gate_up_proj's gradient wanted) from plain
+    values, a constant to Dynamo (it need not trace the device query behind it)."""
+    x = torch.empty((0, h), dtype=getattr(torch, dtype), device=torch.device(device_type, index))
+    return B.keeps_rows(x, x.new_empty(()).expand(1, n1, h), gated, False, True)  # only its shape is read
