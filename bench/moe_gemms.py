@@ -51,7 +51,7 @@ def one(name: str, t: int, reps: int) -> None:
     f1, f2 = 2 * s * h * 2 * i, 2 * s * i * h
     print(f"\n{name} T={t} (E {e}, H {h}, I {i}, k {k})")
     for bm in sorted({c[0] for c in GEMM1}, reverse=True):
-        spi, be, _ = F.routing_tables(ids, e, bm)
+        spi, be, tables = F.routing_tables(ids, e, bm)
         nb = be.shape[0]
         routing = dict(rw=rw, sorted_pair_ids=spi, block_expert=be, top_k=k)
         real = spi < s
@@ -71,9 +71,9 @@ def one(name: str, t: int, reps: int) -> None:
         # with its A through a tensor descriptor, at this BLOCK_M's first TMA tile
         c = next(c for c in GEMM1 if c[0] == bm and c[6])
         cfg = dict(zip(KEYS, c))
-        xsorted = F.sorted_rows(x, rw, spi, k, False)
+        xsorted = F.sorted_rows(x, rw, spi, tables, k, False)
         act = torch.full((nb * bm, i), float("nan"), dtype=x.dtype, device="cuda")
-        copy_us = median_us(lambda: F.sorted_rows(x, rw, spi, k, False), reps, True)
+        copy_us = median_us(lambda: F.sorted_rows(x, rw, spi, tables, k, False), reps, True)
         us = timed(f"gemm1 pregathered {c}", lambda: F.launch_gemm(
             cfg, a=xsorted, w_nk=w1, bias=None, out=act, pre=None, n=i, k=h, gather=False, routed=False, gated=True,
             act=0, **routing), f1, reps)

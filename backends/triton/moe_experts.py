@@ -348,20 +348,26 @@ def interpreting() -> bool:
 
 @_jit
 def _sorted_rows_kernel(
-    src_ptr, route_w_ptr, out_ptr, pair_ids_ptr, num_pairs, top_k, num_rows, C,
+    src_ptr, route_w_ptr, out_ptr, pair_ids_ptr, used_ptr, num_pairs, top_k, num_rows, C,
     stride_st, stride_sc, stride_rt, stride_rk, stride_om, stride_oc,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SCALED: tl.constexpr,
 ):
     """Token rows in sorted-padded order: out[r] = src[t] for the sorted row r holding pair
     p = t*k + j (GEMM1's pre-gathered A; the grouped weight gradients' gathered operand);
     SCALED: times rw[t, j] in fp32, then rounded to out's dtype (the backward's
-    ``_moe_wgrad`` L_SCALED operand, the same bits). 0 at a
-    padding row and at every row past the used blocks (their ids are the sentinel), so all
-    ``num_rows`` rows are written and a sentinel slot's weight is never read.
-    Grid: (row blocks, C blocks)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ``_moe_wgrad`` L_SCALED operand, the same bits). 0 at a padding row (its id is the
+    sentinel), so every row of an expert's padded run is written and a sentinel slot's weight
+    is never read. Rows at or past ``*used_ptr`` (the last expert's padded end: the blocks
+    past the work list, up to a fifth of the static worst case at uniform routing) are left
+    unwritten: no reader goes there (GEMM1 skips those blocks, ``torch._grouped_mm`` stops at
+    its last offset). Grid: (row blocks, C blocks)."""
+    r0 = tl.program_id(0) * BLOCK_R
+    used = tl.load(used_ptr)
+    if r0 >= used:
+        return
+    rows = r0 + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    in_list = rows < num_rows
+    in_list = rows < used
     pair = tl.load(pair_ids_ptr + rows, mask=in_list, other=num_pairs)
     row_ok = pair < num_pairs
     p = tl.where(row_ok, pair, 0)
@@ -820,19 +826,28 @@ def _gemm_static(cfg: dict[str, int], a: torch.Tensor, w_nk: torch.Tensor, b: to
             head, tail, kwargs)
 
 
-def sorted_rows(src: torch.Tensor, rw: torch.Tensor, sorted_pair_ids: torch.Tensor, top_k: int,
-                scaled: bool, spec: Any = None) -> torch.Tensor:
+# The copy's tile (rows, columns, warps) per program; bench/sorted_rows.py times others.
+ROWS_TILE = (32, 128, 4)
+
+
+def sorted_rows(src: torch.Tensor, rw: torch.Tensor, sorted_pair_ids: torch.Tensor, tables: torch.Tensor,
+                top_k: int, scaled: bool, spec: Any = None, tile: Optional[tuple[int, int, int]] = None
+                ) -> torch.Tensor:
     """(R, C) copy of ``src``'s token rows (T, C) in sorted-padded order (times the routing
-    weight if ``scaled``), 0 at padding rows and past the used blocks
-    (:func:`_sorted_rows_kernel`): GEMM1's A where its config says ``PREGATHER``, and a
-    grouped weight gradient's gathered operand. ``spec``: as :func:`launch_gemm`'s."""
+    weight if ``scaled``), 0 at padding rows, unwritten past the last expert's padded end
+    (``tables`` (4, E), the routing's) (:func:`_sorted_rows_kernel`): GEMM1's A where its
+    config says ``PREGATHER``, and a grouped weight gradient's gathered operand. ``spec``:
+    as :func:`launch_gemm`'s; ``tile``: (rows, columns, warps) per program, default
+    :data:`ROWS_TILE` (``bench/sorted_rows.py`` times others)."""
     r, c = sorted_pair_ids.shape[0], src.shape[1]
     out = _new_buffer((r, c), src.dtype, src.device)
-    br, bc = 32, min(128, next_pow2(c))
+    br, bc, warps = tile or ROWS_TILE
+    bc = min(bc, next_pow2(c))
+    used = tables[3, -1:]  # the last expert's padded end: the rows in use
     launch(_sorted_rows_kernel, (cdiv(r, br), cdiv(c, bc)),
-           src, rw, out, sorted_pair_ids, rw.shape[0] * top_k, top_k, r, c, src.stride(0), src.stride(1),
+           src, rw, out, sorted_pair_ids, used, rw.shape[0] * top_k, top_k, r, c, src.stride(0), src.stride(1),
            rw.stride(0), rw.stride(1), out.stride(0), out.stride(1), spec_key=spec,
-           BLOCK_R=br, BLOCK_C=bc, SCALED=scaled, num_warps=4)
+           BLOCK_R=br, BLOCK_C=bc, SCALED=scaled, num_warps=warps)
     return out
 
 
@@ -951,7 +966,8 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         # PREGATHER: GEMM1 reads a sorted copy of the token rows (its A then loads through a
         # tensor descriptor, as GEMM2's does) instead of gathering them on its load
         pregather = bool(c1.get("PREGATHER", 0))
-        a1 = sorted_rows(x, rw, sorted_pair_ids, k, False, spec and (spec, "rows")) if pregather else x
+        a1 = sorted_rows(x, rw, sorted_pair_ids, tables.view(4, e), k, False,
+                         spec and (spec, "rows")) if pregather else x
         launch_gemm(c1, a=a1, w_nk=_nk_view(w1, transposed), bias=gate_up_bias, out=act, pre=pre,
                     n=i, k=h, gather=not pregather, routed=False, gated=gated, interleaved=interleaved,
                     act=ACT_IDS[activation], alpha=alpha, limit=limit, spec=spec and (spec, "gemm1"), **routing)

@@ -630,11 +630,12 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             c = cfg["wgrad"]
             dw = None
             if do_w and grouped:  # CUTLASS over the sorted-padded rows (the module docstring)
-                lrows = (F.sorted_rows(lhs, rw, sorted_pair_ids, k, l_scaled, key(("rows", l_scaled)))
+                lrows = (F.sorted_rows(lhs, rw, sorted_pair_ids, saved.tables, k, l_scaled, key(("rows", l_scaled)))
                          if l_gather else lhs)
                 # x's rows in sorted order: the forward's copy where it kept one (keeps_rows)
                 rrows = ((saved.rows if saved.rows is not None
-                          else F.sorted_rows(rhs, rw, sorted_pair_ids, k, False, key(("rows", False))))
+                          else F.sorted_rows(rhs, rw, sorted_pair_ids, saved.tables, k, False,
+                                             key(("rows", False))))
                          if r_gather else rhs)
                 # out[e] = L_e^T R_e is (E, out, in); the (E, in, out) weight takes R_e^T L_e
                 dw = (torch._grouped_mm(rrows.t(), lrows, offs=offs) if transposed
