@@ -116,6 +116,7 @@ class Config:
     skipped: int = 0
     min_bytes: float = 0.0  # scatter_combine: shapes whose backward moves fewer bytes are left out
     confirm_rounds: int = 0  # cat_linear: a shape > 3 % slower is timed again with this many rounds
+    only: tuple[str, ...] = ()  # shapes whose label holds one of these (--only); empty: all
 
 
 def measure(cfg: Config, variants: dict[str, tm.Variant], nsets: int, grad: bool) -> dict[str, list[float]]:
@@ -350,7 +351,7 @@ def scatter_error(s: dict[str, Any], bwd: bool) -> float:
 
 def run_scatter_shape(cfg: Config, shape: tuple) -> list[Row]:
     t, k, h, d, order, idt = shape
-    label = f"T{t} k{k} H{h} {d} {order} {idt}"
+    label = shape_label("scatter_combine", shape)
     params = dict(T=t, k=k, H=h, dtype=d, order=order, index=idt)
     sets = scatter_sets(shape, cfg.device)
     rows = []
@@ -447,10 +448,20 @@ def big_enough(shape: tuple, min_bytes: float) -> bool:
     return scatter_bytes(t, t * k, h, DTYPES[d].itemsize, 4 if idt == "int32" else 8, True) >= min_bytes
 
 
+def shape_label(op: str, shape: tuple) -> str:
+    """The shape's label as its rows print it."""
+    if op != "scatter_combine":
+        return cat_label(shape)
+    t, k, h, d, order, idt = shape
+    return f"T{t} k{k} H{h} {d} {order} {idt}"
+
+
 def run_op(cfg: Config, op: str, deadline: float) -> None:
     shapes: list[tuple] = scatter_shapes(cfg.grid) if op == "scatter_combine" else cat_shapes(cfg.grid)
     if op == "scatter_combine":
         shapes = [s for s in shapes if big_enough(s, cfg.min_bytes)]
+    if cfg.only:
+        shapes = [s for s in shapes if any(o in shape_label(op, s) for o in cfg.only)]
     form = "list" if op == "cat_linear" else "stacked"
     confirming = cfg.confirm_rounds > 0 and op != "scatter_combine"
     # with a confirmation pass, the grid gets 70 % of the op's time and the losers the rest
@@ -502,6 +513,9 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--confirm-rounds", type=int, default=0,
                    help="cat_linear: time each shape > 3 %% slower than eager again with this many rounds "
                         "(its rows replaced; 30 %% of the op's time budget)")
+    p.add_argument("--only", default="",
+                   help="comma-separated label fragments: only the shapes whose label holds one "
+                        "(e.g. 'R32 B1 H64 K256 fp32,R8 B1 H512')")
     return p.parse_args(argv)
 
 
@@ -516,7 +530,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     inductor = a.inductor or ("sample" if a.device == "cuda" else "none")
     start = time.monotonic()
     cfg = Config(a.device, grid, inductor, tm.copy_bandwidth(a.device), start + a.budget_s,
-                 min_bytes=a.min_mb * 1e6, confirm_rounds=a.confirm_rounds)
+                 min_bytes=a.min_mb * 1e6, confirm_rounds=a.confirm_rounds,
+                 only=tuple(o.strip() for o in a.only.split(",") if o.strip()))
     name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     args = sys.argv[1:] if argv is None else argv
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), device=name,

@@ -134,3 +134,22 @@ def test_confirm_retimes_the_losers_only(sweep, monkeypatch):
     cfg.rows.append(R("cat_linear", "list", "fwdbwd", win, {"dtype": "fp32"}, {"opreg": 1.2, "eager": 1.0}, 1.2))
     sweep.confirm(cfg, "cat_linear", "list", shapes, deadline=0.0)  # a new loser, no time left: not timed
     assert timed == [] and not cfg.rows[-1].confirmed
+
+
+def test_only_filters_shapes_by_label(sweep, monkeypatch):
+    """--only: only the shapes whose label holds one of the fragments run, for either op."""
+    timed: list[str] = []
+    monkeypatch.setattr(sweep, "run_cat_shape", lambda c, shape, forms: timed.append(sweep.cat_label(shape)) or [])
+    monkeypatch.setattr(sweep, "run_scatter_shape",
+                        lambda c, shape: timed.append(sweep.shape_label("scatter_combine", shape)) or [])
+    grid = sweep.GRIDS["tiny"]
+    cats = [sweep.cat_label(s) for s in sweep.cat_shapes(grid)]
+    pick = cats[len(cats) // 2]
+    cfg = sweep.Config("cpu", grid, "none", 1e9, float("inf"), only=(pick,))
+    sweep.run_op(cfg, "cat_linear", float("inf"))
+    assert timed and set(timed) == {c for c in cats if pick in c}, timed
+    timed.clear()
+    scatters = [sweep.shape_label("scatter_combine", s) for s in sweep.scatter_shapes(grid)]
+    cfg = sweep.Config("cpu", grid, "none", 1e9, float("inf"), only=(scatters[0], "no such shape"))
+    sweep.run_op(cfg, "scatter_combine", float("inf"))
+    assert timed and set(timed) == {s for s in scatters if scatters[0] in s}, timed

@@ -148,18 +148,29 @@ variable_list cat_linear_grads(
     for (size_t i = 0; i < r; ++i) {
       const c10::SymInt w = parts[i].sym_size(-1);
       if (needs[i]) {
-        grads[i] = gx.narrow_symint(1, off, w).reshape_symint(parts[i].sym_sizes());
+        // a 2-D part's gradient is the narrow itself (eager's CatBackward0 hands back the
+        // same views): no reshape call per part, host time at many small parts
+        const at::Tensor gi = gx.narrow_symint(1, off, w);
+        grads[i] = parts[i].dim() == 2 ? gi : gi.reshape_symint(parts[i].sym_sizes());
       }
       off += w;
     }
   }
   if (needs[r]) {
-    std::vector<at::Tensor> parts2d;
-    parts2d.reserve(r);
+    bool flat = true;  // every part already (M, w): cat them as they are
     for (size_t i = 0; i < r; ++i) {
-      parts2d.push_back(parts[i].reshape_symint({m, parts[i].sym_size(-1)}));
+      flat = flat && parts[i].dim() == 2;
     }
-    grads[r] = g.t().mm(at::cat(parts2d, 1));  // dW = g^T x
+    if (flat) {
+      grads[r] = g.t().mm(r == 1 ? parts[0] : at::cat(parts, 1));  // dW = g^T x
+    } else {
+      std::vector<at::Tensor> parts2d;
+      parts2d.reserve(r);
+      for (size_t i = 0; i < r; ++i) {
+        parts2d.push_back(parts[i].reshape_symint({m, parts[i].sym_size(-1)}));
+      }
+      grads[r] = g.t().mm(at::cat(parts2d, 1));
+    }
   }
   if (needs[r + 1]) {
     grads[r + 1] = g.sum(0);
