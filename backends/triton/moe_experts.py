@@ -826,7 +826,9 @@ def _gemm_static(cfg: dict[str, int], a: torch.Tensor, w_nk: torch.Tensor, b: to
             head, tail, kwargs)
 
 
-# The copy's tile (rows, columns, warps) per program; bench/sorted_rows.py times others.
+# The copy's tile (rows, columns, warps) per program. H200, T = 4096, bf16 (bench/sorted_rows.py,
+# 2026-12-02): seven tiles from 4 x 1024 to 64 x 128 all within 4 % of this one (Mixtral 15.1,
+# Qwen3-MoE 51.4, OLMoE 47.4 us; 166 MB of Qwen3-MoE's rows written in 51 us).
 ROWS_TILE = (32, 128, 4)
 
 
