@@ -424,7 +424,7 @@ def grouped_mm_wgrad_default(x: torch.Tensor, n1: int, i: int) -> bool:
             and _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
-def keeps_rows(x: torch.Tensor, w1: torch.Tensor, gated: bool, transposed: bool, needs_w1: bool,
+def keeps_rows(x: torch.Tensor, n1: int, gated: bool, needs_w1: bool,
                configs: dict[str, dict[str, int]] | None = None) -> bool:
     """Should a training forward keep GEMM1's sorted copy of the token rows
     (``fused_experts_forward(keep_rows=True)``)? Where the backward will make that copy
@@ -433,10 +433,10 @@ def keeps_rows(x: torch.Tensor, w1: torch.Tensor, gated: bool, transposed: bool,
     reads the rows in sorted order. Then the copy is made once, in the forward, where GEMM1
     reads it through TMA; the cost is holding it (R x H) until the backward, as transformers'
     grouped_mm path holds its gathered rows. Elsewhere (a frozen gate_up_proj, the Triton
-    weight gradients, which gather on their loads) the forward's table decides alone."""
+    weight gradients, which gather on their loads) the forward's table decides alone.
+    ``n1``: gate_up_proj's output width (2I gated, else I)."""
     if not needs_w1:
         return False
-    n1 = w1.shape[2] if transposed else w1.shape[1]
     i = n1 // 2 if gated else n1
     forced = ((configs or {}).get("wgrad") or {}).get("GROUPED_MM")
     if forced is not None:
@@ -691,7 +691,8 @@ class FusedExperts(torch.autograd.Function):
         args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias,
                 activation, gated, transposed, interleaved, alpha, limit)
         spec = None if configs else F.spec_of(*args)  # the forward's and the backward's launch keys
-        keep = keeps_rows(hidden_states, gate_up_proj, gated, transposed, ctx.needs_input_grad[3], configs)
+        n1 = gate_up_proj.shape[2] if transposed else gate_up_proj.shape[1]
+        keep = keeps_rows(hidden_states, n1, gated, ctx.needs_input_grad[3], configs)
         out, saved = F.fused_experts_forward(*args, configs=configs, save=True, keep_rows=keep, spec=spec)
         kept = () if saved is None else (saved.sorted_pair_ids, saved.block_expert, saved.tables, saved.act,
                                           saved.pre, saved.rows)

@@ -219,4 +219,4 @@ def _keeps_rows(dtype: str, device_type: str, index: Optional[int], h: int, n1: 
     """:func:`.moe_experts_backward.keeps_rows` (gate_up_proj's gradient wanted) from plain
     values, a constant to Dynamo (it need not trace the device query behind it)."""
     x = torch.empty((0, h), dtype=getattr(torch, dtype), device=torch.device(device_type, index))
-    return B.keeps_rows(x, x.new_empty(()).expand(1, n1, h), gated, False, True)  # only its shape is read
+    return B.keeps_rows(x, n1, gated, True)
