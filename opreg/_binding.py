@@ -50,7 +50,7 @@ def _ensure_autograd(op: Op) -> None:
         except BuildError as e:
             warn_once(e.key or ext.name, f"opreg: {ext.name} failed to build; {op.name} falls back "
                        f"to Python autograd (the reference's gradients). {str(e).splitlines()[0][:300]}")
-    push_kernel(op.name, "Autograd", reference_autograd(op))
+    push_kernel(op.name, "Autograd", reference_autograd(op, lambda args: choice(op, args)))
     _autograd[op.name] = "python"
 
 

@@ -54,16 +54,49 @@ def differentiating(args: Sequence[Any]) -> bool:
     return any(torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in flat)
 
 
-def reference_autograd(op: Any) -> Callable[..., Any]:
+def plain_eager(args: Sequence[Any]) -> bool:
+    """May a call with ``args`` skip the dispatcher (as the C++ entries' ``plain_call``)?
+    Plain tensors only (exactly ``torch.Tensor`` or ``nn.Parameter``: fake, functional and
+    proxy tensors are subclasses), no ``__torch_function__`` or ``__torch_dispatch__`` mode,
+    no functorch transform or forward-mode level, nothing that can carry a gradient, and no
+    profiler running (so a profile names the op as it would from torch.ops)."""
+    if (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
+            or torch._C._autograd._profiler_enabled()
+            or torch._C._functorch.maybe_current_level() is not None
+            or getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0):
+        return False
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) not in _PLAIN or (grad and a.requires_grad) or torch._is_functional_tensor(a):
+                return False
+    return True
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def reference_autograd(op: Any, choice: Callable[[Sequence[Any]], Any] | None = None) -> Callable[..., Any]:
     """The Python fallback's Autograd kernel: where a gradient or tangent can flow, the
     bound implementation's own training run where it has one that takes the call
     (``Impl.train``), else the reference, which torch differentiates in every mode and to
-    any order (reverse, double backward, forward mode, functorch); otherwise the bound
-    kernel below autograd."""
+    any order (reverse, double backward, forward mode, functorch); otherwise the
+    implementation below autograd. ``choice(args)``: the implementation the dispatcher
+    would run below autograd (the ``use()`` router's or the device stub's pick), called
+    here directly when it is a Python function and the call is plain eager
+    (:func:`plain_eager`), as :func:`opreg._entry.python_call` does. Why: a compiled graph
+    calls the op through ``torch.ops`` (Inductor's wrapper code), and each Python kernel
+    the dispatcher enters costs host time; moe_experts' two (this one, then the device
+    stub) took 37-223 us a call on the H200 host, which made the compiled MoE block
+    80-170 us slower than the eager one at decode (2026-12-02)."""
     def kernel(*args: Any) -> Any:
         if differentiating(args):
             out = _trained(op, args) if any(i.train is not None for i in op.impls.values()) else None
             return op.reference(*args) if out is None else out
+        if choice is not None and plain_eager(args):
+            impl = choice(args)
+            if impl is not None and impl.fn is not None:
+                return run_python(op, impl, args)
         with torch._C._AutoDispatchBelowAutograd():
             return op.torch_op(*args)
 

@@ -19,7 +19,7 @@ import torch
 
 from . import _build
 from ._binding import choice, load
-from ._dispatch import run_python
+from ._dispatch import plain_eager, run_python
 from ._log import logger
 from ._state import Op, _extensions, _lock, _ops
 
@@ -83,32 +83,11 @@ def _traced_as(fn: Callable[..., Any], op: Any) -> None:
 
 # ----------------------------------------------------------------------------- Python implementations
 
-def _plain_eager(args: tuple[Any, ...]) -> bool:
-    """May a call with ``args`` skip the dispatcher (as the C++ entries' ``plain_call``)?
-    Plain tensors only (exactly ``torch.Tensor`` or ``nn.Parameter``: fake, functional and
-    proxy tensors are subclasses), no ``__torch_function__`` or ``__torch_dispatch__`` mode,
-    no functorch transform or forward-mode level, nothing that can carry a gradient, and no
-    profiler running (so a profile names the op as it would from torch.ops)."""
-    if (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
-            or torch._C._autograd._profiler_enabled()
-            or torch._C._functorch.maybe_current_level() is not None
-            or getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0):
-        return False
-    grad = torch.is_grad_enabled()
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if type(a) not in _PLAIN or (grad and a.requires_grad) or torch._is_functional_tensor(a):
-                return False
-    return True
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
 
 def python_call(op_name: str) -> Callable[..., Any]:
     """``torch.ops.opreg.<op_name>.default`` for callers that build its arguments themselves
     (positional, of the schema's types: an integration), with less host cost where the
-    dispatcher would run a Python implementation: a plain eager call (:func:`_plain_eager`)
+    dispatcher would run a Python implementation: a plain eager call (:func:`opreg._dispatch.plain_eager`)
     calls it directly, as the op's router and device stub would (the calling scope's
     :func:`opreg.use` choice, else the device's bound default). Everything else -- a kernel
     library's implementation, a traced call, a mode, a subclass, a call that can carry a
@@ -121,7 +100,7 @@ def python_call(op_name: str) -> Callable[..., Any]:
     torch_op = op.torch_op
 
     def call(*args: Any) -> Any:
-        if torch.compiler.is_compiling() or not _plain_eager(args):
+        if torch.compiler.is_compiling() or not plain_eager(args):
             return torch_op(*args)
         impl = choice(op, args)  # what the router or the device stub would pick
         if impl is None or impl.fn is None:
