@@ -7,8 +7,11 @@ Models (issue 11; on CUDA at the issue's sizes, bf16; on the CPU tiny, float32):
 
 * ``cat8-linear``: ``Linear(cat([x[i] for i in range(8)], -1))``, x (8, T, D);
   frozen parameters and trainable ones (forward; and forward + backward);
-* ``ln-cat8-linear``: LayerNorm before the cat (trainable);
-* ``ln-cat8-linear-gelu``: and a GELU after the linear (trainable);
+* ``ln-cat8-linear``: LayerNorm before the cat (frozen, trainable, and forward + backward);
+* ``ln-cat8-linear-gelu``: and a GELU after the linear (trainable; forward + backward).
+  A trainable model's forward alone (grad enabled, no backward) is a row of its own: the
+  backend times a graph whose outputs carry gradients as forward + backward
+  (:mod:`opreg.compile.choose`), so there it picks for the training step;
 * the two reference models (``opreg.models``): cat_linear, and the MoE loop through
   ``opreg.optimize``;
 * ``moe index_add``: a top-2-of-8 MoE head combining with ``zeros.index_add_`` (T 4096,
@@ -95,8 +98,11 @@ def models(device: str) -> dict[str, tuple[Callable[[], nn.Module], list[Any], b
         "cat8-linear frozen": (cat(False, False, True), [x], False),
         "cat8-linear trainable": (cat(False, False, False), [x], False),
         "cat8-linear fwd+bwd": (cat(False, False, False), [x], True),
+        "ln-cat8-linear frozen": (cat(True, False, True), [x], False),
         "ln-cat8-linear": (cat(True, False, False), [x], False),
+        "ln-cat8-linear fwd+bwd": (cat(True, False, False), [x], True),
         "ln-cat8-linear-gelu": (cat(True, True, False), [x], False),
+        "ln-cat8-linear-gelu fwd+bwd": (cat(True, True, False), [x], True),
     }
 
     def ref_cat() -> nn.Module:
@@ -187,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json")
     a = p.parse_args(argv)
     rows: dict[str, dict[str, float]] = {}
-    print(f"{'model':<24} {'eager':>9} {'inductor':>9} {'opreg':>9}  opreg/min  {'dynamo':>9}  dynamo/eager",
+    print(f"{'model':<28} {'eager':>9} {'inductor':>9} {'opreg':>9}  opreg/min  {'dynamo':>9}  dynamo/eager",
           flush=True)
     for name, (make, inputs, backward) in models(a.device).items():
         fns = variants(make, inputs, backward)
@@ -195,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time_rounds(fns, a.device, a.rounds)
         t["ratio"] = t["opreg"] / min(t["eager"], t["inductor"])
         rows[name] = t
-        print(f"{name:<24} {t['eager']:9.4f} {t['inductor']:9.4f} {t['opreg']:9.4f}  {t['ratio']:.3f}"
+        print(f"{name:<28} {t['eager']:9.4f} {t['inductor']:9.4f} {t['opreg']:9.4f}  {t['ratio']:.3f}"
               f"      {t['dynamo']:9.4f}  {t['dynamo'] / t['eager']:.3f}", flush=True)
         if a.profile:
             for v in ("opreg", "inductor"):
