@@ -80,9 +80,11 @@ def test_summary_counts(sweep):
         R("cat_linear", "list", "fwd", "a", {"dtype": "fp32"}, {"opreg": 1.0, "eager": 1.0}, 1.02,
           {"simt": 1.0, "gemm": 0.7}, err=0.0),
         R("cat_linear", "list", "fwd", "b", {"dtype": "fp32"}, {"opreg": 2.0, "eager": 1.0}, 2.0,
-          {"simt": 1.2, "gemm": 1.0, "eager2": 1.01}, err=0.0),  # slower, and a mispick
+          {"simt": 1.2, "gemm": 1.0, "eager2": 1.98}, err=0.0, spread=1.01),  # slower, and a mispick
         R("cat_linear", "list", "fwdbwd", "e", {"dtype": "fp32"}, {"opreg": 1.1, "eager": 1.0}, 1.1,
-          {"eager2": 1.08}, err=0.0),                           # slower, but within eager's own spread
+          {"eager2": 0.98}, err=0.0, spread=1.12),              # slower, but within eager's own spread
+        R("cat_linear", "list", "fwdbwd", "f", {"dtype": "fp32"}, {"opreg": 1.2, "eager": 1.0}, 1.2,
+          {"eager2": 1.24}, err=0.0, spread=0.965),             # slower by more than eager's spread
         R("scatter_combine", "-", "fwd", "c", {"dtype": "bf16"}, {"opreg": 1.0, "eager": 3.0}, 0.33,
           nbytes=32e6, frac_copy=0.5, err=1e-3),                 # >= 16 MB below 70 %
         R("scatter_combine", "-", "fwd", "d", {"dtype": "bf16"}, {"opreg": 1.0, "eager": 3.0}, 0.33,
@@ -90,16 +92,18 @@ def test_summary_counts(sweep):
     ]
     cfg = sweep.Config("cpu", sweep.GRIDS["tiny"], "none", 1e9, 0.0, rows=rows)
     lines, summary = sweep.summarize(cfg)
-    assert summary["slower"] == {"cat_linear/list/fwd": ["b"], "cat_linear/list/fwdbwd": ["e"],
+    assert summary["slower"] == {"cat_linear/list/fwd": ["b"], "cat_linear/list/fwdbwd": ["e", "f"],
                                  "scatter_combine/-/fwd": []}
     assert summary["slower_beyond_noise"]["cat_linear/list/fwd"] == ["b"]
-    assert summary["slower_beyond_noise"]["cat_linear/list/fwdbwd"] == []
-    assert summary["noisy"]["cat_linear/list/fwdbwd"] == ["e"]
+    assert summary["slower_beyond_noise"]["cat_linear/list/fwdbwd"] == ["f"]
+    assert summary["noisy"]["cat_linear/list/fwdbwd"] == ["e", "f"]
     assert summary["mispicks"] == ["b"]
     assert summary["below_copy"] == ["c fwd"]
     assert summary["wrong"] == ["d"]
     assert summary["worst"][0]["label"] == "b"
-    assert any(ln.startswith("slower than eager by > 3 %: cat_linear/list/fwd: 1 of 2 (1 where eager") for ln in lines)
+    assert any(ln.startswith("slower than eager by > 3 %: cat_linear/list/fwd: 1 of 2 (1 by more than eager")
+               for ln in lines)
+    assert any(ln.startswith("  within the noise: cat_linear/list/fwdbwd e:") for ln in lines)
 
 
 def test_confirm_retimes_the_losers_only(sweep, monkeypatch):
