@@ -91,7 +91,12 @@ def interleaved(variants: dict[str, Variant], device: str, *, nsets: int = 1, ro
                 target_us: float = 1000.0, warmup: int = 2) -> dict[str, list[float]]:
     """Per-call µs of every variant in each of ``rounds`` rounds. Each variant's batch
     lasts about ``target_us`` (its own batch size: a host-bound variant timed over a
-    handful of calls would be dominated by the first call's start-up)."""
+    handful of calls would be dominated by the first call's start-up). Round r starts at
+    variant r mod n and goes round, so every variant takes every place in a round equally
+    often: with the former order (forwards, then backwards) the middle one of three never
+    ran first or last, so whatever a place costs (what ran just before it: the previous
+    round's last variant, its allocations and its gradients' frees) fell on the other two
+    only, and cat_linear's sweep compares opreg, the first, with eager, the middle one."""
     names = list(variants)
     batch = {k: batch_for(estimate_us(variants[k], device, nsets), target_us) for k in names}
     for _ in range(warmup):
@@ -99,7 +104,7 @@ def interleaved(variants: dict[str, Variant], device: str, *, nsets: int = 1, ro
             _run_batch(variants[k], device, 1, 0, nsets)
     marks: dict[str, list[_Batch]] = {k: [] for k in names}
     for r in range(rounds):
-        for k in (names if r % 2 == 0 else names[::-1]):
+        for k in names[r % len(names):] + names[:r % len(names)]:
             marks[k].append(_run_batch(variants[k], device, batch[k], r * batch[k], nsets))
     sync(device)
     return {k: [m.elapsed_us() / batch[k] for m in ms] for k, ms in marks.items()}
