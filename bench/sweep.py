@@ -118,12 +118,41 @@ class Config:
     min_bytes: float = 0.0  # scatter_combine: shapes whose backward moves fewer bytes are left out
     confirm_rounds: int = 0  # cat_linear: a shape > 3 % slower is timed again with this many rounds
     only: tuple[str, ...] = ()  # shapes whose label holds one of these (--only); empty: all
+    profile: bool = False  # --profile: torch.profiler of opreg and eager after each timing
 
 
 def measure(cfg: Config, variants: dict[str, tm.Variant], nsets: int, grad: bool) -> dict[str, list[float]]:
     with torch.set_grad_enabled(grad):
-        return tm.interleaved(variants, cfg.device, nsets=nsets, rounds=cfg.grid["rounds"],
-                              target_us=cfg.grid["target_us"])
+        times = tm.interleaved(variants, cfg.device, nsets=nsets, rounds=cfg.grid["rounds"],
+                               target_us=cfg.grid["target_us"])
+        if cfg.profile:
+            profile(variants, cfg.device, nsets)
+    return times
+
+
+def profile(variants: dict[str, tm.Variant], device: str, nsets: int, calls: int = 10) -> None:
+    """opreg's and eager's ops over ``calls`` calls each (torch.profiler, host and device
+    time): where a loss the timing found goes (``--profile``, with ``--only``)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    for name in ("opreg", "eager"):
+        v = variants[name]
+        if v.before:
+            v.before()
+        for i in range(3):
+            v.call(i % nsets)
+        tm.sync(device)
+        with torch_profile(activities=acts) as prof:
+            for i in range(calls):
+                v.call(i % nsets)
+            tm.sync(device)
+        if v.after:
+            v.after()
+        print(f"--- profile {name}, {calls} calls (torch {'grad' if torch.is_grad_enabled() else 'no_grad'})")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=60),
+              flush=True)
 
 
 def make_row(op: str, form: str, mode: str, label: str, params: dict[str, Any],
@@ -526,6 +555,8 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--confirm-rounds", type=int, default=0,
                    help="cat_linear: time each shape > 3 %% slower than eager again with this many rounds "
                         "(its rows replaced; 30 %% of the op's time budget)")
+    p.add_argument("--profile", action="store_true",
+                   help="after each timing, torch.profiler tables of opreg and eager (use with --only)")
     p.add_argument("--only", default="",
                    help="comma-separated label fragments: only the shapes whose label holds one "
                         "(e.g. 'R32 B1 H64 K256 fp32,R8 B1 H512')")
@@ -544,7 +575,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     start = time.monotonic()
     cfg = Config(a.device, grid, inductor, tm.copy_bandwidth(a.device), start + a.budget_s,
                  min_bytes=a.min_mb * 1e6, confirm_rounds=a.confirm_rounds,
-                 only=tuple(o.strip() for o in a.only.split(",") if o.strip()))
+                 only=tuple(o.strip() for o in a.only.split(",") if o.strip()), profile=a.profile)
     name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     args = sys.argv[1:] if argv is None else argv
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), device=name,

@@ -157,3 +157,15 @@ def test_only_filters_shapes_by_label(sweep, monkeypatch):
     cfg = sweep.Config("cpu", grid, "none", 1e9, float("inf"), only=(scatters[0], "no such shape"))
     sweep.run_op(cfg, "scatter_combine", float("inf"))
     assert timed and set(timed) == {s for s in scatters if scatters[0] in s}, timed
+
+
+def test_profile_prints_both_tables(sweep, capsys):
+    """--profile (with --only): after the timing, a torch.profiler table of opreg's calls and
+    one of eager's, per mode, naming the ops each ran."""
+    grid = sweep.GRIDS["tiny"]
+    pick = sweep.cat_label(sweep.cat_shapes(grid)[0])
+    assert sweep.main(["--device", "cpu", "--ops", "cat_linear", "--only", pick, "--profile"]) == 0
+    out = capsys.readouterr().out
+    for name, mode in (("opreg", "no_grad"), ("eager", "no_grad"), ("opreg", "grad"), ("eager", "grad")):
+        assert f"--- profile {name}, 10 calls (torch {mode})" in out, (name, mode)
+    assert "opreg::cat_linear" in out and "aten::cat" in out
