@@ -86,9 +86,10 @@ def reference_autograd(op: Any, choice: Callable[[Sequence[Any]], Any] | None = 
     here directly when it is a Python function and the call is plain eager
     (:func:`plain_eager`), as :func:`opreg._entry.python_call` does. Why: a compiled graph
     calls the op through ``torch.ops`` (Inductor's wrapper code), and each Python kernel
-    the dispatcher enters costs host time; moe_experts' two (this one, then the device
-    stub) took 37-223 us a call on the H200 host, which made the compiled MoE block
-    80-170 us slower than the eager one at decode (2026-12-02)."""
+    the dispatcher enters costs host time: moe_experts' two (this one, then the device
+    stub) took 37-223 us a call on the H200 host (``bench/moe_profile.py``, 2026-12-02).
+    With one, the compiled MoE block at decode was still 50-100 us behind the eager one
+    (bench/RESULTS.md, fifteenth session): the rest is torch's own wrappers."""
     def kernel(*args: Any) -> Any:
         if differentiating(args):
             out = _trained(op, args) if any(i.train is not None for i in op.impls.values()) else None
