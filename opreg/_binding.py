@@ -11,7 +11,7 @@ import torch
 
 from . import _build
 from ._build import BuildError, Extension
-from ._dispatch import (BELOW_BACKEND_SELECT, first_tensor, push_kernel, reference_autograd, retire,
+from ._dispatch import (BELOW_BACKEND_SELECT, first_tensor, plain_eager, push_kernel, reference_autograd, retire,
                         run_python, warn_once)
 from ._log import logger
 from ._state import (DEVICE_KEYS, Impl, Op, _autograd, _bound, _extensions, _lock, _open, _ops, _routers,
@@ -50,7 +50,7 @@ def _ensure_autograd(op: Op) -> None:
         except BuildError as e:
             warn_once(e.key or ext.name, f"opreg: {ext.name} failed to build; {op.name} falls back "
                        f"to Python autograd (the reference's gradients). {str(e).splitlines()[0][:300]}")
-    push_kernel(op.name, "Autograd", reference_autograd(op, lambda args: choice(op, args)))
+    push_kernel(op.name, "Autograd", reference_autograd(op, lambda args: direct(op, args)))
     _autograd[op.name] = "python"
 
 
@@ -155,6 +155,17 @@ def choice(op: Op, args: Any) -> Impl | None:
     if impl is None and device in DEVICE_KEYS:
         impl = _bound.get((op.name, device)) or _bind_default(op, device)
     return impl
+
+
+def direct(op: Op, args: Any) -> Impl | None:
+    """The Python implementation a call of ``op`` may run without the dispatcher: where the
+    call is plain eager (:func:`opreg._dispatch.plain_eager`) and the router or device stub
+    would pick a Python function (:func:`choice`); else None (a kernel library, a mode, a
+    subclass, a call that can carry a gradient: the dispatcher decides)."""
+    if not plain_eager(args):
+        return None
+    impl = choice(op, args)
+    return impl if impl is not None and impl.fn is not None else None
 
 
 def _covered_python_default(op: Op) -> bool:

@@ -76,15 +76,15 @@ def plain_eager(args: Sequence[Any]) -> bool:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def reference_autograd(op: Any, choice: Callable[[Sequence[Any]], Any] | None = None) -> Callable[..., Any]:
+def reference_autograd(op: Any, direct: Callable[[Sequence[Any]], Any] | None = None) -> Callable[..., Any]:
     """The Python fallback's Autograd kernel: where a gradient or tangent can flow, the
     bound implementation's own training run where it has one that takes the call
     (``Impl.train``), else the reference, which torch differentiates in every mode and to
     any order (reverse, double backward, forward mode, functorch); otherwise the
-    implementation below autograd. ``choice(args)``: the implementation the dispatcher
-    would run below autograd (the ``use()`` router's or the device stub's pick), called
-    here directly when it is a Python function and the call is plain eager
-    (:func:`plain_eager`), as :func:`opreg._entry.python_call` does. Why: a compiled graph
+    implementation below autograd. ``direct(args)``: the Python implementation the
+    dispatcher would run below autograd on a plain eager call (:func:`plain_eager`; the
+    ``use()`` router's or the device stub's pick), or None; called here directly, as
+    :func:`opreg._entry.python_call` does. Why: a compiled graph
     calls the op through ``torch.ops`` (Inductor's wrapper code), and each Python kernel
     the dispatcher enters costs host time: moe_experts' two (this one, then the device
     stub) took 37-223 us a call on the H200 host (``bench/moe_profile.py``, 2026-12-02).
@@ -94,10 +94,9 @@ def reference_autograd(op: Any, choice: Callable[[Sequence[Any]], Any] | None = 
         if differentiating(args):
             out = _trained(op, args) if any(i.train is not None for i in op.impls.values()) else None
             return op.reference(*args) if out is None else out
-        if choice is not None and plain_eager(args):
-            impl = choice(args)
-            if impl is not None and impl.fn is not None:
-                return run_python(op, impl, args)
+        impl = direct(args) if direct is not None else None
+        if impl is not None:
+            return run_python(op, impl, args)
         with torch._C._AutoDispatchBelowAutograd():
             return op.torch_op(*args)
 

@@ -18,8 +18,8 @@ from typing import Any, Callable
 import torch
 
 from . import _build
-from ._binding import choice, load
-from ._dispatch import plain_eager, run_python
+from ._binding import direct, load
+from ._dispatch import run_python
 from ._log import logger
 from ._state import Op, _extensions, _lock, _ops
 
@@ -100,12 +100,8 @@ def python_call(op_name: str) -> Callable[..., Any]:
     torch_op = op.torch_op
 
     def call(*args: Any) -> Any:
-        if torch.compiler.is_compiling() or not plain_eager(args):
-            return torch_op(*args)
-        impl = choice(op, args)  # what the router or the device stub would pick
-        if impl is None or impl.fn is None:
-            return torch_op(*args)
-        return run_python(op, impl, args)
+        impl = None if torch.compiler.is_compiling() else direct(op, args)  # the router's or stub's pick
+        return torch_op(*args) if impl is None else run_python(op, impl, args)
 
     call.__name__ = call.__qualname__ = f"{op_name}[python_call]"
     return call
