@@ -101,6 +101,10 @@ class Row:
     frac_copy: Optional[float] = None  # scatter_combine: copy-bound time / opreg time
     # scatter_combine: a copy of the same bytes, timed beside it (host and launch included) / opreg
     frac_copy_same: Optional[float] = None
+    # scatter_combine >= 16 MB on CUDA: the same two fractions with the host taken out (opreg and
+    # the copy each replayed from a CUDA graph, tm.graph_us): the kernels' own bandwidth
+    frac_copy_graph: Optional[float] = None
+    frac_copy_same_graph: Optional[float] = None
     err: Optional[float] = None        # opreg vs the float64 reference (cat_linear: forward rows only)
     confirmed: bool = False            # cat_linear: timed again with --confirm-rounds (it lost the first time)
     spread: Optional[float] = None     # cat_linear: eager2 / eager, paired by round (the host's own noise)
@@ -378,6 +382,12 @@ def copy_variant(sets: list[dict[str, Any]], nbytes: float) -> tm.Variant:
     return tm.Variant(lambda i: sets[i]["copy_dst"].copy_(sets[i]["copy_src"]))
 
 
+def graph_calls(nbytes: float, cap_bytes: float = 8e9) -> int:
+    """Calls per captured graph: each call's outputs stay allocated in the graph's pool
+    until it is freed, so keep their sum under ``cap_bytes`` (the bytes moved bound them)."""
+    return max(2, min(20, int(cap_bytes // max(nbytes, 1))))
+
+
 def scatter_error(s: dict[str, Any], bwd: bool) -> float:
     from opreg.ops.scatter_combine import backward_reference, reference
     h, g = s["h"].double(), s["g"].double()
@@ -405,9 +415,14 @@ def run_scatter_shape(cfg: Config, shape: tuple) -> list[Row]:
             times = measure(cfg, variants, len(sets), False)
             frac = nbytes / cfg.copy_bps / (tm.median(times["opreg"]) * 1e-6)
             same = tm.median(times["copy"]) / tm.median(times["opreg"])
+            graph = {}
+            if cfg.device == "cuda" and nbytes >= COPY_MIN_BYTES:
+                dev = {k: tm.graph_us(variants[k], len(sets), calls=graph_calls(nbytes)) for k in ("opreg", "copy")}
+                graph = dict(frac_copy_graph=round(nbytes / cfg.copy_bps / (dev["opreg"] * 1e-6), 4),
+                             frac_copy_same_graph=round(dev["copy"] / dev["opreg"], 4))
             rows.append(make_row("scatter_combine", "-", "bwd" if bwd else "fwd", label, params, times,
                                  nbytes=nbytes, frac_copy=round(frac, 4), frac_copy_same=round(same, 4),
-                                 err=err))
+                                 err=err, **graph))
     return rows
 
 
@@ -418,6 +433,9 @@ def fmt_row(r: Row) -> str:
     extra = f" copy {100 * r.frac_copy:.0f}%" if r.frac_copy is not None else ""
     if r.frac_copy_same is not None:
         extra += f" (of a copy of the same bytes {100 * r.frac_copy_same:.0f}%)"
+    if r.frac_copy_graph is not None:
+        extra += (f"; in a CUDA graph copy {100 * r.frac_copy_graph:.0f}% (of the same bytes "
+                  f"{100 * r.frac_copy_same_graph:.0f}%)")
     return f"{r.op}/{r.form}/{r.mode} {r.label}: {t} us, opreg/eager {r.ratio:.3f}{extra}"
 
 
@@ -464,6 +482,11 @@ def summarize(cfg: Config) -> tuple[list[str], dict[str, Any]]:
     below_same = [r for r in below if r.frac_copy_same is not None and r.frac_copy_same < COPY_FRAC]
     lines += [f"scatter_combine >= 16 MB below 70 % of copy: {len(below)} (below 70 % of a copy of the same "
               f"bytes timed beside it: {len(below_same)})"] + [f"  {fmt_row(r)}" for r in below[:25]]
+    big = [r for r in rows if r.frac_copy_graph is not None]
+    below_graph = [r for r in big if r.frac_copy_graph < COPY_FRAC]
+    if big:
+        lines += [f"scatter_combine >= 16 MB in a CUDA graph (the host taken out): {len(below_graph)} of {len(big)} "
+                  f"below 70 % of copy"] + [f"  {fmt_row(r)}" for r in below_graph[:40]]
     lines += [f"cat_linear model: automatic path > 3 % slower than a forced one: {len(bad)}"]
     lines += [f"  {fmt_row(r)} (vs simt {r.vs['simt']:.3f}, vs gemm {r.vs['gemm']:.3f})" for r in bad[:15]]
     errs = wrong(rows)
@@ -474,6 +497,8 @@ def summarize(cfg: Config) -> tuple[list[str], dict[str, Any]]:
     summary = dict(slower=slower, slower_beyond_noise=beyond, noisy=noisy, worst=[asdict(r) for r in worst],
                    below_copy=[r.label + " " + r.mode for r in below],
                    below_copy_same=[r.label + " " + r.mode for r in below_same],
+                   below_copy_graph=[r.label + " " + r.mode for r in rows
+                                     if r.frac_copy_graph is not None and r.frac_copy_graph < COPY_FRAC],
                    mispicks=[r.label for r in bad], wrong=[r.label for r in errs], skipped=cfg.skipped)
     return lines, summary
 
