@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/forward_grad.h>
 
 #include <initializer_list>
 #include <optional>
@@ -30,6 +31,15 @@ inline bool any_requires_grad(std::initializer_list<const at::Tensor*> ts, at::T
     if (t.requires_grad()) return true;
   }
   return false;
+}
+
+// Can any tensor have a forward-mode tangent now? Only inside a dual level
+// (torch.autograd.forward_ad.dual_level, torch.func.jvp): leaving it clears every
+// tangent of that level, and level 0 is the only one (nested forward mode is not
+// supported). One lookup instead of a _fw_grad call per tensor: at cat_linear's 32
+// parts those calls were a measurable part of the op's host time.
+inline bool forward_ad_active() {
+  return torch::autograd::ForwardADLevel::try_get_by_idx(0) != nullptr;
 }
 
 // The forward-mode tangent of t (undefined when t has none, or is undefined).

@@ -264,9 +264,13 @@ at::Tensor cat_linear_reverse(at::TensorList parts, const at::Tensor& weight, co
 }
 
 at::Tensor cat_linear_autograd(at::TensorList parts, const at::Tensor& weight, const OptTensor& bias) {
+  // No part has a tangent unless forward mode is on (asked once, not per part: see
+  // forward_ad_active).
   bool has_dx = false;
-  for (const at::Tensor& part : parts) {
-    has_dx = has_dx || tangent(part).defined();
+  if (forward_ad_active()) {
+    for (const at::Tensor& part : parts) {
+      has_dx = has_dx || tangent(part).defined();
+    }
   }
   const at::Tensor dw = tangent(weight), db = tangent(bias);
   // The common call (no forward mode) builds no per-part vectors: host time per call is

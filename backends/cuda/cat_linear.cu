@@ -246,6 +246,23 @@ model::Work work_of(int64_t M, const at::Tensor& weight, int64_t R, const Descri
           d.vec_ok && K % V == 0};
 }
 
+// Could the SIMT path win at all? The model at its most favourable for SIMT, from sizes
+// alone: the fewest k chunks the widths allow (their sum in whole chunks: each part's own
+// rounding only adds chunks) and whichever load width the model prices lower (its SIMT
+// time grows with the chunks either way). Where even that loses, the GEMM path runs without
+// describe_parts' walk over the parts. The op's per-part walks (this one, the checks', the
+// autograd kernel's) are what it adds to eager's at R32: B1024 H64 K2048 bf16, no grad, was
+// 1.7 us over eager's 36.7 us per call on the H200's host (bench/sweep.py, 2026-12-02), and
+// on the 2-core box the op's host time grows by ~55 ns a part.
+bool simt_may_win(int64_t M, const at::Tensor& weight, int64_t R, int64_t TK) {
+  const int64_t K = weight.size(1);
+  model::Work best{M, weight.size(0), K, R, (K + TK - 1) / TK,
+                   static_cast<int64_t>(weight.element_size()), true};
+  if (use_simt_path(best, weight)) return true;
+  best.vec = false;
+  return use_simt_path(best, weight);
+}
+
 // Inputs already checked.
 at::Tensor cat_linear_impl(
     at::TensorList parts,
@@ -261,8 +278,8 @@ at::Tensor cat_linear_impl(
   c10::SmallVector<int64_t, 6> out_shape(lead.begin(), lead.end());
   out_shape.push_back(N);
 
-  if (R <= kMaxParts) {
-    const int V = static_cast<int>(16 / c10::elementSize(weight.scalar_type()));
+  const int V = static_cast<int>(16 / c10::elementSize(weight.scalar_type()));
+  if (R <= kMaxParts && simt_may_win(M, weight, R, int64_t(kVPR) * V)) {
     Described d = describe_parts(parts, V, int64_t(kVPR) * V);
     if (use_simt_path(work_of(M, weight, R, d, V), weight)) {
       std::vector<at::Tensor> keep;  // owns contiguous copies, if any (rare)
