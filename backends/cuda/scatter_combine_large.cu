@@ -543,6 +543,191 @@ struct ShortReduce {
   }
 };
 
+// cp.async with the compiler barriers the ring needs (cuda_common.cuh's helpers have
+// none): a ring slot is read with plain shared loads and refilled by cp.async, so neither
+// may be moved across the other, nor a slot's read above the wait for its copy.
+__device__ __forceinline__ void ring_copy16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void ring_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Wait until at most `pending` of this thread's committed groups are still in flight.
+template <int D>
+__device__ __forceinline__ void ring_wait(int pending) {
+  static_assert(D == 8, "one case per pending count");
+  switch (pending) {
+    case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;\n" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;\n" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;\n" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 7;\n" ::: "memory"); break;
+  }
+}
+
+// Rows through a shared-memory ring (16-byte vectors only, any row width): the default
+// reducer where the rows allow 16-byte loads. WideReduce and ShortReduce keep their loads
+// in flight in registers, so the bytes in flight per SM are bounded by the register file:
+// one 1 KB row chunk per warp at fan-out 1 (24 warps per SM, 80 registers), four 256-byte
+// rows per warp at H = 128 bf16 (16 warps, 128 registers). On the H200 their reduce
+// kernels alone reached 68-73 % of copy bandwidth at H = 1024 bf16, fan-out 1 (T16384: 23.7
+// us for 67 MB; T65536: 88.5 us for 269 MB) and 41-53 % at H = 128 (T65536 k1 19.9 us for
+// 34 MB, T16384 k8 17.5 us for 39 MB; bench/scatter_phases.py, 2026-12-02): waiting on
+// memory with too little of it requested.
+//
+// Here each lane copies its vectors of a row chunk (NV 16-byte vectors j0 + 32 k) with
+// cp.async into its own slot of a per-warp ring of R row chunks, which costs no register
+// while in flight, and the warp keeps up to D (token, column chunk) items issued ahead:
+// the issue side sorts an item's <= kEll rows (sort_ell_groups) and copies them into the
+// next free slots as one commit group, with each lane < cnt loading its row's gate into
+// the item's queue entry; the consume side waits for the oldest group and sums its rows
+// from the ring in row order with the same FMA chain as the other reducers (same bits).
+// Each lane reads back only what it copied itself, so no warp barrier orders the ring.
+// Up to min(D, R / rows per item) items, min(R, D * fan-out) rows, are in flight per warp.
+// A token with more than kEll rows is summed synchronously once the ring has drained, by
+// the helper WideReduce uses, its sort scratch aliasing the (empty) ring.
+template <typename scalar_t, int V, int NV, int R>
+struct RingReduce {
+  static constexpr int D = 8;  // items in flight per warp (a commit group each)
+  static_assert(R >= kEll, "an item's rows fit the ring");
+
+  template <bool kCoh>
+  static __device__ __forceinline__ void run(
+      const scalar_t* __restrict__ x,
+      const void* __restrict__ idx,
+      bool idx64,
+      const void* __restrict__ gates,
+      bool g32,
+      const int* __restrict__ counts,
+      const int* __restrict__ ell,
+      const int* __restrict__ ooff,
+      const int* __restrict__ operm,
+      scalar_t* __restrict__ out,
+      int n,
+      int64_t /*num_tokens*/,
+      int hvec,
+      ReduceWork w) {
+    using acc_t = at::opmath_type<scalar_t>;
+    using vec_t = Vec<scalar_t, V>;
+    __shared__ vec_t s_ring[kRedWarps][R][NV][32];
+    static_assert(sizeof(vec_t) * R * NV * 32 >= sizeof(int) * kWarpSortCap,
+                  "the long-token sort scratch fits a warp's ring");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    vec_t(*ring)[NV][32] = s_ring[warp];
+    const vec_t* xv = reinterpret_cast<const vec_t*>(x);
+    const int64_t nitems = w.items;
+    const int chunks = w.chunks;
+    const int64_t stride = int64_t(gridDim.x) * kRedWarps;
+    int64_t pitem = int64_t(blockIdx.x) * kRedWarps + warp;  // the next item to issue
+    if (pitem >= nitems) return;  // warp-level only from here: no block barriers
+
+    auto meta = [&](int64_t item, int& cnt, int& mine) {
+      const int64_t t = item / chunks;
+      cnt = ws_load<kCoh>(counts + t);
+      mine = lane < kEll ? ws_load<kCoh>(ell + t * kEll + lane) : 0;
+    };
+    int pcnt, pmine, ncnt = 0, nmine = 0;  // pitem's metadata, and the next one's (prefetched)
+    meta(pitem, pcnt, pmine);
+    if (pitem + stride < nitems) meta(pitem + stride, ncnt, nmine);
+    auto advance = [&]() {
+      pitem += stride;
+      pcnt = ncnt;
+      pmine = nmine;
+      if (pitem + stride < nitems) meta(pitem + stride, ncnt, nmine);
+    };
+
+    // The queue of issued items, oldest first (registers: every index below is a constant
+    // after unrolling). Lane i of qg holds the gate of the item's i-th row.
+    int qitem[D];  // items < 2^31 (launch_large checks)
+    int qcnt[D];
+    acc_t qg[D];
+    int q = 0, head = 0, tail = 0, used = 0;  // items queued; ring write / read slots; rows held
+    for (;;) {
+      while (q < D && pitem < nitems && pcnt <= kEll && used + pcnt <= R) {  // warp-uniform
+        const int64_t t = pitem / chunks;
+        const int j0 = int(pitem - t * chunks) * (32 * NV) + lane;
+        const int sorted = sort_ell_groups(lane < pcnt ? pmine : INT_MAX);
+        for (int i = 0; i < pcnt; ++i) {
+          const int r = __shfl_sync(kFull, sorted, i);
+          const int slot = head + i < R ? head + i : head + i - R;
+          const vec_t* xr = xv + int64_t(r) * hvec;
+#pragma unroll
+          for (int k = 0; k < NV; ++k) {
+            if (j0 + 32 * k < hvec) ring_copy16(&ring[slot][k][lane], xr + j0 + 32 * k);
+          }
+        }
+        ring_commit();
+        const acc_t g = lane < pcnt ? load_gate<acc_t, scalar_t>(gates, sorted, g32) : acc_t(0);
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+          if (d == q) {
+            qitem[d] = static_cast<int>(pitem);
+            qcnt[d] = pcnt;
+            qg[d] = g;
+          }
+        }
+        ++q;
+        head = head + pcnt < R ? head + pcnt : head + pcnt - R;
+        used += pcnt;
+        advance();
+      }
+      if (q == 0) {  // the ring is empty: done, or pitem is a token with more than kEll rows
+        if (pitem >= nitems) break;
+        __syncwarp();  // every lane's ring reads done before the sort scratch is written over them
+        const int64_t t = pitem / chunks;
+        const int j0 = int(pitem - t * chunks) * (32 * NV) + lane;
+        acc_t acc[NV][V];
+#pragma unroll
+        for (int k = 0; k < NV; ++k)
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
+        accumulate_long_token<kCoh, scalar_t, V, NV, 2>(t, pcnt, pmine, reinterpret_cast<int*>(&ring[0][0][0]),
+                                                        xv, idx, idx64, gates, g32, ooff, operm, n, hvec, j0,
+                                                        acc);
+        cuda::store_row<scalar_t, V, NV>(out, t, hvec, j0, acc);
+        __syncwarp();  // the scratch is the ring again from here
+        advance();
+        continue;
+      }
+      // Consume the oldest item: its group done (the q - 1 younger ones may be pending).
+      ring_wait<D>(q - 1);
+      const int64_t t = qitem[0] / chunks;
+      const int j0 = int(qitem[0] - t * chunks) * (32 * NV) + lane;
+      acc_t acc[NV][V];
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
+      for (int i = 0; i < qcnt[0]; ++i) {
+        const int slot = tail + i < R ? tail + i : tail + i - R;
+        const acc_t g = __shfl_sync(kFull, qg[0], i);
+#pragma unroll
+        for (int k = 0; k < NV; ++k) {
+          if (j0 + 32 * k < hvec) {
+            const vec_t v = ring[slot][k][lane];
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc[k][e] = fma_acc(g, static_cast<acc_t>(v.v[e]), acc[k][e]);
+          }
+        }
+      }
+      cuda::store_row<scalar_t, V, NV>(out, t, hvec, j0, acc);
+      tail = tail + qcnt[0] < R ? tail + qcnt[0] : tail + qcnt[0] - R;
+      used -= qcnt[0];
+#pragma unroll
+      for (int d = 0; d + 1 < D; ++d) {
+        qitem[d] = qitem[d + 1];
+        qcnt[d] = qcnt[d + 1];
+        qg[d] = qg[d + 1];
+      }
+      --q;
+    }
+  }
+};
+
 // The multi-kernel path's reduce: one launch of reducer Red.
 template <typename scalar_t, typename Red>
 __global__ void __launch_bounds__(kRedWarps * 32) scatter_reduce_kernel(
@@ -775,11 +960,31 @@ template <typename scalar_t, int V>
 void launch_large(const scalar_t* xp, const void* idx, bool idx64, const void* gates, bool g32,
                   scalar_t* op, int n, int64_t num_tokens, int hvec, int64_t ntiles, int* flag,
                   int* counts, int* ell, int* ooff, int* slot, int* operm, int* tile_sums,
-                  bool fused, c10::DeviceIndex dev, cudaStream_t stream) {
+                  bool fused, bool ring, c10::DeviceIndex dev, cudaStream_t stream) {
   const LargeCall<scalar_t> c{xp,     idx,   idx64, gates, g32,  op,    n,         num_tokens, hvec,
                               ntiles, flag, counts, ell,   ooff, slot,  operm, tile_sums,  dev,
                               stream};
   if constexpr (V > 1) {
+    // The ring's queue holds item numbers in 32 bits: beyond (T * H > ~2^39 elements) the
+    // register reducers run.
+    const int ring_nv = hvec <= 32 ? 1 : 2;
+    if (ring && num_tokens * ((hvec + 32 * ring_nv - 1) / (32 * ring_nv)) < INT_MAX) {
+      // A warp's ring is 10 KB either way (4 warps: 40 KB of static shared memory per
+      // block): 20 slots of one vector per lane for rows of <= 32 vectors, else 10 of two.
+      auto go = [&](auto nv) {
+        constexpr int NV = decltype(nv)::value;
+        const int chunks = (hvec + 32 * NV - 1) / (32 * NV);
+        const int64_t nitems = num_tokens * chunks;
+        launch_with<scalar_t, RingReduce<scalar_t, V, NV, NV == 1 ? 20 : 10>>(
+            c, fused, ReduceWork{nitems, chunks}, (nitems + kRedWarps - 1) / kRedWarps);
+      };
+      if (ring_nv == 1) {
+        go(std::integral_constant<int, 1>());
+      } else {
+        go(std::integral_constant<int, 2>());
+      }
+      return;
+    }
     if (hvec <= kShortMaxVec) {
       // 8 lanes per token (its kEll metadata lanes) and up to 4 vectors per
       // lane; 16 lanes per token for hvec 33..64. U * NV = 8: eight 16-byte
