@@ -572,34 +572,28 @@ __device__ __forceinline__ void ring_wait(int pending) {
 // Rows through a shared-memory ring (16-byte vectors only, any row width): the default
 // reducer where the rows allow 16-byte loads. WideReduce and ShortReduce keep their loads
 // in flight in registers, so the bytes in flight per SM are bounded by the register file:
-// one 1 KB row chunk per warp at fan-out 1 (24 warps per SM, 80 registers). On the H200
-// their reduce kernels alone reached 68-73 % of copy bandwidth at H = 1024 bf16, fan-out 1
-// (T16384: 23.7 us for 67 MB; T65536: 88.5 us for 269 MB; bench/scatter_phases.py,
-// 2026-12-02).
+// one 1 KB row chunk per warp at fan-out 1 (24 warps per SM, 80 registers), four 256-byte
+// rows per warp at H = 128 bf16 (16 warps, 128 registers). On the H200 their reduce
+// kernels alone reached 68-73 % of copy bandwidth at H = 1024 bf16, fan-out 1 (T16384: 23.7
+// us for 67 MB; T65536: 88.5 us for 269 MB) and 41-53 % at H = 128 (T65536 k1 19.9 us for
+// 34 MB, T16384 k8 17.5 us for 39 MB; bench/scatter_phases.py, 2026-12-02): waiting on
+// memory with too little of it requested.
 //
 // Here each lane copies its vectors of a row chunk (NV 16-byte vectors j0 + 32 k) with
 // cp.async into its own slot of a per-warp ring of R row chunks, which costs no register
-// while in flight, and the warp keeps up to D (token, column chunk) items issued ahead,
-// one commit group each; the consume side waits for the oldest group and sums its rows from
-// the ring in row order with the same FMA chain as the other reducers (same bits). Each
-// lane reads back only what it copied itself, so no warp barrier orders the ring.
-//
-// Tokens come in groups of TPG = 4 consecutive ones, as ShortReduce takes them: lanes
-// 8s..8s+7 load token s's count and ell entries together (two coalesced loads for the
-// group) and sort them in registers (sort_ell_groups), and each lane < count loads its
-// row's gate, once per group; the metadata of the next two groups is in flight meanwhile.
-// (A first version took one item's metadata per round trip, prefetched one item ahead: the
-// warp then issued one item per L2 round trip, and it measured slower than the register
-// reducers everywhere but fan-out 8: H200, 2026-12-03, T65536 k1 H128 bf16 65.4 vs 27.4 us,
-// T65536 k1 H1024 132.8 vs 99.3, T4096 k8 H1024 30.1 vs 33.7.)
+// while in flight, and the warp keeps up to D (token, column chunk) items issued ahead:
+// the issue side sorts an item's <= kEll rows (sort_ell_groups) and copies them into the
+// next free slots as one commit group, with each lane < cnt loading its row's gate into
+// the item's queue entry; the consume side waits for the oldest group and sums its rows
+// from the ring in row order with the same FMA chain as the other reducers (same bits).
+// Each lane reads back only what it copied itself, so no warp barrier orders the ring.
+// Up to min(D, R / rows per item) items, min(R, D * fan-out) rows, are in flight per warp.
 // A token with more than kEll rows is summed synchronously once the ring has drained, by
 // the helper WideReduce uses, its sort scratch aliasing the (empty) ring.
 template <typename scalar_t, int V, int NV, int R>
 struct RingReduce {
-  static constexpr int D = 8;    // items in flight per warp (a commit group each)
-  static constexpr int TPG = 4;  // tokens per metadata group (kEll lanes each)
+  static constexpr int D = 8;  // items in flight per warp (a commit group each)
   static_assert(R >= kEll, "an item's rows fit the ring");
-  static_assert(TPG * kEll == 32, "a group's metadata is one value per lane");
 
   template <bool kCoh>
   static __device__ __forceinline__ void run(
@@ -614,7 +608,7 @@ struct RingReduce {
       const int* __restrict__ operm,
       scalar_t* __restrict__ out,
       int n,
-      int64_t num_tokens,
+      int64_t /*num_tokens*/,
       int hvec,
       ReduceWork w) {
     using acc_t = at::opmath_type<scalar_t>;
@@ -625,83 +619,40 @@ struct RingReduce {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     vec_t(*ring)[NV][32] = s_ring[warp];
     const vec_t* xv = reinterpret_cast<const vec_t*>(x);
-    const int64_t ngroups = w.items;  // groups of TPG tokens
+    const int64_t nitems = w.items;
     const int chunks = w.chunks;
     const int64_t stride = int64_t(gridDim.x) * kRedWarps;
-    int64_t grp = int64_t(blockIdx.x) * kRedWarps + warp;  // the group being issued
-    if (grp >= ngroups) return;  // warp-level only from here: no block barriers
+    int64_t pitem = int64_t(blockIdx.x) * kRedWarps + warp;  // the next item to issue
+    if (pitem >= nitems) return;  // warp-level only from here: no block barriers
 
-    // Group g's metadata: lane l holds token g * TPG + l / kEll's count and ell entry l % kEll.
-    auto meta = [&](int64_t g, int& cnt, int& mine) {
-      const int64_t tk = g * TPG + (lane >> 3);
-      cnt = 0;
-      mine = INT_MAX;
-      if (g < ngroups && tk < num_tokens) {
-        cnt = ws_load<kCoh>(counts + tk);
-        mine = ws_load<kCoh>(ell + tk * kEll + (lane & (kEll - 1)));
-      }
+    auto meta = [&](int64_t item, int& cnt, int& mine) {
+      const int64_t t = item / chunks;
+      cnt = ws_load<kCoh>(counts + t);
+      mine = lane < kEll ? ws_load<kCoh>(ell + t * kEll + lane) : 0;
     };
-    int cnt0, mine0, cnt1, mine1, cnt2, mine2;  // this group's, the next two's
-    meta(grp, cnt0, mine0);
-    meta(grp + stride, cnt1, mine1);
-    meta(grp + 2 * stride, cnt2, mine2);
-    int sorted = 0;  // lane 8s + i: token s's i-th row (tokens with <= kEll rows)
-    acc_t gall = 0;  // and its gate
-    auto open_group = [&]() {
-      const bool mine_ok = (lane & (kEll - 1)) < cnt0 && cnt0 <= kEll;
-      sorted = sort_ell_groups(mine_ok ? mine0 : INT_MAX);
-      gall = mine_ok ? load_gate<acc_t, scalar_t>(gates, sorted, g32) : acc_t(0);
-    };
-    open_group();
-    int s = 0, c = 0;  // the next item to issue: token grp * TPG + s, column chunk c
+    int pcnt, pmine, ncnt = 0, nmine = 0;  // pitem's metadata, and the next one's (prefetched)
+    meta(pitem, pcnt, pmine);
+    if (pitem + stride < nitems) meta(pitem + stride, ncnt, nmine);
     auto advance = [&]() {
-      if (++c < chunks) return;
-      c = 0;
-      if (++s < TPG) return;
-      s = 0;
-      grp += stride;
-      cnt0 = cnt1;
-      mine0 = mine1;
-      cnt1 = cnt2;
-      mine1 = mine2;
-      meta(grp + 2 * stride, cnt2, mine2);
-      open_group();
+      pitem += stride;
+      pcnt = ncnt;
+      pmine = nmine;
+      if (pitem + stride < nitems) meta(pitem + stride, ncnt, nmine);
     };
 
     // The queue of issued items, oldest first (registers: every index below is a constant
-    // after unrolling): token, (chunk << 8 | token in group << 4 | rows), the group's gates.
-    int qt[D], qinfo[D];
+    // after unrolling). Lane i of qg holds the gate of the item's i-th row.
+    int qitem[D];  // items < 2^31 (launch_large checks)
+    int qcnt[D];
     acc_t qg[D];
     int q = 0, head = 0, tail = 0, used = 0;  // items queued; ring write / read slots; rows held
     for (;;) {
-      while (q < D && grp < ngroups) {  // issue (warp-uniform)
-        const int64_t t = grp * TPG + s;
-        if (t >= num_tokens) {  // the last group's missing tokens
-          advance();
-          continue;
-        }
-        const int cnt = __shfl_sync(kFull, cnt0, s * kEll);
-        const int j0 = c * (32 * NV) + lane;
-        if (cnt > kEll) {  // summed alone, once the ring has drained
-          if (q > 0) break;
-          __syncwarp();  // every lane's ring reads done before the sort scratch is written over them
-          acc_t acc[NV][V];
-#pragma unroll
-          for (int k = 0; k < NV; ++k)
-#pragma unroll
-            for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
-          const int mine = __shfl_sync(kFull, mine0, s * kEll + (lane & (kEll - 1)));
-          accumulate_long_token<kCoh, scalar_t, V, NV, 2>(t, cnt, mine, reinterpret_cast<int*>(&ring[0][0][0]),
-                                                          xv, idx, idx64, gates, g32, ooff, operm, n, hvec, j0,
-                                                          acc);
-          cuda::store_row<scalar_t, V, NV>(out, t, hvec, j0, acc);
-          __syncwarp();  // the scratch is the ring again from here
-          advance();
-          continue;
-        }
-        if (used + cnt > R) break;
-        for (int i = 0; i < cnt; ++i) {
-          const int r = __shfl_sync(kFull, sorted, s * kEll + i);
+      while (q < D && pitem < nitems && pcnt <= kEll && used + pcnt <= R) {  // warp-uniform
+        const int64_t t = pitem / chunks;
+        const int j0 = int(pitem - t * chunks) * (32 * NV) + lane;
+        const int sorted = sort_ell_groups(lane < pcnt ? pmine : INT_MAX);
+        for (int i = 0; i < pcnt; ++i) {
+          const int r = __shfl_sync(kFull, sorted, i);
           const int slot = head + i < R ? head + i : head + i - R;
           const vec_t* xr = xv + int64_t(r) * hvec;
 #pragma unroll
@@ -710,32 +661,50 @@ struct RingReduce {
           }
         }
         ring_commit();
+        const acc_t g = lane < pcnt ? load_gate<acc_t, scalar_t>(gates, sorted, g32) : acc_t(0);
 #pragma unroll
         for (int d = 0; d < D; ++d) {
           if (d == q) {
-            qt[d] = static_cast<int>(t);
-            qinfo[d] = (c << 8) | (s << 4) | cnt;
-            qg[d] = gall;
+            qitem[d] = static_cast<int>(pitem);
+            qcnt[d] = pcnt;
+            qg[d] = g;
           }
         }
         ++q;
-        head = head + cnt < R ? head + cnt : head + cnt - R;
-        used += cnt;
+        head = head + pcnt < R ? head + pcnt : head + pcnt - R;
+        used += pcnt;
         advance();
       }
-      if (q == 0) break;  // nothing issued, nothing left
+      if (q == 0) {  // the ring is empty: done, or pitem is a token with more than kEll rows
+        if (pitem >= nitems) break;
+        __syncwarp();  // every lane's ring reads done before the sort scratch is written over them
+        const int64_t t = pitem / chunks;
+        const int j0 = int(pitem - t * chunks) * (32 * NV) + lane;
+        acc_t acc[NV][V];
+#pragma unroll
+        for (int k = 0; k < NV; ++k)
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
+        accumulate_long_token<kCoh, scalar_t, V, NV, 2>(t, pcnt, pmine, reinterpret_cast<int*>(&ring[0][0][0]),
+                                                        xv, idx, idx64, gates, g32, ooff, operm, n, hvec, j0,
+                                                        acc);
+        cuda::store_row<scalar_t, V, NV>(out, t, hvec, j0, acc);
+        __syncwarp();  // the scratch is the ring again from here
+        advance();
+        continue;
+      }
       // Consume the oldest item: its group done (the q - 1 younger ones may be pending).
       ring_wait<D>(q - 1);
-      const int cnt = qinfo[0] & 15, gs = (qinfo[0] >> 4) & 15;
-      const int j0 = (qinfo[0] >> 8) * (32 * NV) + lane;
+      const int64_t t = qitem[0] / chunks;
+      const int j0 = int(qitem[0] - t * chunks) * (32 * NV) + lane;
       acc_t acc[NV][V];
 #pragma unroll
       for (int k = 0; k < NV; ++k)
 #pragma unroll
         for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
-      for (int i = 0; i < cnt; ++i) {
+      for (int i = 0; i < qcnt[0]; ++i) {
         const int slot = tail + i < R ? tail + i : tail + i - R;
-        const acc_t g = __shfl_sync(kFull, qg[0], gs * kEll + i);
+        const acc_t g = __shfl_sync(kFull, qg[0], i);
 #pragma unroll
         for (int k = 0; k < NV; ++k) {
           if (j0 + 32 * k < hvec) {
@@ -745,13 +714,13 @@ struct RingReduce {
           }
         }
       }
-      cuda::store_row<scalar_t, V, NV>(out, qt[0], hvec, j0, acc);
-      tail = tail + cnt < R ? tail + cnt : tail + cnt - R;
-      used -= cnt;
+      cuda::store_row<scalar_t, V, NV>(out, t, hvec, j0, acc);
+      tail = tail + qcnt[0] < R ? tail + qcnt[0] : tail + qcnt[0] - R;
+      used -= qcnt[0];
 #pragma unroll
       for (int d = 0; d + 1 < D; ++d) {
-        qt[d] = qt[d + 1];
-        qinfo[d] = qinfo[d + 1];
+        qitem[d] = qitem[d + 1];
+        qcnt[d] = qcnt[d + 1];
         qg[d] = qg[d + 1];
       }
       --q;
@@ -996,18 +965,18 @@ void launch_large(const scalar_t* xp, const void* idx, bool idx64, const void* g
                               ntiles, flag, counts, ell,   ooff, slot,  operm, tile_sums,  dev,
                               stream};
   if constexpr (V > 1) {
-    // The ring's queue packs an item's column chunk into 24 bits (num_tokens < 2^28 is
-    // checked by the host): wider rows than 2^24 chunks run the register reducers.
+    // The ring's queue holds item numbers in 32 bits: beyond (T * H > ~2^39 elements) the
+    // register reducers run.
     const int ring_nv = hvec <= 32 ? 1 : 2;
-    if (ring && (hvec + 32 * ring_nv - 1) / (32 * ring_nv) < (1 << 23)) {
+    if (ring && num_tokens * ((hvec + 32 * ring_nv - 1) / (32 * ring_nv)) < INT_MAX) {
       // A warp's ring is 10 KB either way (4 warps: 40 KB of static shared memory per
       // block): 20 slots of one vector per lane for rows of <= 32 vectors, else 10 of two.
       auto go = [&](auto nv) {
         constexpr int NV = decltype(nv)::value;
-        using Red = RingReduce<scalar_t, V, NV, NV == 1 ? 20 : 10>;
         const int chunks = (hvec + 32 * NV - 1) / (32 * NV);
-        const int64_t groups = (num_tokens + Red::TPG - 1) / Red::TPG;
-        launch_with<scalar_t, Red>(c, fused, ReduceWork{groups, chunks}, (groups + kRedWarps - 1) / kRedWarps);
+        const int64_t nitems = num_tokens * chunks;
+        launch_with<scalar_t, RingReduce<scalar_t, V, NV, NV == 1 ? 20 : 10>>(
+            c, fused, ReduceWork{nitems, chunks}, (nitems + kRedWarps - 1) / kRedWarps);
       };
       if (ring_nv == 1) {
         go(std::integral_constant<int, 1>());
