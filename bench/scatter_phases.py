@@ -4,9 +4,7 @@
 
 Per shape (random routing, int32 indices): the default path's time per call replayed from a
 CUDA graph (the host taken out), a copy of the same bytes the same way, the copy bound
-(bytes over the 1 GiB copy rate), the same call with the register reducers
-(``OPREG_SCATTER_COMBINE_REDUCE=registers``) instead of the shared-memory ring; then the
-multi-kernel form of the large path
+(bytes over the 1 GiB copy rate); then the multi-kernel form of the large path
 (``OPREG_SCATTER_COMBINE_LARGE=multi``: memset, count, scan, place, reduce, each its own
 kernel) under torch.profiler, each kernel's device time per call: what the fused
 cooperative kernel's phases cost, apart.
@@ -64,13 +62,6 @@ def main() -> None:
         bound = nbytes / bps * 1e6
         print(f"\n{label}: {nbytes / 1e6:.1f} MB, bound {bound:.1f} us; default path {us:.1f} us in a graph "
               f"({100 * bound / us:.0f} % of copy; a copy of the same bytes {cus:.1f} us)")
-        os.environ["OPREG_SCATTER_COMBINE_REDUCE"] = "registers"
-        try:
-            rus = tm.graph_us(v, len(sets), calls=a.calls)
-        finally:
-            del os.environ["OPREG_SCATTER_COMBINE_REDUCE"]
-        print(f"  with the register reducers (OPREG_SCATTER_COMBINE_REDUCE=registers) {rus:.1f} us "
-              f"({100 * bound / rus:.0f} % of copy)")
         os.environ["OPREG_SCATTER_COMBINE_LARGE"] = "multi"
         try:
             mus = tm.graph_us(v, len(sets), calls=a.calls)

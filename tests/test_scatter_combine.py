@@ -166,20 +166,17 @@ def test_cuda_graph_capture_new_indices(shape):
 # ---------------------------------------------------------------------------------------
 # CUDA forward paths give the same bits (backends/cuda/scatter_combine*.cu): the small
 # one-launch path (N <= 8192); the large path, run as one cooperative kernel (the default)
-# or as the multi-kernel fallback (OPREG_SCATTER_COMBINE_LARGE=multi), each summing 16-byte
-# rows through a shared-memory ring (the default) or, with
-# OPREG_SCATTER_COMBINE_REDUCE=registers, a short-row reduce (H * itemsize <= 1 KB: several
-# tokens per warp) or a wide-row reduce. A token's sum depends only on its own rows, and a
-# column only on its own column, so the same sums can be routed through each path: (a) a
-# short-row call against the first H columns of a wide-row call on [x | more columns];
-# (b) a few tokens' rows, kept in row order, alone in a small call; (c) the same call with
-# the fallback forced; (d) with the register reducers. Inputs are fresh random numbers,
-# outputs land on NaN-poisoned memory, and the routing covers empty tokens, out-of-range
-# indices (ignored), a token with 9..1024 rows (overflow list) and one with > 1024 rows
-# (row walk).
+# or as the multi-kernel fallback (OPREG_SCATTER_COMBINE_LARGE=multi), each with a
+# short-row reduce (16-byte vectors, H * itemsize <= 1 KB: several tokens per warp) or a
+# wide-row reduce. A token's sum depends only on its own rows, and a column only on its
+# own column, so the same sums can be routed through each path: (a) the short-row call
+# against the first H columns of a wide-row call on [x | more columns]; (b) a few tokens'
+# rows, kept in row order, alone in a small call; (c) the same call with the fallback
+# forced. Inputs are fresh random numbers, outputs land on NaN-poisoned memory, and the
+# routing covers empty tokens, out-of-range indices (ignored), a token with 9..1024 rows
+# (overflow list) and one with > 1024 rows (row walk).
 
 LARGE_PATH_ENV = "OPREG_SCATTER_COMBINE_LARGE"
-REDUCE_ENV = "OPREG_SCATTER_COMBINE_REDUCE"
 
 
 def _routing(t: int, fanout: int, order: str, idx_dtype: torch.dtype):
@@ -206,17 +203,9 @@ def _multi(x, idx, g, t, monkeypatch) -> torch.Tensor:
         return OP(x, idx, g, t)
 
 
-def _registers(x, idx, g, t, monkeypatch) -> torch.Tensor:
-    """The large path with the register reducers instead of the shared-memory ring (read per call)."""
-    with monkeypatch.context() as m:
-        m.setenv(REDUCE_ENV, "registers")
-        return OP(x, idx, g, t)
-
-
 def _check_large_call(x, idx, g, t, dtype, idx_dtype, monkeypatch) -> torch.Tensor:
     """One large-path call, checked against the float64 reference, itself (twice), the
-    forced fallback, the register reducers, the call without out-of-range rows and the
-    small path on a subset."""
+    forced fallback, the call without out-of-range rows and the small path on a subset."""
     from opreg.testing.compare import poison
     h = x.shape[1]
     poison(t * h * 8, "cuda")
@@ -229,10 +218,6 @@ def _check_large_call(x, idx, g, t, dtype, idx_dtype, monkeypatch) -> torch.Tens
     # (c) the multi-kernel fallback
     poison(t * h * 8, "cuda")
     assert torch.equal(_multi(x, idx, g, t, monkeypatch), out)
-    # (d) the register reducers instead of the shared-memory ring (16-byte rows; the same
-    # reducers otherwise)
-    poison(t * h * 8, "cuda")
-    assert torch.equal(_registers(x, idx, g, t, monkeypatch), out)
     # out-of-range rows dropped: the same bits
     assert torch.equal(OP(x[keep], idx[keep], g[keep], t), out)
     # (b) the small path on a few tokens (row order kept), the long ones included

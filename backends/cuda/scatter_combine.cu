@@ -107,15 +107,6 @@ bool large_fused_allowed() {
   return e == nullptr || std::strcmp(e, "multi") != 0;
 }
 
-// Test/benchmark override: OPREG_SCATTER_COMBINE_REDUCE=registers sums the large path's
-// 16-byte rows with the register reducers (WideReduce, ShortReduce) instead of the
-// shared-memory ring (RingReduce, the default): the same bits, which the tests check, and
-// the comparison the ring was measured by. Read per call.
-bool ring_reduce_allowed() {
-  const char* e = std::getenv("OPREG_SCATTER_COMBINE_REDUCE");
-  return e == nullptr || std::strcmp(e, "registers") != 0;
-}
-
 // Debug mode only: synchronizes (two scalar reads).
 void validate_indices(const char* op, const at::Tensor& idx, int64_t num_tokens) {
   if (idx.numel() == 0) return;
@@ -169,8 +160,7 @@ void launch_forward(
   int* tile_sums = operm + n;
   launch_large<scalar_t, V>(xp, idx.const_data_ptr(), idx64, g.const_data_ptr(), g32, op, n,
                             num_tokens, hvec, ntiles, flag, counts, ell, ooff, slot, operm,
-                            tile_sums, large_fused_allowed(), ring_reduce_allowed(), x.get_device(),
-                            stream);
+                            tile_sums, large_fused_allowed(), x.get_device(), stream);
 }
 
 template <typename scalar_t>

@@ -101,14 +101,12 @@ void launch_small(const scalar_t* xp, const void* idx, bool idx64, const void* g
 // Large path, on the workspace the host carved (flag | counts | ell | ooff |
 // slot | operm | tile_sums): one cooperative launch when `fused` and the
 // device can run it, else the multi-kernel fallback (memset, count, scan,
-// place, reduce); scatter_combine_large.cu says which runs when. `ring`: rows
-// in 16-byte vectors are summed through the shared-memory ring (RingReduce),
-// else by the register reducers (WideReduce, ShortReduce).
+// place, reduce); scatter_combine_large.cu says which runs when.
 template <typename scalar_t, int V>
 void launch_large(const scalar_t* xp, const void* idx, bool idx64, const void* gates, bool g32,
                   scalar_t* op, int n, int64_t num_tokens, int hvec, int64_t ntiles, int* flag,
                   int* counts, int* ell, int* ooff, int* slot, int* operm, int* tile_sums,
-                  bool fused, bool ring, c10::DeviceIndex dev, cudaStream_t stream);
+                  bool fused, c10::DeviceIndex dev, cudaStream_t stream);
 
 // Backward (scatter_combine_backward.cu): gx = g * gy[idx], gg = <gy[idx], x>.
 template <typename scalar_t, int V>
