@@ -4,7 +4,8 @@
 
 Per shape (random routing, int32 indices): the default path's time per call replayed from a
 CUDA graph (the host taken out), a copy of the same bytes the same way, the copy bound
-(bytes over the 1 GiB copy rate); then the multi-kernel form of the large path
+(bytes over the 1 GiB copy rate); where the small path may run (<= 8192 rows), the same
+sums through the large path (ignored rows appended); then the multi-kernel form of the large path
 (``OPREG_SCATTER_COMBINE_LARGE=multi``: memset, count, scan, place, reduce, each its own
 kernel) under torch.profiler, each kernel's device time per call: what the fused
 cooperative kernel's phases cost, apart.
@@ -25,9 +26,12 @@ import opreg  # noqa: E402
 
 SHAPES = ["T4096 k1 H1024 bf16", "T16384 k1 H1024 bf16", "T65536 k1 H1024 bf16", "T16384 k2 H1024 bf16",
           "T4096 k8 H1024 bf16", "T65536 k1 H128 bf16", "T16384 k8 H128 bf16", "T65536 k2 H128 bf16",
-          "T4096 k8 H128 fp32", "T16384 k2 H4096 bf16", "T1024 k8 H1024 bf16", "T1024 k1 H4096 bf16",
-          "T256 k8 H4096 bf16"]
+          "T4096 k8 H128 fp32", "T16384 k2 H4096 bf16",
+          # small-path shapes (<= 8192 rows)
+          "T1024 k8 H1024 bf16", "T1024 k1 H4096 bf16", "T256 k8 H4096 bf16", "T1024 k2 H1024 bf16",
+          "T512 k8 H1024 bf16", "T1024 k8 H128 bf16"]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SMALL_MAX_ROWS = 8192  # kSmallMaxRows (backends/cuda/scatter_combine.cuh): above it, the large path
 
 
 def parse_shape(s: str) -> tuple[int, int, int, torch.dtype]:
@@ -62,6 +66,16 @@ def main() -> None:
         bound = nbytes / bps * 1e6
         print(f"\n{label}: {nbytes / 1e6:.1f} MB, bound {bound:.1f} us; default path {us:.1f} us in a graph "
               f"({100 * bound / us:.0f} % of copy; a copy of the same bytes {cus:.1f} us)")
+        if n <= SMALL_MAX_ROWS:  # the small path may run: the same sums through the large one
+            pad = SMALL_MAX_ROWS + 1 - n  # rows with an index outside [0, T): counted out, never read
+            padded = [dict(h=torch.cat([s_["h"], s_["h"].new_zeros(pad, h)]),
+                           idx=torch.cat([s_["idx"], s_["idx"].new_full((pad,), -1)]),
+                           g=torch.cat([s_["g"], s_["g"].new_zeros(pad)])) for s_ in sets]
+            lv = tm.Variant(lambda i: op(padded[i]["h"], padded[i]["idx"], padded[i]["g"], t))
+            assert torch.equal(lv.call(0), v.call(0))
+            lus = tm.graph_us(lv, len(padded), calls=a.calls)
+            print(f"  the large path ({pad} ignored rows appended: > {SMALL_MAX_ROWS} rows) {lus:.1f} us "
+                  f"({100 * bound / lus:.0f} % of copy)")
         os.environ["OPREG_SCATTER_COMBINE_LARGE"] = "multi"
         try:
             mus = tm.graph_us(v, len(sets), calls=a.calls)
