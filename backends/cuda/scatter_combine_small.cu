@@ -34,41 +34,27 @@ __global__ void __launch_bounds__(kSmallThreads) scatter_small_kernel(
   const int64_t t0 = int64_t(blockIdx.x) * kSmallTok;
   const int64_t tlim = min(int64_t(kSmallTok), num_tokens - t0);
 
-  // Phase 1: the block's rows, in row order, into s_list. Row r = 256 i + tid is thread
-  // tid's bit i (i < kSmallPer = 32 chunks of 256 rows), so each load instruction of a warp
-  // reads 32 consecutive indices. (Until 2026-12-03 a thread owned 32 consecutive rows, so
-  // each load instruction of a warp touched 32 cache lines; the H200 measured T1024 k8 H1024
-  // bf16 at 17.3 us in a CUDA graph, slower than the same sums on the large path, 13.1, and
-  // the seeds' 1536 x 2 x 128 fp32 call at 4.0.) Row order is
-  // (chunk i, warp w, lane): lane i of each warp counts the warp's matches in chunk i (a
-  // ballot each), an exclusive scan of those 256 counts in (i, w) order gives each (chunk,
-  // warp) its place, and a match goes to its place plus the matches of lower lanes.
-  // (Staging token_idx in shared memory first, with coalesced loads and a second pass,
-  // measured slower in 2026-11: 6.25 vs ~4 us per call in a CUDA graph.)
+  // Phase 1: thread tid owns the contiguous rows [r0, r1); an exclusive scan
+  // of the per-thread match counts gives every match its place in row order.
+  // All of a thread's (<= kSmallPer) index loads are issued before the first
+  // compare, and the matches are kept as a bit mask, so the phase costs one
+  // L2 round trip plus one (L1) reload per match; the former loop (unrolled 4,
+  // then a second pass re-reading every index) was ~16 dependent round trips
+  // at N = 8192, longer than the data phase at T1024 k8 H1024 fp32.
+  // (Staging token_idx in shared memory with coalesced loads first measured
+  // slower: 6.25 vs ~4 us per call in a CUDA graph.)
   static_assert(kSmallMaxRows <= kSmallThreads * kSmallPer, "a thread's rows fit its match mask");
-  static_assert(kSmallPer == 32, "lane i counts chunk i");
-  __shared__ int s_off[kSmallPer * kSmallTok];  // (chunk i, warp w) at i * kSmallTok + w
-  const int nchunks = (n + kSmallThreads - 1) / kSmallThreads;
+  const int per = (n + kSmallThreads - 1) / kSmallThreads;
+  const int r0 = min(n, tid * per), r1 = min(n, r0 + per);
   unsigned match = 0;
 #pragma unroll
   for (int i = 0; i < kSmallPer; ++i) {
-    if (i >= nchunks) break;
-    const int r = i * kSmallThreads + tid;
-    if (r < n) {
-      const int64_t lt = load_index(idx, r, idx64) - t0;
+    if (r0 + i < r1) {
+      const int64_t lt = load_index(idx, r0 + i, idx64) - t0;
       match |= unsigned(lt >= 0 && lt < tlim) << i;
     }
   }
-  int mine = 0;  // lane i: this warp's matches in chunk i
-#pragma unroll
-  for (int i = 0; i < kSmallPer; ++i) {
-    if (i >= nchunks) break;
-    const int c = __popc(__ballot_sync(kFull, (match >> i) & 1u));
-    if (lane == i) mine = c;
-  }
-  s_off[lane * kSmallTok + warp] = mine;
-  __syncthreads();
-  const int cnt = s_off[tid];
+  const int cnt = __popc(match);
   const int incl = cuda::warp_inclusive_scan(cnt);
   if (lane == 31) s_warp_tot[warp] = incl;
   __syncthreads();
@@ -79,18 +65,11 @@ __global__ void __launch_bounds__(kSmallThreads) scatter_small_kernel(
     pos += (w < warp) ? c : 0;
     total += c;
   }
-  s_off[tid] = pos;  // every read of s_off above came before the last barrier
-  __syncthreads();
-  const unsigned lower = (1u << lane) - 1u;
-#pragma unroll
-  for (int i = 0; i < kSmallPer; ++i) {
-    if (i >= nchunks) break;
-    const unsigned b = __ballot_sync(kFull, (match >> i) & 1u);
-    if ((match >> i) & 1u) {
-      const int r = i * kSmallThreads + tid;
-      const int lt = int(load_index(idx, r, idx64) - t0);
-      s_list[s_off[i * kSmallTok + warp] + __popc(b & lower)] = static_cast<unsigned short>((r << 3) | lt);
-    }
+  while (match) {
+    const int r = r0 + __ffs(match) - 1;
+    match &= match - 1;
+    const int lt = int(load_index(idx, r, idx64) - t0);
+    s_list[pos++] = static_cast<unsigned short>((r << 3) | lt);
   }
   __syncthreads();
 
