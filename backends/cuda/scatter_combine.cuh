@@ -36,7 +36,17 @@ constexpr int small_nv() {
   return V >= 8 ? 2 : 4;
 }
 constexpr int kSmallMaxRows = 8192;          // list entry (row << 3 | token) fits 16 bits
-constexpr int64_t kSmallMaxWork = int64_t(1) << 21;  // N * blocks index reads
+// N * blocks index reads: every block scans all N indices, so the small path's time grows
+// with this product while the large path pays a fixed ~5-8 us (zeroing, counting, grid
+// barriers). H200, 2026-12-03, each shape's sums timed through both paths in a CUDA graph
+// (bench/scatter_phases.py; the large path by appending ignored rows), small / large us:
+// work 2^21: T1024 k8 H1024 bf16 17.3 / 13.1, fp32 20.7 / 15.9, T1024 k2 H4096 bf16 17.0 /
+// 14.8; 2^20: T1024 k8 H128 bf16 10.3 / 8.4, T1024 k1 H4096 bf16 12.8 / 12.3; 589824:
+// T1536 k2 H128 fp32 (the seeds' size) 4.6 / 5.7; 524288: T512 k8 H1024 bf16 10.0 / 11.2,
+// T256 k8 H4096 bf16 10.6 / 13.2. The small path's slope there (~12 us per 2^20 reads)
+// meets the large path's fixed cost between 0.65 and 0.9 x 2^20; this bound is in between.
+// (It was 2^21 until then.)
+constexpr int64_t kSmallMaxWork = int64_t(3) << 18;
 constexpr int kSmallU = 4;                   // rows whose loads are in flight together
 constexpr int kSmallPer = 32;                // rows per thread in the index scan (a 32-bit mask)
 static_assert(kSmallTok == 8, "list entries pack the local token in 3 bits");
