@@ -23,10 +23,10 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import bench_moe_block as bb
-
 
 def analyse(trace: dict, steps: int, top: int) -> None:
+    """Print a chrome trace's GPU busy and idle time per step, the idle time by the CPU ops
+    that launched the kernel ending each gap, and the ``top`` longest gaps."""
     ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     kernels = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
     runtime = {e["args"].get("correlation"): e for e in ev
@@ -79,6 +79,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--trace-dir", default=None)
     a = p.parse_args()
+    import bench_moe_block as bb  # here: analyse() needs neither transformers nor a GPU
+
     for config in a.configs:
         block, x = bb.inputs(config, a.tokens, False)
         for name in a.variants:
