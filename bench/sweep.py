@@ -17,7 +17,9 @@ backward against what autograd of the eager form runs); and the fraction of the 
 bound: bytes (each input read once, each output written once) over the device-to-device
 copy rate measured at the start (on 1 GiB); beside it, a copy of the same bytes timed in the
 same rounds (``copy``: ``dst.copy_(src)``, its host and launch cost included, which at
-16-40 MB exceed the bytes' ~4-10 us on the H200's host). Inductor (``torch.compile`` of the eager form, per
+16-40 MB exceed the bytes' ~4-10 us on the H200's host). On CUDA, rows >= 16 MB are also
+timed with the host taken out: opreg and the copy each replayed from a CUDA graph
+(``frac_copy_graph``, ``frac_copy_same_graph``). Inductor (``torch.compile`` of the eager form, per
 shape) is sampled (``--inductor sample``, the default on CUDA). ``--min-mb M`` keeps only
 the scatter_combine shapes whose backward moves >= M MB (the copy-rate check's shapes:
 ``--ops scatter_combine --min-mb 16 --inductor none``).
@@ -462,6 +464,8 @@ def summarize(cfg: Config) -> tuple[list[str], dict[str, Any]]:
              for g, rs in groups.items()}
     worst = sorted(rows, key=lambda r: -r.ratio)[:10]
     below = [r for r in rows if r.frac_copy is not None and r.nbytes >= COPY_MIN_BYTES and r.frac_copy < COPY_FRAC]
+    big = [r for r in rows if r.frac_copy_graph is not None]  # >= 16 MB, also timed in a CUDA graph
+    below_graph = [r for r in big if r.frac_copy_graph < COPY_FRAC]
     bad = mispicks(rows)
     lines = ["", f"== summary: {len(rows)} rows, copy {cfg.copy_bps / 1e9:.0f} GB/s"
                  + (f", {cfg.skipped} shapes skipped (time budget)" if cfg.skipped else "")]
@@ -482,8 +486,6 @@ def summarize(cfg: Config) -> tuple[list[str], dict[str, Any]]:
     below_same = [r for r in below if r.frac_copy_same is not None and r.frac_copy_same < COPY_FRAC]
     lines += [f"scatter_combine >= 16 MB below 70 % of copy: {len(below)} (below 70 % of a copy of the same "
               f"bytes timed beside it: {len(below_same)})"] + [f"  {fmt_row(r)}" for r in below[:25]]
-    big = [r for r in rows if r.frac_copy_graph is not None]
-    below_graph = [r for r in big if r.frac_copy_graph < COPY_FRAC]
     if big:
         lines += [f"scatter_combine >= 16 MB in a CUDA graph (the host taken out): {len(below_graph)} of {len(big)} "
                   f"below 70 % of copy"] + [f"  {fmt_row(r)}" for r in below_graph[:40]]
@@ -497,8 +499,7 @@ def summarize(cfg: Config) -> tuple[list[str], dict[str, Any]]:
     summary = dict(slower=slower, slower_beyond_noise=beyond, noisy=noisy, worst=[asdict(r) for r in worst],
                    below_copy=[r.label + " " + r.mode for r in below],
                    below_copy_same=[r.label + " " + r.mode for r in below_same],
-                   below_copy_graph=[r.label + " " + r.mode for r in rows
-                                     if r.frac_copy_graph is not None and r.frac_copy_graph < COPY_FRAC],
+                   below_copy_graph=[r.label + " " + r.mode for r in below_graph],
                    mispicks=[r.label for r in bad], wrong=[r.label for r in errs], skipped=cfg.skipped)
     return lines, summary
 
