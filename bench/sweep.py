@@ -26,7 +26,9 @@ the scatter_combine shapes whose backward moves >= M MB (the copy-rate check's s
 
 cat_linear also runs eager a second time as a variant of its own (``eager2``): eager2/eager,
 paired by round, is the host's own spread at that shape (the rows' ``spread``), and a loss
-counts as beyond the noise where it is larger than that spread.
+counts as beyond the noise where it is larger than that spread. The confirmation pass
+(``--confirm-rounds``) also runs opreg twice (``opreg2``): opreg2/opreg (``self_spread``) is
+printed beside each loss, the op's own run-to-run noise there (the verdict stays eager's).
 
 Prints one line per shape, then the summary: shapes > 3 % slower than eager per op/form/
 mode, the 10 worst ratios, scatter_combine shapes moving >= 16 MB below 70 % of copy,
@@ -110,6 +112,9 @@ class Row:
     err: Optional[float] = None        # opreg vs the float64 reference (cat_linear: forward rows only)
     confirmed: bool = False            # cat_linear: timed again with --confirm-rounds (it lost the first time)
     spread: Optional[float] = None     # cat_linear: eager2 / eager, paired by round (the host's own noise)
+    # cat_linear, confirmed rows: opreg2 / opreg, paired by round (the op's own run-to-run noise; reported
+    # beside a loss, not part of the verdict)
+    self_spread: Optional[float] = None
 
 
 @dataclass
@@ -125,6 +130,7 @@ class Config:
     confirm_rounds: int = 0  # cat_linear: a shape > 3 % slower is timed again with this many rounds
     only: tuple[str, ...] = ()  # shapes whose label holds one of these (--only); empty: all
     profile: bool = False  # --profile: torch.profiler of opreg and eager after each timing
+    opreg_twice: bool = False  # cat_linear: opreg also as "opreg2" (the confirmation pass sets it)
 
 
 def measure(cfg: Config, variants: dict[str, tm.Variant], nsets: int, grad: bool) -> dict[str, list[float]]:
@@ -168,6 +174,8 @@ def make_row(op: str, form: str, mode: str, label: str, params: dict[str, Any],
           if k not in ("opreg", "eager")}
     if "eager2" in times:
         extra.setdefault("spread", _sig(tm.paired_ratio(times["eager2"], times["eager"])))
+    if "opreg2" in times:
+        extra.setdefault("self_spread", _sig(tm.paired_ratio(times["opreg2"], times["opreg"])))
     return Row(op, form, mode, label, params, med, _sig(tm.paired_ratio(times["opreg"], times["eager"])),
                vs, **extra)
 
@@ -257,6 +265,8 @@ def cat_variants(cfg: Config, form: str, grad: bool, shape: tuple, sets: list) -
          # eager once more, as a variant of its own: the H200 host's noise at this shape
          # (eager2/eager, paired by round), against which a loss is judged
          "eager2": tm.Variant(cat_call(form, eager, sets, grad))}
+    if cfg.opreg_twice:  # the op's own spread too, beside a loss being confirmed
+        v["opreg2"] = tm.Variant(cat_call(form, mine, sets, grad), set_env(None))
     r, b, h, k, _ = shape
     if cfg.device == "cuda" and form == "list" and not grad and b * r * h * k <= SIMT_MAX_MACS:
         for path in ("simt", "gemm"):
@@ -451,6 +461,11 @@ def wrong(rows: list[Row]) -> list[Row]:
     return [r for r in rows if r.err is not None and r.err > TOL[r.params["dtype"]]]
 
 
+def own(r: Row) -> str:
+    """The op's own spread at a confirmed row, as the summary prints it beside eager's."""
+    return f", opreg2/opreg {r.self_spread:.3f}" if r.self_spread is not None else ""
+
+
 def summarize(cfg: Config) -> tuple[list[str], dict[str, Any]]:
     rows = cfg.rows
     groups: dict[str, list[Row]] = {}
@@ -478,9 +493,9 @@ def summarize(cfg: Config) -> tuple[list[str], dict[str, Any]]:
     if confirmed:
         lines += [f"timed again with --confirm-rounds {cfg.confirm_rounds}: {len(confirmed)} rows, still > 3 % "
                   f"slower in {sum(r.ratio > SLOWER for r in confirmed)}"]
-    lines += [f"  beyond the noise: {fmt_row(r)} (eager2/eager {r.spread:.3f})"
+    lines += [f"  beyond the noise: {fmt_row(r)} (eager2/eager {r.spread:.3f}{own(r)})"
               for r in rows if r.label in beyond.get(f"{r.op}/{r.form}/{r.mode}", []) and r.spread is not None][:40]
-    lines += [f"  within the noise: {fmt_row(r)} (eager2/eager {r.spread:.3f})"
+    lines += [f"  within the noise: {fmt_row(r)} (eager2/eager {r.spread:.3f}{own(r)})"
               for r in rows if r.ratio > SLOWER and noise_excuses(r)][:40]
     lines += ["10 worst opreg/eager:"] + [f"  {fmt_row(r)}" for r in worst]
     below_same = [r for r in below if r.frac_copy_same is not None and r.frac_copy_same < COPY_FRAC]
@@ -555,7 +570,7 @@ def confirm(cfg: Config, op: str, form: str, shapes: list[tuple], deadline: floa
     vs eager2 beyond 3 % at 111-148 of 180, 2026-12-02): a loss is judged on the longer run."""
     by_label = {cat_label(s): s for s in shapes}
     losers = list(dict.fromkeys(r.label for r in cfg.rows if r.op == op and r.ratio > SLOWER and not r.confirmed))
-    again = replace(cfg, grid={**cfg.grid, "rounds": cfg.confirm_rounds}, rows=[])
+    again = replace(cfg, grid={**cfg.grid, "rounds": cfg.confirm_rounds}, rows=[], opreg_twice=True)
     for n, label in enumerate(losers):
         if time.monotonic() > deadline:
             print(f"{op}: time budget spent, {len(losers) - n} of {len(losers)} losers not confirmed", flush=True)
