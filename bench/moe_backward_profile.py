@@ -32,7 +32,7 @@ CANDIDATES = {
     # the tuner's (python -m opreg tune moe_experts --backward): SPLIT 0 the fused kernel,
     # 1 the forward's GEMM into a buffer of g, then the gate's backward as its own pass
     "dgrad2": [tune._dgrad(c) for c in tune.DGRAD2],
-    "dgrad1": [tune._dgrad(c) for c in tune.DGRAD1],
+    "dgrad1": [{**tune._dgrad(c), "GROUPED_MM": 0} for c in tune.DGRAD1],  # Triton's, off grouped_mm
 }
 
 
@@ -75,6 +75,13 @@ def main() -> None:
                 us = median_us(step(lambda *x, g=g: B.FusedExperts.apply(*x, {"wgrad": {"GROUPED_MM": g}})),
                                a.reps, True)
                 print(f"  weight gradients on {path}: fused fwd+bwd {us:.0f} us (default: {default})", flush=True)
+            d1 = "torch._grouped_mm" if B.grouped_mm_dgrad1_default(args[0], args[3], n1, n1 // 2) else "Triton"
+            for g, path in ((1, "torch._grouped_mm"), (0, "Triton")):
+                if g and why is not None:
+                    continue
+                us = median_us(step(lambda *x, g=g: B.FusedExperts.apply(*x, {"dgrad1": {"GROUPED_MM": g}})),
+                               a.reps, True)
+                print(f"  GEMM1's dgrad on {path}: fused fwd+bwd {us:.0f} us (default: {d1})", flush=True)
             # GEMM2's dgrad as one kernel (the gate's backward in its epilogue, 64-wide tiles)
             # beside the table's default (split where many rows per expert)
             split = B._configs(t * k / e, torch.bfloat16, fused.pick_config("gemm1", t * k / e, n1, h,

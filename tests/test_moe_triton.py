@@ -150,7 +150,10 @@ def _special(args: tuple, special: str | None) -> tuple[tuple, tuple]:
 
 
 def _nan_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    """A fresh buffer poisoned: NaN, or an integer buffer's largest value (an index read
+    there unwritten points far out of bounds)."""
+    fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
+    return torch.full(shape, fill, dtype=dtype, device=device)
 
 
 def run_case(case_id: str, seed: int, device: str = "cpu") -> None:

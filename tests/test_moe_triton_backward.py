@@ -52,6 +52,11 @@ SMALL_BWD = {**SMALL,
 # The weight gradients forced onto torch._grouped_mm (the sm90 bf16 default; here the CPU's
 # bf16 grouped_mm), the rest as SMALL_BWD: BLOCK_M = 16 padded runs.
 GROUPED_BWD = {**SMALL_BWD, "wgrad": {**SMALL_BWD["wgrad"], "GROUPED_MM": 1}}
+# GEMM1's dgrad forced onto torch._grouped_mm (the sm90 bf16 default; here the CPU's): its
+# rows come back in sorted-padded order and the combine reads them through pair_rows
+GROUPED_DGRAD1 = {**SMALL_BWD, "dgrad1": {**SMALL_BWD["dgrad1"], "GROUPED_MM": 1}}
+# The gradients each GEMM's torch._grouped_mm path gives
+GROUPED_PATHS = {"wgrad": ("down_proj", "gate_up_proj"), "dgrad1": ("hidden_states",)}
 # GEMM2's dgrad split (the table's default at many rows per expert): the forward's GEMM into
 # a buffer of g, then the gate's backward as its own pass (_gate_grad_kernel)
 SPLIT_BWD = {**SMALL_BWD, "dgrad2": {**SMALL_BWD["dgrad2"], "SPLIT": 1}}
@@ -155,6 +160,19 @@ CASES: dict[str, dict] = {
     "grouped_mm wgrad, dgrad2 split (the sm90 default at many rows)": {
         "dims": (30, 2, 24, 16, 3), "opts": {"bias": True}, "configs": {**GROUPED_BWD, "dgrad2": SPLIT_BWD["dgrad2"]},
         "dtypes": ["bfloat16"], "grouped": True, "forbid": ("TB._dgrad_act_kernel",)},
+    # GEMM1's dgrad on torch._grouped_mm, by construction as the wgrad cases: padded runs, an
+    # empty expert, sentinel slots with NaN weights (their pairs get no row in pair_rows),
+    # an expert spanning two blocks, a full block; transposed and interleaved gate_up_proj
+    "grouped_mm dgrad1, sentinels, empty experts": {
+        "dims": (6, 2, 16, 8, 8), "opts": {"bias": True, "sentinels": 3}, "special": "nan+skip_expert",
+        "configs": GROUPED_DGRAD1, "dtypes": ["bfloat16"], "grouped1": True},
+    "grouped_mm dgrad1 and wgrad, transposed interleaved, split dgrad2": {
+        "dims": (30, 2, 24, 16, 3), "opts": {"transposed": True, "interleaved": True, "bias": True},
+        "configs": {**GROUPED_DGRAD1, "wgrad": GROUPED_BWD["wgrad"], "dgrad2": SPLIT_BWD["dgrad2"]},
+        "dtypes": ["bfloat16"], "grouped": True, "grouped1": True},
+    "grouped_mm dgrad1, hidden_states only, a full block": {
+        "dims": (16, 2, 24, 16, 3), "opts": {"activation": "gelu_tanh", "gated": False}, "special": "full_block",
+        "configs": GROUPED_DGRAD1, "dtypes": ["bfloat16"], "grouped1": True, "requires": ("hidden_states",)},
     "grouped_mm wgrad, down_proj only, a full block": {
         "dims": (16, 2, 24, 16, 3), "opts": {"bias": True}, "special": "full_block", "configs": GROUPED_BWD,
         "dtypes": ["bfloat16"], "grouped": True, "requires": ("down_proj", "down_bias"),
@@ -270,21 +288,35 @@ def _grouped_wgrad(args: tuple, configs: dict | None) -> bool:
     return bool(((configs or {}).get("wgrad") or {}).get("GROUPED_MM", default))
 
 
-def _check_wgrad_path(grouped: bool, names: tuple[str, ...], args: tuple, mm_calls: list[int],
+def _grouped_dgrad1(args: tuple, configs: dict | None) -> bool:
+    """Does GEMM1's dgrad run on torch._grouped_mm: as the configs force, else the default
+    (as the weight gradients', gate_up_proj's layout permitting). Never without a slot."""
+    w1, gated, transposed = args[3], args[8], args[9]
+    if args[1].numel() == 0 or args[0].shape[1] == 0:
+        return False
+    n1 = w1.shape[2] if transposed else w1.shape[1]
+    default = TB.grouped_mm_dgrad1_default(args[0], w1, n1, n1 // 2 if gated else n1)
+    return bool(((configs or {}).get("dgrad1") or {}).get("GROUPED_MM", default))
+
+
+def _check_wgrad_path(grouped: bool, grouped1: bool, names: tuple[str, ...], args: tuple, mm_calls: list[int],
                       wgrad_log: list[dict[str, Any]], rows_log: list[dict[str, Any]],
                       fwd_rows_log: list[dict[str, Any]]) -> None:
     """The weight gradients ran where they should: ``grouped``, one torch._grouped_mm per
     weight gradient asked for, Triton's _moe_wgrad for the biases alone, and each gathered
     operand's rows copied once: rw * dout (scaled) for down_proj in the backward, x for
     gate_up_proj in the forward (GEMM1 read that copy, and the backward reuses it:
-    ``keeps_rows``); else no torch._grouped_mm, and the forward copies x only where its
-    table says PREGATHER."""
+    ``keeps_rows``); else no torch._grouped_mm for them, and the forward copies x only where
+    its table says PREGATHER. ``grouped1``: GEMM1's dgrad is one more torch._grouped_mm
+    where hidden_states' gradient is asked for."""
     weights = [n for n in ("down_proj", "gate_up_proj") if n in names]
+    dgrad1 = int(grouped1 and "hidden_states" in names)
     if not grouped:
-        assert not mm_calls, f"torch._grouped_mm ran {len(mm_calls)} times, not asked for"
+        assert len(mm_calls) == dgrad1, f"torch._grouped_mm ran {len(mm_calls)} times, {dgrad1} asked for"
         return
     biases = [n for n in ("down_bias", "gate_up_bias") if n in names and args[ARGS.index(n)] is not None]
-    assert len(mm_calls) == len(weights), f"torch._grouped_mm ran {len(mm_calls)} times for {weights}"
+    assert len(mm_calls) == len(weights) + dgrad1, \
+        f"torch._grouped_mm ran {len(mm_calls)} times for {weights} and {dgrad1} dgrad"
     assert [kw["WEIGHT_GRAD"] for kw in wgrad_log] == [False] * len(biases), wgrad_log
     assert [kw["SCALED"] for kw in rows_log] == [True] * ("down_proj" in weights), rows_log
     if "gate_up_proj" in weights:
@@ -321,6 +353,7 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     assert TM.why_not_fused(*args) is None
     configs = c.get("configs")
     grouped = _grouped_wgrad(args, configs)
+    grouped1 = _grouped_dgrad1(args, configs)
     fwd_rows_log: list[dict[str, Any]] = []
     kernel = TM._sorted_rows_kernel
     TM._sorted_rows_kernel = _Launches(kernel, fwd_rows_log)
@@ -341,6 +374,7 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     if hasattr(torch, "_grouped_mm"):
         patch[(torch, "_grouped_mm")] = _counted(torch._grouped_mm, mm_calls)
     assert grouped or not c.get("grouped"), "a grouped_mm case whose weight gradients would not use it"
+    assert grouped1 or not c.get("grouped1"), "a grouped_mm case whose GEMM1 dgrad would not use it"
     if grouped:
         patch[(TB, "_moe_wgrad")] = _Launches(TB._moe_wgrad, wgrad_log)
         patch[(TM, "_sorted_rows_kernel")] = _Launches(TM._sorted_rows_kernel, rows_log)
@@ -354,7 +388,7 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     finally:
         for (mod, attr), fn in originals.items():
             setattr(mod, attr, fn)
-    _check_wgrad_path(grouped, names, args, mm_calls, wgrad_log, rows_log, fwd_rows_log)
+    _check_wgrad_path(grouped, grouped1, names, args, mm_calls, wgrad_log, rows_log, fwd_rows_log)
     # The reference's cotangent is the one the op got (rounded to dtype): a fp16 rounding of
     # cot alone moved d top_k_weights' dot over H by > 0.002 of its size where it cancels
     # (T = 1, float16: 3 of 200 seeds, with or without TMA loads).
@@ -483,14 +517,23 @@ def test_grouped_mm_wgrad_choice() -> None:
     assert "multiples of 8" in TB.grouped_mm_unfit(torch.zeros(4, 20, dtype=torch.bfloat16), 48, 24)
     assert "multiples of 8" in TB.grouped_mm_unfit(x, 36, 18)
     assert not TB.grouped_mm_wgrad_default(x, 48, 24)  # CPU
+    # GEMM1's dgrad reads gate_up_proj: one of its last two dims contiguous, 16-byte aligned
+    w1 = torch.randn(3, 48, 80, dtype=torch.bfloat16)
+    if hasattr(torch, "_grouped_mm"):
+        assert TB.grouped_mm_unfit(x, 48, 24, w1[:, :, :40]) is None
+        assert TB.grouped_mm_unfit(x, 48, 24, w1[:, :, :40].transpose(1, 2).contiguous().transpose(1, 2)) is None
+        assert "strides" in TB.grouped_mm_unfit(x, 48, 24, w1[:, :, ::2])
+        assert "strides" in TB.grouped_mm_unfit(x, 48, 24, w1[:, :, 1:41])  # a 2-byte offset
+    assert not TB.grouped_mm_dgrad1_default(x, w1[:, :, :40], 48, 24)  # CPU
     args = make(4, 2, 40, 24, 3, torch.float16, "cpu")
     saved = TM.Saved(sorted_pair_ids=torch.full((16,), 8, dtype=torch.int32),
                      block_expert=torch.full((1,), -1, dtype=torch.int32),
                      tables=torch.zeros((3, 3), dtype=torch.int32), act=torch.zeros(16, 24, dtype=torch.float16),
                      pre=torch.zeros(16, 48), configs={"gemm1": dict(SMALL["gemm1"])})
-    with pytest.raises(ValueError, match="GROUPED_MM.*not bfloat16"):
-        TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.float16), *args, saved,
-                                  configs={"wgrad": {"GROUPED_MM": 1}})
+    for gemm in ("wgrad", "dgrad1"):
+        with pytest.raises(ValueError, match=f"{gemm}.*GROUPED_MM.*not bfloat16"):
+            TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.float16), *args, saved,
+                                      configs={gemm: {"GROUPED_MM": 1}})
 
 
 # ------------------------------------------------------------------ CUDA
@@ -567,7 +610,8 @@ def test_cuda_gradients(shape: str, family: str, dtype: torch.dtype) -> None:
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("case_id", [c.replace("float32", "bfloat16") for c in CASE_IDS if c.endswith("float32")]
-                         + [c for c in CASE_IDS if CASES[c.rsplit("/", 1)[0]].get("grouped")])
+                         + [c for c in CASE_IDS if CASES[c.rsplit("/", 1)[0]].get("grouped")
+                            or CASES[c.rsplit("/", 1)[0]].get("grouped1")])
 def test_cuda_cases(case_id: str) -> None:
     """The interpreted cases, compiled, in bfloat16, and a second backward bit-identical
     (the weight gradients on torch._grouped_mm where that is the default, sm90, or forced)."""
@@ -598,20 +642,27 @@ def test_cuda_deterministic(dtype: torch.dtype) -> None:
 @needs_cuda
 @pytest.mark.parametrize("family", BIG_FAMILIES)
 @pytest.mark.parametrize("shape", list(BIGGER))
-def test_cuda_grouped_mm_wgrad(shape: str, family: str) -> None:
-    """bf16: the weight gradients on torch._grouped_mm (CUTLASS; the sm90 default) and on
-    Triton's _moe_wgrad both match float64 and each other; every other gradient is the
-    same bits either way (the same kernels); two grouped runs are bit-identical. NaN-filled
-    buffers: a padding row left unwritten, or one read past offs[-1], fails."""
+@pytest.mark.parametrize("gemm", list(GROUPED_PATHS))
+def test_cuda_grouped_mm(gemm: str, shape: str, family: str) -> None:
+    """bf16: the weight gradients (``gemm`` "wgrad"), or GEMM1's dgrad ("dgrad1"), on
+    torch._grouped_mm (CUTLASS; the sm90 default) and on Triton both match float64 and each
+    other; every other gradient is the same bits either way (the same kernels; the other
+    GEMM pinned to Triton); two grouped runs are bit-identical. NaN-filled buffers: a
+    padding row left unwritten, one read past offs[-1], or a pair's row missed by
+    pair_rows, fails."""
     args = _big_args(shape, family, torch.bfloat16)
     w1, gated, transposed = args[3], args[8], args[9]
     n1 = w1.shape[2] if transposed else w1.shape[1]
-    if TB.grouped_mm_unfit(args[0], n1, n1 // 2 if gated else n1) is not None:
-        pytest.skip(TB.grouped_mm_unfit(args[0], n1, n1 // 2 if gated else n1))
-    assert TB.grouped_mm_wgrad_default(args[0], n1, n1 // 2 if gated else n1) == \
-        (torch.cuda.get_device_capability()[0] == 9)
+    i = n1 // 2 if gated else n1
+    if (why := TB.grouped_mm_unfit(args[0], n1, i, w1)) is not None:
+        pytest.skip(why)
+    default = (TB.grouped_mm_wgrad_default(args[0], n1, i) if gemm == "wgrad"
+               else TB.grouped_mm_dgrad1_default(args[0], w1, n1, i))
+    assert default == (torch.cuda.get_device_capability()[0] == 9)
     names = [n for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
     leaves = [a for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
+    on_it = [n for n in GROUPED_PATHS[gemm] if n in names]
+    other = "dgrad1" if gemm == "wgrad" else "wgrad"
     cot = torch.randn(args[0].shape, dtype=torch.bfloat16, device="cuda")
     runs: dict[int, list[tuple[torch.Tensor, ...]]] = {1: [], 0: []}
     calls: list[int] = []
@@ -620,9 +671,9 @@ def test_cuda_grouped_mm_wgrad(shape: str, family: str) -> None:
     try:
         for g in (1, 0, 1):
             calls.clear()
-            out = TB.FusedExperts.apply(*args, {"wgrad": {"GROUPED_MM": g}})
+            out = TB.FusedExperts.apply(*args, {gemm: {"GROUPED_MM": g}, other: {"GROUPED_MM": 0}})
             runs[g].append(torch.autograd.grad(out, leaves, cot))
-            assert len(calls) == 2 * g, f"GROUPED_MM={g}: torch._grouped_mm ran {len(calls)} times"
+            assert len(calls) == g * len(on_it), f"{gemm} GROUPED_MM={g}: torch._grouped_mm ran {len(calls)} times"
     finally:
         TM._new_buffer, torch._grouped_mm = old, old_mm
     (grouped, again), (triton,) = runs[1], runs[0]
@@ -635,10 +686,10 @@ def test_cuda_grouped_mm_wgrad(shape: str, family: str) -> None:
         assert g.shape == t.shape and g.is_contiguous(), f"d {n}: {tuple(g.shape)}, {g.stride()}"
         assert_matches(g, r, torch.bfloat16)
         assert_matches(t, r, torch.bfloat16)
-        if n in ("gate_up_proj", "down_proj"):
+        if n in on_it:
             assert_matches(g, t.double(), torch.bfloat16)
         else:
-            assert torch.equal(g, t), f"d {n} differs between the two weight-gradient paths"
+            assert torch.equal(g, t), f"d {n} differs between the two {gemm} paths"
 
 
 def _graph_once(family: str, dtype: torch.dtype) -> None:

@@ -307,13 +307,14 @@ _INTERPRETING = triton is not None and type(_moe_gemm).__name__ == "InterpretedF
 
 @_jit
 def _combine_kernel(
-    pair_ptr, ids_ptr, out_ptr, H, top_k, num_experts,
+    pair_ptr, ids_ptr, out_ptr, rows_ptr, H, top_k, num_experts,
     stride_pm, stride_ph, stride_it, stride_ik, stride_ot, stride_oh,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr, MAPPED: tl.constexpr,
 ):
-    """out[t, cols] = sum over j = 0..top_k-1, in that order, in fp32, of pair row t*k + j,
-    for the slots whose expert id is in [0, E); a skipped slot's row is never read (it was
-    never written, and its weight may be NaN)."""
+    """out[t, cols] = sum over j = 0..top_k-1, in that order, in fp32, of pair p = t*k + j's
+    row: row p, or where MAPPED row ``rows[p]`` (:func:`_pair_rows_kernel`: a sorted-padded
+    row), for the slots whose expert id is in [0, E); a skipped slot's row is never read (it
+    was never written, and its weight may be NaN)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
@@ -321,7 +322,10 @@ def _combine_kernel(
     for j in range(0, top_k):
         eid = tl.load(ids_ptr + t * stride_it + j * stride_ik)
         use = (eid >= 0) & (eid < num_experts)
-        v = tl.load(pair_ptr + (t * top_k + j) * stride_pm + cols * stride_ph, mask=col_ok & use, other=0.0)
+        row = t * top_k + j
+        if MAPPED:
+            row = tl.load(rows_ptr + row, mask=use, other=0).to(tl.int64)
+        v = tl.load(pair_ptr + row * stride_pm + cols * stride_ph, mask=col_ok & use, other=0.0)
         acc += v.to(tl.float32)
     tl.store(out_ptr + t * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
@@ -380,6 +384,20 @@ def _sorted_rows_kernel(
         v = v.to(tl.float32) * w.to(tl.float32)[:, None]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_oc,
              v.to(out_ptr.dtype.element_ty), mask=in_list[:, None] & col_ok[None, :])
+
+
+@_jit
+def _pair_rows_kernel(pair_ids_ptr, used_ptr, rows_ptr, num_pairs, BLOCK: tl.constexpr):
+    """rows[p] = the sorted-padded row r holding pair p (``pair_ids[r] == p``), for each row
+    before ``*used_ptr`` (the last expert's padded end) that holds a pair; a pair routed
+    nowhere (a sentinel slot) keeps its entry unwritten, and its readers skip it by its id.
+    Each pair sits at one row, so every entry is written at most once."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    used = tl.load(used_ptr)
+    ok = r < used
+    p = tl.load(pair_ids_ptr + r, mask=ok, other=num_pairs)
+    ok = ok & (p < num_pairs)
+    tl.store(rows_ptr + tl.where(ok, p, 0), r, mask=ok)
 
 
 # ----------------------------------------------------------------------------- routing
@@ -853,16 +871,31 @@ def sorted_rows(src: torch.Tensor, rw: torch.Tensor, sorted_pair_ids: torch.Tens
     return out
 
 
+def pair_rows(sorted_pair_ids: torch.Tensor, tables: torch.Tensor, num_pairs: int, spec: Any = None
+              ) -> torch.Tensor:
+    """(S,) int32: each routed pair's row in sorted-padded order (the inverse of
+    ``sorted_pair_ids``; :func:`_pair_rows_kernel`), unwritten at a sentinel slot's pair.
+    ``tables``: the routing's (4, E). ``spec``: as :func:`launch_gemm`'s."""
+    r = sorted_pair_ids.shape[0]
+    out = _new_buffer((num_pairs,), torch.int32, sorted_pair_ids.device)
+    block = 1024
+    launch(_pair_rows_kernel, (cdiv(r, block),), sorted_pair_ids, tables[3, -1:], out, num_pairs, spec_key=spec,
+           BLOCK=block, num_warps=4)
+    return out
+
+
 def combine(pairs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_experts: int,
-            cfg: dict[str, int], spec: Any = None) -> None:
-    """out[t] = the sum over t's slots with an id in [0, E) of pair rows t*k + j, in slot
-    order, fp32 (:func:`_combine_kernel`); a token with none gets 0. ``spec``: as
-    :func:`launch_gemm`'s."""
+            cfg: dict[str, int], spec: Any = None, rows: Optional[torch.Tensor] = None) -> None:
+    """out[t] = the sum over t's slots with an id in [0, E) of pair p = t*k + j's row of
+    ``pairs``, in slot order, fp32 (:func:`_combine_kernel`); a token with none gets 0. The
+    row is p, or ``rows[p]`` where given (:func:`pair_rows`: ``pairs`` in sorted-padded
+    order). ``spec``: as :func:`launch_gemm`'s."""
     t, h = out.shape
     bh = min(cfg["BLOCK_H"], next_pow2(h))
     launch(_combine_kernel, (t, cdiv(h, bh)),
-           pairs, ids, out, h, ids.shape[1], num_experts, pairs.stride(0), pairs.stride(1), ids.stride(0),
-           ids.stride(1), out.stride(0), out.stride(1), spec_key=spec, BLOCK_H=bh, num_warps=cfg["num_warps"])
+           pairs, ids, out, ids if rows is None else rows, h, ids.shape[1], num_experts, pairs.stride(0),
+           pairs.stride(1), ids.stride(0), ids.stride(1), out.stride(0), out.stride(1), spec_key=spec, BLOCK_H=bh,
+           MAPPED=rows is not None, num_warps=cfg["num_warps"])
 
 
 def _meta(a: Any) -> Any:

@@ -23,6 +23,12 @@ padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
 3. **dgrad of GEMM1** (the forward's ``_moe_gemm``, ROUTED without the routing weight):
    d_pre[r] @ gate_up_proj[e] at the pair's row of a (S, H) buffer, then the forward's
    combine: d hidden_states[t] = the sum of t's valid slots in slot order, fp32.
+   **bf16 on sm90** (:func:`grouped_mm_dgrad1_default`; ``configs["dgrad1"]["GROUPED_MM"]``
+   forces it either way): ``torch._grouped_mm`` (CUTLASS) over d_pre's sorted-padded rows
+   instead, its (R, H) result in that order, and the combine reads each pair's row through
+   the inverse of the pair list (:func:`.moe_experts.pair_rows`). The same rounding: each
+   row's dot accumulates in fp32 and is rounded once to bf16, and the sum over slots is the
+   combine's, in slot order.
 4. **wgrad** (:func:`_moe_wgrad`, grid = output tiles x E): out[e][m, n] = sum over e's
    rows of L[r, m] * R[r, n], each operand read directly or gathered through pair ->
    token, L optionally times rw; written through the weight's own strides, so either
@@ -67,8 +73,8 @@ from opreg.backends.triton.launch import LazyDescriptor, launch_args
 from opreg.backends.triton.moe_experts import _IDENTITY, _act, _halves, _jit, _mma, _tile, tl
 from opreg.ops import moe_experts as M
 
-__all__ = ["FusedExperts", "clamp_ties", "fused_experts", "fused_experts_backward", "grouped_mm_unfit",
-           "grouped_mm_wgrad_default", "keeps_rows"]
+__all__ = ["FusedExperts", "clamp_ties", "fused_experts", "fused_experts_backward", "grouped_mm_dgrad1_default",
+           "grouped_mm_unfit", "grouped_mm_wgrad_default", "keeps_rows"]
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -394,17 +400,23 @@ def _configs(rows_per_expert: float, dtype: torch.dtype, bm: int, n1: int, h: in
     return cfg
 
 
-def grouped_mm_unfit(x: torch.Tensor, n1: int, i: int) -> str | None:
-    """Why the weight gradients can't run on ``torch._grouped_mm`` for these inputs, or
-    None. It takes bfloat16 only here (fp16 and fp32 keep ``_moe_wgrad``: fp16 grouped_mm
-    needs cuBLASLt's, and fp32 GEMMs stay IEEE), and rows 16-byte aligned: H, the gate_up
-    width N1 and I multiples of 8, as :func:`opreg.ops.moe_experts.uses_grouped_mm` asks."""
+def grouped_mm_unfit(x: torch.Tensor, n1: int, i: int, w1: torch.Tensor | None = None) -> str | None:
+    """Why the weight gradients (or, given gate_up_proj ``w1``, which it reads, GEMM1's
+    dgrad) can't run on ``torch._grouped_mm`` for these inputs, or None. It takes bfloat16
+    only here (fp16 and fp32 keep the Triton kernels: fp16 grouped_mm needs cuBLASLt's, and
+    fp32 GEMMs stay IEEE), and rows 16-byte aligned: H, the gate_up width N1 and I multiples
+    of 8, as :func:`opreg.ops.moe_experts.uses_grouped_mm` asks; ``w1`` with one of its last
+    two dims contiguous, the other's stride and its address 16-byte aligned."""
     if not hasattr(torch, "_grouped_mm"):
         return "this torch has no _grouped_mm"
     if x.dtype != torch.bfloat16:
         return f"hidden_states is {x.dtype}, not bfloat16"
     if x.shape[1] % 8 or n1 % 8 or i % 8:
         return f"H = {x.shape[1]}, N1 = {n1}, I = {i}: not all multiples of 8 (16-byte rows)"
+    if w1 is not None:
+        s0, s1, s2 = w1.stride()
+        if not ((s2 == 1 and s1 % 8 == 0) or (s1 == 1 and s2 % 8 == 0)) or s0 % 8 or w1.data_ptr() % 16:
+            return f"gate_up_proj's strides {w1.stride()}: neither of its last two dims contiguous and 16-byte aligned"
     return None
 
 
@@ -422,6 +434,15 @@ def grouped_mm_wgrad_default(x: torch.Tensor, n1: int, i: int) -> bool:
     offsets on the host (see ``uses_grouped_mm``)."""
     return (x.is_cuda and grouped_mm_unfit(x, n1, i) is None
             and _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+def grouped_mm_dgrad1_default(x: torch.Tensor, w1: torch.Tensor, n1: int, i: int) -> bool:
+    """Whether GEMM1's dgrad (d_pre @ gate_up_proj[e]) runs on ``torch._grouped_mm`` by
+    default, else on the forward's Triton GEMM: where the weight gradients do
+    (:func:`grouped_mm_wgrad_default`, the sm90 bf16 default) and gate_up_proj's layout
+    suits it (:func:`grouped_mm_unfit`). Its rows come back in sorted order, so the combine
+    reads them through :func:`.moe_experts.pair_rows`."""
+    return grouped_mm_wgrad_default(x, n1, i) and grouped_mm_unfit(x, n1, i, w1) is None
 
 
 def keeps_rows(x: torch.Tensor, n1: int, gated: bool, needs_w1: bool,
@@ -475,7 +496,7 @@ def _static(site: Any, make: Callable[[], Any]) -> Any:
     return got
 
 
-_PLANS: dict[Any, tuple[dict[str, dict[str, int]], bool]] = {}  # spec -> (configs, grouped wgrad)
+_PLANS: dict[Any, tuple[dict[str, dict[str, int]], bool, bool]] = {}  # spec -> (configs, grouped wgrad, dgrad1)
 
 
 def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -495,7 +516,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     ({"dgrad2", "dgrad1", "wgrad", "combine"}); ``configs["wgrad"]["GROUPED_MM"]`` 1 / 0
     forces the weight gradients onto ``torch._grouped_mm`` or off it (default:
     :func:`grouped_mm_wgrad_default`; 1 where :func:`grouped_mm_unfit` says why not raises
-    ValueError). ``fwd_spec``: :func:`F.spec_of` the op's arguments, if the caller has it."""
+    ValueError), ``configs["dgrad1"]["GROUPED_MM"]`` GEMM1's dgrad (default:
+    :func:`grouped_mm_dgrad1_default`). ``fwd_spec``: :func:`F.spec_of` the op's arguments, if the caller has it."""
     x, ids, rw, w1, b1, w2, b2 = hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, \
         down_proj, down_bias
     inputs = (x, rw, w1, b1, w2, b2)
@@ -528,10 +550,13 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
         grouped = bool(cfg["wgrad"].get("GROUPED_MM", grouped_mm_wgrad_default(x, n1, i)))
         if grouped and (why := grouped_mm_unfit(x, n1, i)) is not None:
             raise ValueError(f"fused_experts_backward: configs['wgrad']['GROUPED_MM'] = 1, but {why}")
-        plan = (cfg, grouped)
+        grouped1 = bool(cfg["dgrad1"].get("GROUPED_MM", grouped_mm_dgrad1_default(x, w1, n1, i)))
+        if grouped1 and (why := grouped_mm_unfit(x, n1, i, w1)) is not None:
+            raise ValueError(f"fused_experts_backward: configs['dgrad1']['GROUPED_MM'] = 1, but {why}")
+        plan = (cfg, grouped, grouped1)
         if spec is not None:
             F._remember(_PLANS, spec, plan)
-    cfg, grouped = plan
+    cfg, grouped, grouped1 = plan
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     sorted_pair_ids, block_expert = saved.sorted_pair_ids, saved.block_expert
     pstart, count = saved.tables[1], saved.tables[2]
@@ -609,13 +634,21 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             launch_args(_route_grad_kernel, grid, (part, dout, bias, ids, drw) + tail, site, opts)
             out[1] = drw
         if need_x:
-            pairs = F._new_buffer((s, h), x.dtype, dev)
-            F.launch_gemm(cfg["dgrad1"], a=d_pre, w_nk=F._nk_view(w1, not transposed), bias=None,
-                          rw=rw, out=pairs, pre=None, sorted_pair_ids=sorted_pair_ids,
-                          block_expert=block_expert, top_k=k, n=h, k=n1, gather=False, routed=True,
-                          scaled=False, act=_IDENTITY, spec=key("dgrad1"))
             dx = F._new_buffer((t, h), x.dtype, dev)
-            F.combine(pairs, ids, dx, e, cfg["combine"], spec=key("combine"))
+            if grouped1:
+                # CUTLASS over the sorted-padded rows of d_pre (0 at padding rows, unwritten
+                # past offs[-1], which it does not read), its result in that order: the
+                # combine finds each pair's row through the inverse of the pair list
+                rows = torch._grouped_mm(d_pre, w1.transpose(1, 2) if transposed else w1, offs=saved.tables[3])
+                where = F.pair_rows(sorted_pair_ids, saved.tables, s, key("pair rows"))
+                F.combine(rows, ids, dx, e, cfg["combine"], spec=key(("combine", "rows")), rows=where)
+            else:
+                pairs = F._new_buffer((s, h), x.dtype, dev)
+                F.launch_gemm(cfg["dgrad1"], a=d_pre, w_nk=F._nk_view(w1, not transposed), bias=None,
+                              rw=rw, out=pairs, pre=None, sorted_pair_ids=sorted_pair_ids,
+                              block_expert=block_expert, top_k=k, n=h, k=n1, gather=False, routed=True,
+                              scaled=False, act=_IDENTITY, spec=key("dgrad1"))
+                F.combine(pairs, ids, dx, e, cfg["combine"], spec=key("combine"))
             out[0] = dx
 
         # torch._grouped_mm's groups along the reduction dim: each expert's padded end row
