@@ -173,6 +173,15 @@ CASES: dict[str, dict] = {
     "grouped_mm dgrad1, hidden_states only, a full block": {
         "dims": (16, 2, 24, 16, 3), "opts": {"activation": "gelu_tanh", "gated": False}, "special": "full_block",
         "configs": GROUPED_DGRAD1, "dtypes": ["bfloat16"], "grouped1": True, "requires": ("hidden_states",)},
+    # GEMM2's dgrad split on a sorted copy of dout's rows (PREGATHER): its A through a tensor
+    # descriptor; alone, and beside the grouped weight gradients' scaled copy of the same rows
+    "dgrad2 split pregathered": {  # E > k: no expert's run is every token in order (= dout's own rows)
+        "dims": (11, 2, 40, 24, 5), "opts": {"bias": True, "sentinels": 2}, "special": "nan",
+        "configs": {**SMALL_BWD, "dgrad2": {**SPLIT_BWD["dgrad2"], "PREGATHER": 1}}},
+    "dgrad2 split pregathered, grouped_mm wgrad and dgrad1": {
+        "dims": (30, 2, 24, 16, 3), "opts": {"transposed": True, "bias": True},
+        "configs": {**GROUPED_DGRAD1, "wgrad": GROUPED_BWD["wgrad"], "dgrad2": {**SPLIT_BWD["dgrad2"], "PREGATHER": 1}},
+        "dtypes": ["bfloat16"], "grouped": True, "grouped1": True},
     "grouped_mm wgrad, down_proj only, a full block": {
         "dims": (16, 2, 24, 16, 3), "opts": {"bias": True}, "special": "full_block", "configs": GROUPED_BWD,
         "dtypes": ["bfloat16"], "grouped": True, "requires": ("down_proj", "down_bias"),
@@ -299,9 +308,18 @@ def _grouped_dgrad1(args: tuple, configs: dict | None) -> bool:
     return bool(((configs or {}).get("dgrad1") or {}).get("GROUPED_MM", default))
 
 
+def _pregathers_dout(names: tuple[str, ...], configs: dict | None) -> int:
+    """1 where GEMM2's dgrad runs (a gradient through d_pre or top_k_weights is asked for)
+    split and ``PREGATHER`` (copying dout's rows first), as the case's configs say (the
+    table never pregathers dout)."""
+    c2 = (configs or {}).get("dgrad2") or {}
+    runs = any(n in names for n in ("hidden_states", "top_k_weights", "gate_up_proj", "gate_up_bias"))
+    return int(runs and bool(c2.get("SPLIT")) and bool(c2.get("PREGATHER")))
+
+
 def _check_wgrad_path(grouped: bool, grouped1: bool, names: tuple[str, ...], args: tuple, mm_calls: list[int],
                       wgrad_log: list[dict[str, Any]], rows_log: list[dict[str, Any]],
-                      fwd_rows_log: list[dict[str, Any]]) -> None:
+                      fwd_rows_log: list[dict[str, Any]], pregather2: int = 0) -> None:
     """The weight gradients ran where they should: ``grouped``, one torch._grouped_mm per
     weight gradient asked for, Triton's _moe_wgrad for the biases alone, and each gathered
     operand's rows copied once: rw * dout (scaled) for down_proj in the backward, x for
@@ -318,7 +336,9 @@ def _check_wgrad_path(grouped: bool, grouped1: bool, names: tuple[str, ...], arg
     assert len(mm_calls) == len(weights) + dgrad1, \
         f"torch._grouped_mm ran {len(mm_calls)} times for {weights} and {dgrad1} dgrad"
     assert [kw["WEIGHT_GRAD"] for kw in wgrad_log] == [False] * len(biases), wgrad_log
-    assert [kw["SCALED"] for kw in rows_log] == [True] * ("down_proj" in weights), rows_log
+    assert [kw["SCALED"] for kw in rows_log if kw["SCALED"]] == [True] * ("down_proj" in weights), rows_log
+    # the rest: dout's rows for GEMM2's dgrad where it pregathers (``_pregathers_dout``)
+    assert len([kw for kw in rows_log if not kw["SCALED"]]) == pregather2, rows_log
     if "gate_up_proj" in weights:
         assert [kw["SCALED"] for kw in fwd_rows_log] == [False], fwd_rows_log
 
@@ -388,7 +408,8 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     finally:
         for (mod, attr), fn in originals.items():
             setattr(mod, attr, fn)
-    _check_wgrad_path(grouped, grouped1, names, args, mm_calls, wgrad_log, rows_log, fwd_rows_log)
+    _check_wgrad_path(grouped, grouped1, names, args, mm_calls, wgrad_log, rows_log, fwd_rows_log,
+                      _pregathers_dout(names, configs))
     # The reference's cotangent is the one the op got (rounded to dtype): a fp16 rounding of
     # cot alone moved d top_k_weights' dot over H by > 0.002 of its size where it cancels
     # (T = 1, float16: 3 of 200 seeds, with or without TMA loads).

@@ -14,7 +14,9 @@ padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    (``configs["dgrad2"]["SPLIT"]``, the table's default at many rows per expert): g comes
    from the forward's GEMM (``_moe_gemm``, gathered rows, any tile width) into an fp32
    (padded rows, I) buffer, and :func:`_gate_grad_kernel` runs the same epilogue as its own
-   pass (one partial per pair). The fused kernel's tile is 64 wide (its epilogue holds g,
+   pass (one partial per pair); with ``PREGATHER`` that GEMM reads a sorted copy of dout's
+   rows (:func:`.moe_experts.sorted_rows`) through a tensor descriptor instead of gathering
+   them on its load (the same bits). The fused kernel's tile is 64 wide (its epilogue holds g,
    both pre halves and both gradient halves) and ran at ~190 TF/s on the H200; split, the
    op's forward + backward took 2400 / 2689 / 2792 us against 2564 / 2795 / 2980 fused
    (Mixtral / Qwen3-MoE / OLMoE, T = 4096, 2026-12-02), g's extra write and read included.
@@ -588,9 +590,15 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                 # g = dout[t] @ down[e] on the forward's GEMM (a plain tile, any width), fp32 at
                 # the padded rows; then the gate's backward as its own pass (see the table's about)
                 g = F._new_buffer((nb * bm, i), torch.float32, dev)
-                F.launch_gemm(c, a=dout, w_nk=w_nk, bias=None, rw=rw, out=g, pre=None,
+                # PREGATHER: dout's rows copied into sorted-padded order first, so the GEMM
+                # loads its A through a tensor descriptor (as the forward's GEMM1 may); the
+                # same tiles and sums, so the same bits as the gathered load
+                pregather = bool(c.get("PREGATHER", 0))
+                a2 = (F.sorted_rows(dout, rw, sorted_pair_ids, saved.tables, k, False, key(("rows", "dout")))
+                      if pregather else dout)
+                F.launch_gemm(c, a=a2, w_nk=w_nk, bias=None, rw=rw, out=g, pre=None,
                               sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k, n=i, k=h,
-                              gather=True, routed=False, act=_IDENTITY, spec=key("dgrad2"))
+                              gather=not pregather, routed=False, act=_IDENTITY, spec=key("dgrad2"))
                 br = min(bm, 32)
                 site = key("gate grad")
                 grid, tail, opts = _static(site, lambda: (
