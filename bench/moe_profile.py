@@ -111,6 +111,27 @@ def main() -> None:
                 compiled_block(block, x, a.reps, a.modes, a.host_profile)
 
 
+def syncs(call) -> str:
+    """The host syncs in one call (``torch.cuda.set_sync_debug_mode``): how many, and where
+    the first was. A sync inside a step lets the GPU drain, and it idles through the host
+    work that follows."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    hits = [w for w in seen if "synchroniz" in str(w.message)]
+    if not hits:
+        return "0"
+    first = hits[0]
+    return f"{len(hits)} (first: {str(first.message)[:80]!r} at {first.filename}:{first.lineno})"
+
+
 def compiled_block(block: torch.nn.Module, x: torch.Tensor, reps: int, modes: list[str],
                    host: bool = False) -> None:
     """The block eager and under torch.compile: same kernels (their GPU sums match), so a
@@ -132,7 +153,8 @@ def compiled_block(block: torch.nn.Module, x: torch.Tensor, reps: int, modes: li
                 call()
                 torch.cuda.synchronize()
             kernels = sum(e.self_device_time_total for e in prof.key_averages())
-            print(f"  block {mode}, {name:22s} GPU {gpu:8.0f} us   host {host:8.0f} us   kernels {kernels:8.0f} us")
+            print(f"  block {mode}, {name:22s} GPU {gpu:8.0f} us   host {host:8.0f} us   kernels {kernels:8.0f} us"
+                  f"   host syncs {syncs(call)}")
             if host:
                 host_profile(call, reps)
             rows = 8 if mode == "fwd" else 22
