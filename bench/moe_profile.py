@@ -148,12 +148,12 @@ def compiled_block(block: torch.nn.Module, x: torch.Tensor, reps: int, modes: li
             torch._dynamo.reset()
             fn = bb.variant(block, name)
             call = bb.step(fn, x, mode)
-            gpu, host = median_us(call, reps, True), host_us(call)
+            gpu, host_time = median_us(call, reps, True), host_us(call)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 call()
                 torch.cuda.synchronize()
             kernels = sum(e.self_device_time_total for e in prof.key_averages())
-            print(f"  block {mode}, {name:22s} GPU {gpu:8.0f} us   host {host:8.0f} us   kernels {kernels:8.0f} us"
+            print(f"  block {mode}, {name:22s} GPU {gpu:8.0f} us   host {host_time:8.0f} us   kernels {kernels:8.0f} us"
                   f"   host syncs {syncs(call)}")
             if host:
                 host_profile(call, reps)
