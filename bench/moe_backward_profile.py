@@ -82,10 +82,6 @@ def main() -> None:
                 us = median_us(step(lambda *x, g=g: B.FusedExperts.apply(*x, {"dgrad1": {"GROUPED_MM": g}})),
                                a.reps, True)
                 print(f"  GEMM1's dgrad on {path}: fused fwd+bwd {us:.0f} us (default: {d1})", flush=True)
-            # GEMM2's dgrad on torch._grouped_mm over a sorted copy of dout's rows (g in bf16)
-            if why is None:
-                us = median_us(step(lambda *x: B.FusedExperts.apply(*x, {"dgrad2": {"GROUPED_MM": 1}})), a.reps, True)
-                print(f"  GEMM2's dgrad on torch._grouped_mm: fused fwd+bwd {us:.0f} us (default: Triton)", flush=True)
             # GEMM2's dgrad as one kernel (the gate's backward in its epilogue, 64-wide tiles)
             # beside the table's default (split where many rows per expert)
             split = B._configs(t * k / e, torch.bfloat16, fused.pick_config("gemm1", t * k / e, n1, h,

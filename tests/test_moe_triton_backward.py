@@ -55,12 +55,9 @@ GROUPED_BWD = {**SMALL_BWD, "wgrad": {**SMALL_BWD["wgrad"], "GROUPED_MM": 1}}
 # GEMM1's dgrad forced onto torch._grouped_mm (the sm90 bf16 default; here the CPU's): its
 # rows come back in sorted-padded order and the combine reads them through pair_rows
 GROUPED_DGRAD1 = {**SMALL_BWD, "dgrad1": {**SMALL_BWD["dgrad1"], "GROUPED_MM": 1}}
-# GEMM2's dgrad on torch._grouped_mm (an option, off by default): g = dout[t] @ down[e] in bf16
-GROUPED_DGRAD2 = {**SMALL_BWD, "dgrad2": {**SMALL_BWD["dgrad2"], "GROUPED_MM": 1}}
 # The gradients each GEMM's torch._grouped_mm path changes, and whether it is one call per
 # gradient (the weight gradients) or one call for all
-GROUPED_PATHS = {"wgrad": (("down_proj", "gate_up_proj"), True), "dgrad1": (("hidden_states",), False),
-                 "dgrad2": (("hidden_states", "top_k_weights", "gate_up_proj", "gate_up_bias"), False)}
+GROUPED_PATHS = {"wgrad": (("down_proj", "gate_up_proj"), True), "dgrad1": (("hidden_states",), False)}
 # GEMM2's dgrad split (the table's default at many rows per expert): the forward's GEMM into
 # a buffer of g, then the gate's backward as its own pass (_gate_grad_kernel)
 SPLIT_BWD = {**SMALL_BWD, "dgrad2": {**SMALL_BWD["dgrad2"], "SPLIT": 1}}
@@ -177,19 +174,6 @@ CASES: dict[str, dict] = {
     "grouped_mm dgrad1, hidden_states only, a full block": {
         "dims": (16, 2, 24, 16, 3), "opts": {"activation": "gelu_tanh", "gated": False}, "special": "full_block",
         "configs": GROUPED_DGRAD1, "dtypes": ["bfloat16"], "grouped1": True, "requires": ("hidden_states",)},
-    # GEMM2's dgrad on torch._grouped_mm over a sorted copy of dout's rows (g in bf16); E > k,
-    # so no expert's run is every token in order (which would hide a gather of the wrong rows)
-    "grouped_mm dgrad2, sentinels, empty experts": {
-        "dims": (6, 2, 16, 8, 8), "opts": {"bias": True, "sentinels": 3}, "special": "nan+skip_expert",
-        "configs": GROUPED_DGRAD2, "dtypes": ["bfloat16"], "grouped2": True},
-    "grouped_mm dgrad2, dgrad1 and wgrad, transposed interleaved gpt_oss": {
-        "dims": (30, 2, 24, 16, 3), "opts": {"activation": M.GPT_OSS, "transposed": True, "interleaved": True,
-                                             "bias": True},
-        "configs": {**GROUPED_DGRAD1, "wgrad": GROUPED_BWD["wgrad"], "dgrad2": GROUPED_DGRAD2["dgrad2"]},
-        "dtypes": ["bfloat16"], "grouped": True, "grouped1": True, "grouped2": True},
-    "grouped_mm dgrad2, top_k_weights only, ungated": {
-        "dims": (11, 2, 40, 24, 5), "opts": {"activation": "relu2", "gated": False, "bias": True},
-        "configs": GROUPED_DGRAD2, "dtypes": ["bfloat16"], "grouped2": True, "requires": ("top_k_weights",)},
     "grouped_mm wgrad, down_proj only, a full block": {
         "dims": (16, 2, 24, 16, 3), "opts": {"bias": True}, "special": "full_block", "configs": GROUPED_BWD,
         "dtypes": ["bfloat16"], "grouped": True, "requires": ("down_proj", "down_bias"),
@@ -316,28 +300,18 @@ def _grouped_dgrad1(args: tuple, configs: dict | None) -> bool:
     return bool(((configs or {}).get("dgrad1") or {}).get("GROUPED_MM", default))
 
 
-def _grouped_dgrad2(names: tuple[str, ...], configs: dict | None) -> int:
-    """1 where GEMM2's dgrad runs (a gradient through d_pre or top_k_weights is asked for)
-    on torch._grouped_mm, over a sorted copy of dout's rows, as the case's configs say (the
-    table never asks for it)."""
-    c2 = (configs or {}).get("dgrad2") or {}
-    runs = any(n in names for n in ("hidden_states", "top_k_weights", "gate_up_proj", "gate_up_bias"))
-    return int(runs and bool(c2.get("GROUPED_MM")))
-
-
 def _check_wgrad_path(grouped: bool, grouped1: bool, names: tuple[str, ...], args: tuple, mm_calls: list[int],
                       wgrad_log: list[dict[str, Any]], rows_log: list[dict[str, Any]],
-                      fwd_rows_log: list[dict[str, Any]], grouped2: int = 0) -> None:
+                      fwd_rows_log: list[dict[str, Any]]) -> None:
     """The weight gradients ran where they should: ``grouped``, one torch._grouped_mm per
     weight gradient asked for, Triton's _moe_wgrad for the biases alone, and each gathered
     operand's rows copied once: rw * dout (scaled) for down_proj in the backward, x for
     gate_up_proj in the forward (GEMM1 read that copy, and the backward reuses it:
     ``keeps_rows``); else no torch._grouped_mm for them, and the forward copies x only where
     its table says PREGATHER. ``grouped1``: GEMM1's dgrad is one more torch._grouped_mm
-    where hidden_states' gradient is asked for; ``grouped2``: GEMM2's dgrad one more, on
-    one more (unscaled) copy of rows, dout's."""
+    where hidden_states' gradient is asked for."""
     weights = [n for n in ("down_proj", "gate_up_proj") if n in names]
-    dgrads = int(grouped1 and "hidden_states" in names) + grouped2
+    dgrads = int(grouped1 and "hidden_states" in names)
     if not grouped:
         assert len(mm_calls) == dgrads, f"torch._grouped_mm ran {len(mm_calls)} times, {dgrads} asked for"
         return
@@ -345,9 +319,7 @@ def _check_wgrad_path(grouped: bool, grouped1: bool, names: tuple[str, ...], arg
     assert len(mm_calls) == len(weights) + dgrads, \
         f"torch._grouped_mm ran {len(mm_calls)} times for {weights} and {dgrads} dgrads"
     assert [kw["WEIGHT_GRAD"] for kw in wgrad_log] == [False] * len(biases), wgrad_log
-    assert [kw["SCALED"] for kw in rows_log if kw["SCALED"]] == [True] * ("down_proj" in weights), rows_log
-    # the rest: dout's rows for GEMM2's dgrad where it runs on torch._grouped_mm
-    assert len([kw for kw in rows_log if not kw["SCALED"]]) == grouped2, rows_log
+    assert [kw["SCALED"] for kw in rows_log] == [True] * ("down_proj" in weights), rows_log
     if "gate_up_proj" in weights:
         assert [kw["SCALED"] for kw in fwd_rows_log] == [False], fwd_rows_log
 
@@ -404,7 +376,6 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
         patch[(torch, "_grouped_mm")] = _counted(torch._grouped_mm, mm_calls)
     assert grouped or not c.get("grouped"), "a grouped_mm case whose weight gradients would not use it"
     assert grouped1 or not c.get("grouped1"), "a grouped_mm case whose GEMM1 dgrad would not use it"
-    assert _grouped_dgrad2(names, configs) or not c.get("grouped2"), "a grouped_mm case whose GEMM2 dgrad won't use it"
     if grouped:
         patch[(TB, "_moe_wgrad")] = _Launches(TB._moe_wgrad, wgrad_log)
         patch[(TM, "_sorted_rows_kernel")] = _Launches(TM._sorted_rows_kernel, rows_log)
@@ -418,8 +389,7 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     finally:
         for (mod, attr), fn in originals.items():
             setattr(mod, attr, fn)
-    _check_wgrad_path(grouped, grouped1, names, args, mm_calls, wgrad_log, rows_log, fwd_rows_log,
-                      _grouped_dgrad2(names, configs))
+    _check_wgrad_path(grouped, grouped1, names, args, mm_calls, wgrad_log, rows_log, fwd_rows_log)
     # The reference's cotangent is the one the op got (rounded to dtype): a fp16 rounding of
     # cot alone moved d top_k_weights' dot over H by > 0.002 of its size where it cancels
     # (T = 1, float16: 3 of 200 seeds, with or without TMA loads).
@@ -561,7 +531,7 @@ def test_grouped_mm_wgrad_choice() -> None:
                      block_expert=torch.full((1,), -1, dtype=torch.int32),
                      tables=torch.zeros((3, 3), dtype=torch.int32), act=torch.zeros(16, 24, dtype=torch.float16),
                      pre=torch.zeros(16, 48), configs={"gemm1": dict(SMALL["gemm1"])})
-    for gemm in ("wgrad", "dgrad1", "dgrad2"):
+    for gemm in ("wgrad", "dgrad1"):
         with pytest.raises(ValueError, match=f"{gemm}.*GROUPED_MM.*not bfloat16"):
             TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.float16), *args, saved,
                                       configs={gemm: {"GROUPED_MM": 1}})
@@ -642,8 +612,7 @@ def test_cuda_gradients(shape: str, family: str, dtype: torch.dtype) -> None:
 @needs_cuda
 @pytest.mark.parametrize("case_id", [c.replace("float32", "bfloat16") for c in CASE_IDS if c.endswith("float32")]
                          + [c for c in CASE_IDS if CASES[c.rsplit("/", 1)[0]].get("grouped")
-                            or CASES[c.rsplit("/", 1)[0]].get("grouped1")
-                            or CASES[c.rsplit("/", 1)[0]].get("grouped2")])
+                            or CASES[c.rsplit("/", 1)[0]].get("grouped1")])
 def test_cuda_cases(case_id: str) -> None:
     """The interpreted cases, compiled, in bfloat16, and a second backward bit-identical
     (the weight gradients on torch._grouped_mm where that is the default, sm90, or forced)."""
@@ -676,22 +645,21 @@ def test_cuda_deterministic(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("shape", list(BIGGER))
 @pytest.mark.parametrize("gemm", list(GROUPED_PATHS))
 def test_cuda_grouped_mm(gemm: str, shape: str, family: str) -> None:
-    """bf16: the weight gradients (``gemm`` "wgrad"), GEMM1's dgrad ("dgrad1") or GEMM2's
-    ("dgrad2") on torch._grouped_mm (CUTLASS; the sm90 default but for dgrad2) and on
-    Triton both match float64 and each other; every other gradient is the same bits either
-    way (the same kernels; the other GEMMs pinned to Triton); two grouped runs are
-    bit-identical. NaN-filled buffers: a padding row left unwritten, one read past
-    offs[-1], or a pair's row missed by pair_rows, fails."""
+    """bf16: the weight gradients (``gemm`` "wgrad") or GEMM1's dgrad ("dgrad1") on
+    torch._grouped_mm (CUTLASS; the sm90 default) and on Triton both match float64 and each
+    other; every other gradient is the same bits either way (the same kernels; the other
+    GEMM pinned to Triton); two grouped runs are bit-identical. NaN-filled buffers: a
+    padding row left unwritten, one read past offs[-1], or a pair's row missed by
+    pair_rows, fails."""
     args = _big_args(shape, family, torch.bfloat16)
     w1, gated, transposed = args[3], args[8], args[9]
     n1 = w1.shape[2] if transposed else w1.shape[1]
     i = n1 // 2 if gated else n1
     if (why := TB.grouped_mm_unfit(args[0], n1, i, w1)) is not None:
         pytest.skip(why)
-    if gemm != "dgrad2":
-        default = (TB.grouped_mm_wgrad_default(args[0], n1, i) if gemm == "wgrad"
-                   else TB.grouped_mm_dgrad1_default(args[0], w1, n1, i))
-        assert default == (torch.cuda.get_device_capability()[0] == 9)
+    default = (TB.grouped_mm_wgrad_default(args[0], n1, i) if gemm == "wgrad"
+               else TB.grouped_mm_dgrad1_default(args[0], w1, n1, i))
+    assert default == (torch.cuda.get_device_capability()[0] == 9)
     names = [n for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
     leaves = [a for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
     affected, per_grad = GROUPED_PATHS[gemm]

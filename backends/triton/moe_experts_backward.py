@@ -14,12 +14,13 @@ padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    (``configs["dgrad2"]["SPLIT"]``, the table's default at many rows per expert): g comes
    from the forward's GEMM (``_moe_gemm``, gathered rows, any tile width) into an fp32
    (padded rows, I) buffer, and :func:`_gate_grad_kernel` runs the same epilogue as its own
-   pass (one partial per pair). ``GROUPED_MM`` (bf16): that GEMM on ``torch._grouped_mm``
-   over a sorted copy of dout's rows (:func:`.moe_experts.sorted_rows`), g in bf16. The
-   fused kernel's tile is 64 wide (its epilogue holds g, both pre halves and both gradient
-   halves) and ran at ~190 TF/s on the H200; split, the op's forward + backward took 2400 /
-   2689 / 2792 us against 2564 / 2795 / 2980 fused (Mixtral / Qwen3-MoE / OLMoE, T = 4096,
-   2026-12-02), g's extra write and read included.
+   pass (one partial per pair). (On ``torch._grouped_mm`` over a sorted copy of dout's
+   rows, g in bf16, the op's forward + backward took 7-22 % longer: 2542 / 2737 / 3270
+   against 2313 / 2559 / 2691 us, H200, 2026-12-03; with dout's rows sorted for the Triton
+   GEMM's TMA loads, no faster.) The fused kernel's tile is 64 wide (its epilogue holds g,
+   both pre halves and both gradient halves) and ran at ~190 TF/s on the H200; split, the
+   op's forward + backward took 2400 / 2689 / 2792 us against 2564 / 2795 / 2980 fused
+   (Mixtral / Qwen3-MoE / OLMoE, T = 4096, 2026-12-02), g's extra write and read included.
 2. **d top_k_weights** (:func:`_route_grad_kernel`): each valid slot's partials summed in
    block order, plus dout[t] . down_bias[e]; 0 at a slot whose id is outside [0, E).
 3. **dgrad of GEMM1** (the forward's ``_moe_gemm``, ROUTED without the routing weight):
@@ -30,7 +31,9 @@ padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    instead, its (R, H) result in that order, and the combine reads each pair's row through
    the inverse of the pair list (:func:`.moe_experts.pair_rows`). The same rounding: each
    row's dot accumulates in fp32 and is rounded once to bf16, and the sum over slots is the
-   combine's, in slot order.
+   combine's, in slot order. The op's forward + backward at T = 4096 (H200, 2026-12-03,
+   ``bench/moe_backward_profile.py``, three calls): Mixtral 2332 against 2426 us on Triton,
+   Qwen3-MoE 2576 / 2677, OLMoE 2731 / 2818 (the other two calls: 10-33 and 130-177 us apart).
 4. **wgrad** (:func:`_moe_wgrad`, grid = output tiles x E): out[e][m, n] = sum over e's
    rows of L[r, m] * R[r, n], each operand read directly or gathered through pair ->
    token, L optionally times rw; written through the weight's own strides, so either
@@ -241,10 +244,9 @@ def _gate_grad_kernel(
 ):
     """GEMM2's dgrad, split (``configs["dgrad2"]["SPLIT"]``), second pass: for BLOCK_R padded
     rows (a slice of one M block of ``block_m`` rows) the gate's backward of
-    :func:`_dgrad_act_kernel`'s epilogue on g (padded rows x N, the GEMM's output: fp32, or
-    bf16 from ``GROUPED_MM``): d_pre from rw * g and ``pre`` (0 at padding rows), and
-    part[pair] = the sum over all N columns of g * gate(pre), in column order. Rows of
-    blocks past the work list: nothing."""
+    :func:`_dgrad_act_kernel`'s epilogue on g (fp32, padded rows x N, the GEMM's output):
+    d_pre from rw * g and ``pre`` (0 at padding rows), and part[pair] = the sum over all N
+    columns of g * gate(pre), in column order. Rows of blocks past the work list: nothing."""
     r0 = tl.program_id(0) * BLOCK_R
     expert = tl.load(block_expert_ptr + r0 // block_m)
     if expert < 0:
@@ -260,7 +262,7 @@ def _gate_grad_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_fm + cols[None, :] * stride_fn,
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
         part += _gate_grad_tile(g, rw, rows, row_ok, cols, col_ok, pre_ptr, stride_pm, stride_pn, dpre_ptr,
                                 stride_gm, stride_gn, N, alpha, limit, GATED, INTERLEAVED, ACT, HAS_LIMIT,
                                 GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE)
@@ -556,8 +558,6 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
         grouped1 = bool(cfg["dgrad1"].get("GROUPED_MM", grouped_mm_dgrad1_default(x, w1, n1, i)))
         if grouped1 and (why := grouped_mm_unfit(x, n1, i, w1)) is not None:
             raise ValueError(f"fused_experts_backward: configs['dgrad1']['GROUPED_MM'] = 1, but {why}")
-        if cfg["dgrad2"].get("GROUPED_MM", 0) and (why := grouped_mm_unfit(x, n1, i, w2)) is not None:
-            raise ValueError(f"fused_experts_backward: configs['dgrad2']['GROUPED_MM'] = 1, but {why}")
         plan = (cfg, grouped, grouped1)
         if spec is not None:
             F._remember(_PLANS, spec, plan)
@@ -583,8 +583,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     with F._device_ctx(x):
         if need_dpre or need_rw:
             c = cfg["dgrad2"]
-            grouped2 = bool(c.get("GROUPED_MM", 0))
-            split = grouped2 or bool(c.get("SPLIT", 0))
+            split = bool(c.get("SPLIT", 0))
             nnb = 1 if split else F.cdiv(i, c["BLOCK_N"])
             d_pre = F._new_buffer((nb * bm, n1), x.dtype, dev) if need_dpre else saved.act
             part = F._new_buffer((s, nnb), torch.float32, dev) if need_rw else saved.act
@@ -593,17 +592,10 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             if split:
                 # g = dout[t] @ down[e] on the forward's GEMM (a plain tile, any width), fp32 at
                 # the padded rows; then the gate's backward as its own pass (see the table's about)
-                if grouped2:
-                    # GROUPED_MM: on torch._grouped_mm (CUTLASS) over a sorted copy of dout's rows
-                    # (0 at padding rows), g in bf16 (rounded once, as transformers' grouped_mm
-                    # path rounds it); rows past offs[-1] unwritten, in blocks the pass skips
-                    a2 = F.sorted_rows(dout, rw, sorted_pair_ids, saved.tables, k, False, key(("rows", "dout")))
-                    g = torch._grouped_mm(a2, w_nk.transpose(1, 2), offs=saved.tables[3])
-                else:
-                    g = F._new_buffer((nb * bm, i), torch.float32, dev)
-                    F.launch_gemm(c, a=dout, w_nk=w_nk, bias=None, rw=rw, out=g, pre=None,
-                                  sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k, n=i, k=h,
-                                  gather=True, routed=False, act=_IDENTITY, spec=key("dgrad2"))
+                g = F._new_buffer((nb * bm, i), torch.float32, dev)
+                F.launch_gemm(c, a=dout, w_nk=w_nk, bias=None, rw=rw, out=g, pre=None,
+                              sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k, n=i, k=h,
+                              gather=True, routed=False, act=_IDENTITY, spec=key("dgrad2"))
                 br = min(bm, 32)
                 site = key("gate grad")
                 grid, tail, opts = _static(site, lambda: (
