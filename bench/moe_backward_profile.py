@@ -25,6 +25,9 @@ from opreg.ops import moe_experts as M
 from opreg.testing.timing import median_us
 
 SHAPES = tune.SHAPES
+# the gate's backward pass (GEMM2's split dgrad): (rows, columns, warps) per program; the
+# first is the default
+GATE_TILES = [(32, 64, 4), (16, 128, 4), (32, 128, 8), (8, 256, 4), (16, 256, 8), (64, 64, 8), (4, 512, 4)]
 CANDIDATES = {
     "wgrad": [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, GROUPED_MM=0)
               for m, n, k, w, s in [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 128, 64, 4, 4),
@@ -82,6 +85,25 @@ def main() -> None:
                 us = median_us(step(lambda *x, g=g: B.FusedExperts.apply(*x, {"dgrad1": {"GROUPED_MM": g}})),
                                a.reps, True)
                 print(f"  GEMM1's dgrad on {path}: fused fwd+bwd {us:.0f} us (default: {d1})", flush=True)
+            # the gate's backward pass (split) alone, per tile shape: its device time under the
+            # profiler (a kernel of ~100-200 us at T = 4096, below the step's run-to-run spread)
+            from torch.profiler import ProfilerActivity, profile
+            base2 = B._configs(t * k / e, torch.bfloat16, fused.pick_config("gemm1", t * k / e, n1, h,
+                               torch.bfloat16)["BLOCK_M"], n1, h, n1 // 2, {})["dgrad2"]
+            for gr, gn, gw in GATE_TILES:
+                c2 = {"dgrad2": {**base2, "SPLIT": 1, "GATE_R": gr, "GATE_N": gn, "GATE_WARPS": gw}}
+                run = step(lambda *x, c2=c2: B.FusedExperts.apply(*x, c2))
+                run()
+                times = []
+                for _ in range(3):
+                    torch.cuda.synchronize()
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        run()
+                        torch.cuda.synchronize()
+                    times.append(sum(ev.self_device_time_total for ev in prof.key_averages()
+                                     if ev.key == "_gate_grad_kernel"))
+                print(f"  gate pass {gr} rows x {gn} cols, {gw} warps: {sorted(times)[1]:.1f} us "
+                      f"(of 3 profiled steps, the median)", flush=True)
             # GEMM2's dgrad as one kernel (the gate's backward in its epilogue, 64-wide tiles)
             # beside the table's default (split where many rows per expert)
             split = B._configs(t * k / e, torch.bfloat16, fused.pick_config("gemm1", t * k / e, n1, h,
