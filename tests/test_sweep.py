@@ -108,6 +108,29 @@ def test_summary_counts(sweep):
                and ln.endswith("(eager2/eager 0.965, opreg2/opreg 1.040)") for ln in lines)
 
 
+def test_best_of_two(sweep):
+    """Confirmed rows where opreg and eager each ran twice: the better run against the better
+    run is printed beside each loss and counted; the verdict stays eager's."""
+    R = sweep.Row
+    rows = [  # bimodal op: loses in one run, not at its best; a real loss at both runs
+        R("cat_linear", "list", "fwdbwd", "g", {"dtype": "fp32"},
+          {"opreg": 1.2, "opreg2": 1.0, "eager": 1.0, "eager2": 1.01}, 1.2, {"eager2": 1.19},
+          err=0.0, spread=1.0, self_spread=0.84, confirmed=True),
+        R("cat_linear", "list", "fwdbwd", "h", {"dtype": "fp32"},
+          {"opreg": 1.2, "opreg2": 1.1, "eager": 1.0, "eager2": 1.02}, 1.2, {"eager2": 1.18},
+          err=0.0, spread=1.0, self_spread=0.92, confirmed=True),
+    ]
+    assert sweep.best_of_two(rows[0]) == pytest.approx(1.0)
+    assert sweep.best_of_two(rows[1]) == pytest.approx(1.1)
+    cfg = sweep.Config("cpu", sweep.GRIDS["tiny"], "none", 1e9, 0.0, confirm_rounds=21, rows=rows)
+    lines, summary = sweep.summarize(cfg)
+    assert summary["slower_beyond_noise"]["cat_linear/list/fwdbwd"] == ["g", "h"]
+    assert any(ln.endswith("still > 3 % slower in 2 (the op's better run > 3 % slower than eager's better run "
+                           "in 1 of the 2 timed twice each)") for ln in lines)
+    assert any(ln.startswith("  beyond the noise: cat_linear/list/fwdbwd g:")
+               and ln.endswith("opreg2/opreg 0.840, best/best 1.000)") for ln in lines)
+
+
 def test_confirm_retimes_the_losers_only(sweep, monkeypatch):
     """--confirm-rounds: each cat_linear shape with a row > 3 % slower is timed again (both
     modes) with that many rounds, and its rows are replaced by the new, ``confirmed`` ones;
@@ -135,7 +158,8 @@ def test_confirm_retimes_the_losers_only(sweep, monkeypatch):
     assert by[(lose, "fwd")].ratio == 1.01 and by[(lose, "fwdbwd")].ratio == 1.05
     assert by[(lose, "fwd")].confirmed and by[(lose, "fwdbwd")].confirmed
     lines, summary = sweep.summarize(cfg)
-    assert "timed again with --confirm-rounds 9: 2 rows, still > 3 % slower in 1" in lines
+    assert ("timed again with --confirm-rounds 9: 2 rows, still > 3 % slower in 1 (the op's better run > 3 % "
+            "slower than eager's better run in 0 of the 0 timed twice each)") in lines
     assert summary["slower"]["cat_linear/list/fwd"] == [] and summary["slower"]["cat_linear/list/fwdbwd"] == [lose]
     timed.clear()
     cfg.rows.append(R("cat_linear", "list", "fwdbwd", win, {"dtype": "fp32"}, {"opreg": 1.2, "eager": 1.0}, 1.2))
