@@ -32,8 +32,8 @@ padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    the inverse of the pair list (:func:`.moe_experts.pair_rows`). The same rounding: each
    row's dot accumulates in fp32 and is rounded once to bf16, and the sum over slots is the
    combine's, in slot order. The op's forward + backward at T = 4096 (H200, 2026-12-03,
-   ``bench/moe_backward_profile.py``, three calls): Mixtral 2332 against 2426 us on Triton,
-   Qwen3-MoE 2576 / 2677, OLMoE 2731 / 2818 (the other two calls: 10-33 and 130-177 us apart).
+   ``bench/moe_backward_profile.py``): Mixtral 2332 against 2426 us on Triton, Qwen3-MoE
+   2576 / 2677, OLMoE 2731 / 2818; faster by 9-177 us in all 12 pairs of four runs.
 4. **wgrad** (:func:`_moe_wgrad`, grid = output tiles x E): out[e][m, n] = sum over e's
    rows of L[r, m] * R[r, n], each operand read directly or gathered through pair ->
    token, L optionally times rw; written through the weight's own strides, so either
