@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import opreg  # noqa: F401
 from opreg.backends.triton import moe_experts as fused
@@ -87,7 +88,6 @@ def main() -> None:
                 print(f"  GEMM1's dgrad on {path}: fused fwd+bwd {us:.0f} us (default: {d1})", flush=True)
             # the gate's backward pass (split) alone, per tile shape: its device time under the
             # profiler (a kernel of ~100-200 us at T = 4096, below the step's run-to-run spread)
-            from torch.profiler import ProfilerActivity, profile
             base2 = B._configs(t * k / e, torch.bfloat16, fused.pick_config("gemm1", t * k / e, n1, h,
                                torch.bfloat16)["BLOCK_M"], n1, h, n1 // 2, {})["dgrad2"]
             for gr, gn, gw in GATE_TILES:
@@ -106,13 +106,11 @@ def main() -> None:
                       f"(of 3 profiled steps, the median)", flush=True)
             # GEMM2's dgrad as one kernel (the gate's backward in its epilogue, 64-wide tiles)
             # beside the table's default (split where many rows per expert)
-            split = B._configs(t * k / e, torch.bfloat16, fused.pick_config("gemm1", t * k / e, n1, h,
-                               torch.bfloat16)["BLOCK_M"], n1, h, n1 // 2, {})["dgrad2"].get("SPLIT", 0)
+            split = base2.get("SPLIT", 0)
             fused_cfg = {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4, "SPLIT": 0}
             us = median_us(step(lambda *x: B.FusedExperts.apply(*x, {"dgrad2": fused_cfg})), a.reps, True)
             print(f"  GEMM2's dgrad fused (one kernel, 64-wide tiles): fused fwd+bwd {us:.0f} us "
                   f"(default: {'split' if split else 'fused'})", flush=True)
-            from torch.profiler import ProfilerActivity, profile
             step(lambda *x: B.FusedExperts.apply(*x))()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
