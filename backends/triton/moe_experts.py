@@ -167,7 +167,7 @@ def _mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_o
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
          DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr = False,
          w_desc=None, expert=0, wn0=0, wn1=0, W_TMA: tl.constexpr = False, W_KMAJOR: tl.constexpr = True,
-         a_desc=None, a_row0=0, A_TMA: tl.constexpr = False, WS: tl.constexpr = False):
+         a_desc=None, a_row0=0, A_TMA: tl.constexpr = False):
     """The main loop of a routed GEMM tile: acc0[m, n] = sum over k of A[a_row[m], k] *
     W[wcol0[n], k] (and acc1 with wcol1 when GATED), fp32; rows not ``row_ok`` and columns
     not ``col_ok`` load zeros. W is seen through (stride_wn, stride_wk) from ``w_base``, the
@@ -178,16 +178,14 @@ def _mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_o
     past its edges, and a column past N reads a row that only feeds a column never stored.
     A_TMA: A's rows are the contiguous a_row0 .. a_row0 + BLOCK_M of ``a_desc`` (the sorted
     rows; a padding row's garbage only feeds its own output row, never stored). EVEN_K: K is
-    a multiple of BLOCK_K, so A's loads need no K mask. WS: Triton's automatic warp
-    specialization of the loop (producer warps issue the descriptor loads); only where every
-    load in the loop is a descriptor's (W_TMA and A_TMA)."""
+    a multiple of BLOCK_K, so A's loads need no K mask."""
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :] * stride_ak
     w0_ptrs = w_base + ks[:, None] * stride_wk + wcol0[None, :] * stride_wn
     w1_ptrs = w_base + ks[:, None] * stride_wk + wcol1[None, :] * stride_wn
     acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the up half; unused unless GATED
-    for kb in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=WS):
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k0 = kb * BLOCK_K
         k_ok = ks < K - k0
         if A_TMA:
@@ -234,7 +232,7 @@ def _moe_gemm(
     GATHER: tl.constexpr, ROUTED: tl.constexpr, SCALED: tl.constexpr, GATED: tl.constexpr,
     INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr,
     SAVE_PRE: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-    W_TMA: tl.constexpr, W_KMAJOR: tl.constexpr, A_TMA: tl.constexpr, WS: tl.constexpr = False,
+    W_TMA: tl.constexpr, W_KMAJOR: tl.constexpr, A_TMA: tl.constexpr,
 ):
     """One (BLOCK_M sorted rows) x (BLOCK_N output columns) tile of an expert's GEMM.
 
@@ -267,7 +265,7 @@ def _moe_gemm(
     acc0, acc1 = _mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_ok,
                       stride_wn, stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, GATED, DOT_PRECISION, EVEN_K,
                       w_desc, expert, pid_n * BLOCK_N, N + pid_n * BLOCK_N, W_TMA, W_KMAJOR,
-                      a_desc, pid_m * BLOCK_M, A_TMA, WS)
+                      a_desc, pid_m * BLOCK_M, A_TMA)
 
     if HAS_BIAS:
         b_base = bias_ptr + expert.to(tl.int64) * stride_be
@@ -837,8 +835,7 @@ def _gemm_static(cfg: dict[str, int], a: torch.Tensor, w_nk: torch.Tensor, b: to
                   GATHER=gather, ROUTED=routed, SCALED=scaled, GATED=gated, INTERLEAVED=gated and interleaved,
                   ACT=act, HAS_BIAS=has_bias, HAS_LIMIT=gated and math.isfinite(limit), SAVE_PRE=save_pre,
                   DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", EVEN_K=k % bk == 0,
-                  W_TMA=use_w, W_KMAJOR=kmajor, A_TMA=use_a, WS=bool(cfg.get("WS", 0)) and use_w and use_a,
-                  num_warps=cfg["num_warps"],
+                  W_TMA=use_w, W_KMAJOR=kmajor, A_TMA=use_a, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
     # what a descriptor's encoding reads besides the address (LazyDescriptor.key)
     w_key = (w_tiles.dtype, tuple(w_tiles.shape), w_tiles.stride(), tuple(w_box)) if use_w else None
