@@ -158,6 +158,16 @@ def compiled_block(block: torch.nn.Module, x: torch.Tensor, reps: int, modes: li
                   f"   host syncs {syncs(call)}")
             if host:
                 host_profile(call, reps)
+                # the host side under torch.profiler, 5 steps: a launch or allocation that
+                # blocks on the GPU shows up as a large self CPU time on a cuda* runtime call
+                call()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as cpu_prof:
+                    for _ in range(5):
+                        call()
+                    torch.cuda.synchronize()
+                print(cpu_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18,
+                                                    max_name_column_width=60))
             rows = 8 if mode == "fwd" else 22
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70))
     torch._dynamo.reset()
