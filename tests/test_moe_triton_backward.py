@@ -132,6 +132,8 @@ CASES: dict[str, dict] = {
     "T=0": dict(dims=(0, 2, 16, 8, 4), opts=dict(bias=True), dtypes=["float32"]),
     "int32 ids, strided inputs, expanded grad": dict(dims=(8, 4, 24, 16, 8), opts=dict(idx_dtype=torch.int32),
                                                      special="strided"),
+    # out.sum()'s gradient: one value expanded, strides (0, 0) (the backward copies it into rows)
+    "a sum's gradient": dict(dims=(9, 2, 24, 16, 3), opts=dict(bias=True), special="sum_grad"),
     "mixtral family": dict(dims=FAMILIES["mixtral silu"][0], opts=FAMILIES["mixtral silu"][1],
                            dtypes=["float32"]),
     # only some inputs require grad: the others' kernels must not run
@@ -371,8 +373,14 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     want = M.reference(*args64)
     assert_matches(out, want, dtype)
     cot = torch.randn(want.shape, dtype=torch.float64, device=device)
-    if "strided" in specials:  # a stride-0 upstream gradient (as .sum()'s)
-        cot = torch.randn((1, want.shape[1]), dtype=torch.float64, device=device).expand(want.shape)
+    # expanded upstream gradients, made in the op's dtype (.to(dtype) of the same dtype is
+    # the view itself; from float64 it would be a contiguous copy)
+    if "strided" in specials:  # a row broadcast, strides (0, 1)
+        cot = torch.randn((1, want.shape[1]), dtype=dtype, device=device).expand(want.shape)
+        assert cot.to(dtype).stride() == (0, 1)
+    if "sum_grad" in specials:  # one value everywhere, strides (0, 0), as out.sum()'s
+        cot = torch.randn((1, 1), dtype=dtype, device=device).expand(want.shape)
+        assert cot.to(dtype).stride() == (0, 0)
     # Kernels that must not launch, and the weight gradients' path, seen from its calls.
     mm_calls: list[int] = []
     wgrad_log: list[dict[str, Any]] = []

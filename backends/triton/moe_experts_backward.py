@@ -541,6 +541,11 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     bm = saved.configs["gemm1"]["BLOCK_M"]
     nb = saved.block_expert.shape[0]
     dout = grad_out if grad_out.dtype == x.dtype else grad_out.to(x.dtype)
+    # Rows with unit column stride, as the GEMMs' gathered loads vectorise them: a loss such
+    # as out.sum() hands back an expanded gradient (strides (0, 0)), which the Triton GEMM
+    # then read one element per load. One (T, H) copy instead.
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
     # Every launch's metadata follows from the inputs', the upstream gradient's and what is
     # asked (the saved tensors are the forward's, of the same inputs): one launcher key for
     # each launch (see F.launch_gemm), and the configs picked once per key, unless a test or
