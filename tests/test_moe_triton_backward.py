@@ -176,11 +176,11 @@ CASES: dict[str, dict] = {
     "grouped_mm dgrad1, hidden_states only, a full block": {
         "dims": (16, 2, 24, 16, 3), "opts": {"activation": "gelu_tanh", "gated": False}, "special": "full_block",
         "configs": GROUPED_DGRAD1, "dtypes": ["bfloat16"], "grouped1": True, "requires": ("hidden_states",)},
-    # the gate's pass in other tiles (configs GATE_R / GATE_N / GATE_WARPS): two programs per
-    # M block, a column tile wider than I
+    # the gate's pass in another tile than the default 8 x 256 (configs GATE_R / GATE_N /
+    # GATE_WARPS): 16 rows, and I = 24 in two column steps, the second partly masked
     "dgrad2 split, other gate tiles": {
         "dims": (9, 3, 40, 24, 5), "opts": {"bias": True, "sentinels": 2}, "special": "nan",
-        "configs": {**SMALL_BWD, "dgrad2": {**SPLIT_BWD["dgrad2"], "GATE_R": 8, "GATE_N": 32, "GATE_WARPS": 2}},
+        "configs": {**SMALL_BWD, "dgrad2": {**SPLIT_BWD["dgrad2"], "GATE_R": 16, "GATE_N": 16, "GATE_WARPS": 2}},
         "forbid": ("TB._dgrad_act_kernel",)},
     "grouped_mm wgrad, down_proj only, a full block": {
         "dims": (16, 2, 24, 16, 3), "opts": {"bias": True}, "special": "full_block", "configs": GROUPED_BWD,
