@@ -50,8 +50,11 @@ GEMM1 = [(64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (64, 128, 64, 8, 8, 3), 
          (128, 128, 128, 8, 8, 3), (16, 64, 128, 1, 4, 4), (32, 128, 64, 8, 4, 4),
          (128, 128, 64, 16, 8, 4), (128, 128, 64, 32, 8, 4)]
 # GEMM1 on a sorted copy of its rows (PREGATHER, see moe_experts.py): tried with the best
-# gathered tile and these, after the gathered candidates.
-PREGATHER = [(128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3)]
+# gathered tile and these, after the gathered candidates. The wider swizzle groups and the
+# 128-deep K step are for many rows per expert (Mixtral at T = 16384: 4096 rows per expert,
+# where its pregathered GEMM1 ran at ~590 TF/s against CUTLASS's ~670, H200, 2026-12-02).
+PREGATHER = [(128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3), (128, 128, 64, 16, 8, 4), (128, 128, 64, 32, 8, 4),
+             (128, 128, 128, 8, 8, 3)]
 # (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
 GEMM2 = [(64, 64, 8, 4, 4), (128, 64, 8, 4, 4), (128, 64, 8, 8, 4), (256, 64, 8, 8, 4), (256, 64, 8, 8, 3),
          (128, 128, 8, 8, 3), (256, 128, 8, 8, 3), (256, 64, 16, 8, 4), (256, 64, 32, 8, 4)]
