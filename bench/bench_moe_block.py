@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import sys
 from typing import Callable
 
@@ -163,11 +164,28 @@ def expert_flops(config: str, tokens: int, mode: str, cpu: bool) -> float:
     return fwd if mode == "fwd" else 3 * fwd
 
 
+def interleaved_us(steps: dict[str, Callable[[], None]], reps: int, rounds: int) -> dict[str, float]:
+    """Median µs per call of each step: ``rounds`` rounds, each timing every step over
+    ``reps // rounds`` (at least 5) back-to-back calls, the order rotated by one each round;
+    the median of a step's rounds. Why: the H200's clock sags under sustained load (the
+    fused forward at T = 16384: 2435-2458 µs in its first ~0.1 s of back-to-back calls,
+    2700-2750 after, 2026-12-03), so timed one after the other, the variant timed first
+    (HF's) ran up to ~12 % faster for it."""
+    names = list(steps)
+    per: dict[str, list[float]] = {v: [] for v in names}
+    for r in range(rounds):
+        for v in names[r % len(names):] + names[:r % len(names)]:
+            per[v].append(median_us(steps[v], max(5, reps // rounds), DEVICE == "cuda"))
+    return {v: statistics.median(t) for v, t in per.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="4096", help="token counts, comma-separated (issue 18: 1,64,512,4096,16384)")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--configs", nargs="*", default=list(CONFIGS))
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds, each timing every variant (--reps split among them), the order rotated")
     p.add_argument("--accumulate-grads", action="store_true",
                    help="fwd+bwd adds into the kept .grad of every weight each step (the tables before "
                         "2026-12-02's fourteenth session); default: set to None first, as zero_grad() does")
@@ -179,8 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     if "hf_grouped_mm_inductor" not in variants:
         p.error("the ratios are against hf_grouped_mm_inductor: keep it among --variants")
     print(f"device {torch.cuda.get_device_name() if not cpu else 'cpu'}, torch {torch.__version__}, "
-          f"transformers {transformers.__version__}, {'float32 tiny' if cpu else 'bf16'}, median of {a.reps} "
-          f"back-to-back calls, us (ratio = hf_grouped_mm_inductor / variant; TF/s of the experts' GEMMs; "
+          f"transformers {transformers.__version__}, {'float32 tiny' if cpu else 'bf16'}, median of {a.rounds} "
+          f"interleaved rounds of {max(5, a.reps // a.rounds)} back-to-back calls, us "
+          f"(ratio = hf_grouped_mm_inductor / variant; TF/s of the experts' GEMMs; "
           f"floor = those FLOPs at {PEAK_TFLOPS:.0f} TF/s; fwd+bwd: "
           f"{'gradients accumulated' if a.accumulate_grads else 'gradients set to None each step'})")
     print("| config | T | mode | " + " | ".join(variants) + " | floor |")
@@ -197,8 +216,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {config} | {tokens} | error vs float64 | " + " | ".join(f"{errs[v]:.2e}" for v in variants)
                   + " | |")
             for mode in MODES:
-                us = {v: median_us(step(fn, x, mode, a.accumulate_grads), a.reps, DEVICE == "cuda")
-                      for v, fn in fns.items()}
+                us = interleaved_us({v: step(fn, x, mode, a.accumulate_grads) for v, fn in fns.items()},
+                                    a.reps, a.rounds)
                 base, flops = us["hf_grouped_mm_inductor"], expert_flops(config, tokens, mode, cpu)
                 cells = [f"{us[v]:.0f} ({base / us[v]:.2f}x, {flops / us[v] / 1e6:.0f} TF/s)" for v in variants]
                 floor = flops / (PEAK_TFLOPS * 1e6)
