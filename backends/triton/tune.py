@@ -155,7 +155,8 @@ def tune_shape(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, devic
         return _compiled(lambda: fused.fused_experts_forward(*args, configs=configs))
 
     default = run(None, None)
-    assert default is not None, "the table's own configs must fit"
+    if default is None:
+        raise RuntimeError("moe_experts' tuning: the table's own configs do not fit this GPU")
     d1 = fused.pick_config("gemm1", rpe, 2 * i, h, dtype)
     best1, best1_run = d1, default
     tried = 0
@@ -220,7 +221,8 @@ def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, de
         return _compiled(lambda: grads(picked))
 
     default = run({})
-    assert default is not None, "the table's own configs must fit"
+    if default is None:
+        raise RuntimeError("moe_experts' tuning: the table's own backward configs do not fit this GPU")
     best: dict[str, dict[str, int]] = {}
     best_run, tried = default, 0
     for gemm, cands in (("dgrad2", dgrad2), ("dgrad1", dgrad1)):
