@@ -1,7 +1,7 @@
 """pytest-benchmark: transformers' sparse-MoE blocks, HF's experts implementations vs opreg.
 
     pytest -n 0 bench/bench_moe_block.py --benchmark-group-by=param:config,param:mode
-    python bench/bench_moe_block.py [--tokens 1,64,512,4096,16384] [--reps 50]   # the table (H200: bf16)
+    python bench/bench_moe_block.py [--tokens 1,64,512,4096,16384] [--rounds 7]   # the table (H200: bf16)
 
 Variants, each on the same block weights and input: ``hf_eager`` (the per-expert loop),
 ``hf_grouped_mm`` (transformers' default), ``hf_grouped_mm_inductor`` (that under
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -29,7 +29,9 @@ transformers = pytest.importorskip("transformers") if "pytest" in sys.modules el
 import opreg  # noqa: E402
 import opreg.integrations.transformers  # noqa: E402,F401  (registers "opreg")
 from opreg.testing import TOL, assert_matches  # noqa: E402
-from opreg.testing.timing import median_us  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _timing as tm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # name: (config class, block class path, hidden, expert ffn, experts, top-k)
@@ -164,28 +166,23 @@ def expert_flops(config: str, tokens: int, mode: str, cpu: bool) -> float:
     return fwd if mode == "fwd" else 3 * fwd
 
 
-def interleaved_us(steps: dict[str, Callable[[], None]], reps: int, rounds: int) -> dict[str, float]:
-    """Median µs per call of each step: ``rounds`` rounds, each timing every step over
-    ``reps // rounds`` (at least 5) back-to-back calls, the order rotated by one each round;
-    the median of a step's rounds. Why: the H200's clock sags under sustained load (the
-    fused forward at T = 16384: 2435-2458 µs in its first ~0.1 s of back-to-back calls,
-    2700-2750 after, 2026-12-03), so timed one after the other, the variant timed first
-    (HF's) ran up to ~12 % faster for it."""
-    names = list(steps)
-    per: dict[str, list[float]] = {v: [] for v in names}
-    for r in range(rounds):
-        for v in names[r % len(names):] + names[:r % len(names)]:
-            per[v].append(median_us(steps[v], max(5, reps // rounds), DEVICE == "cuda"))
-    return {v: statistics.median(t) for v, t in per.items()}
+def interleaved_us(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+    """Median µs per call of each step, by the project's timer (bench/_timing.py:
+    ``rounds`` rounds, each timing every step, the order rotated). Why not one step after
+    the other: the H200's clock sags under sustained load (the fused forward at T = 16384:
+    2435-2458 µs in its first ~65 ms after an idle gap, 2700-2750 after, 2026-12-03), so
+    the step timed first (HF's) ran up to ~11 % faster for it."""
+    variants = {v: tm.Variant(lambda i, f=f: f()) for v, f in steps.items()}
+    times = tm.interleaved(variants, DEVICE, rounds=rounds, target_us=2000.0)
+    return {v: tm.median(t) for v, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="4096", help="token counts, comma-separated (issue 18: 1,64,512,4096,16384)")
-    p.add_argument("--reps", type=int, default=50)
     p.add_argument("--configs", nargs="*", default=list(CONFIGS))
-    p.add_argument("--rounds", type=int, default=5,
-                   help="rounds, each timing every variant (--reps split among them), the order rotated")
+    p.add_argument("--rounds", type=int, default=7,
+                   help="rounds, each timing every variant (a batch of ~2 ms of calls), the order rotated")
     p.add_argument("--accumulate-grads", action="store_true",
                    help="fwd+bwd adds into the kept .grad of every weight each step (the tables before "
                         "2026-12-02's fourteenth session); default: set to None first, as zero_grad() does")
@@ -198,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("the ratios are against hf_grouped_mm_inductor: keep it among --variants")
     print(f"device {torch.cuda.get_device_name() if not cpu else 'cpu'}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}, {'float32 tiny' if cpu else 'bf16'}, median of {a.rounds} "
-          f"interleaved rounds of {max(5, a.reps // a.rounds)} back-to-back calls, us "
+          f"interleaved rounds (bench/_timing.py), us per call "
           f"(ratio = hf_grouped_mm_inductor / variant; TF/s of the experts' GEMMs; "
           f"floor = those FLOPs at {PEAK_TFLOPS:.0f} TF/s; fwd+bwd: "
           f"{'gradients accumulated' if a.accumulate_grads else 'gradients set to None each step'})")
@@ -216,8 +213,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {config} | {tokens} | error vs float64 | " + " | ".join(f"{errs[v]:.2e}" for v in variants)
                   + " | |")
             for mode in MODES:
-                us = interleaved_us({v: step(fn, x, mode, a.accumulate_grads) for v, fn in fns.items()},
-                                    a.reps, a.rounds)
+                steps = {v: step(fn, x, mode, a.accumulate_grads) for v, fn in fns.items()}
+                for f in steps.values():  # compile (once per grad mode), allocator
+                    for _ in range(3):
+                        f()
+                us = interleaved_us(steps, a.rounds)
                 base, flops = us["hf_grouped_mm_inductor"], expert_flops(config, tokens, mode, cpu)
                 cells = [f"{us[v]:.0f} ({base / us[v]:.2f}x, {flops / us[v] / 1e6:.0f} TF/s)" for v in variants]
                 floor = flops / (PEAK_TFLOPS * 1e6)

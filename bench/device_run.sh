@@ -52,7 +52,7 @@ if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then
     | tee "$OUT/sweep.log" | tail -40
   timeout $((B / 3)) python3 bench/backend_models.py --json "$OUT/backend_models.json" 2>&1 \
     | tee "$OUT/backend_models.log" | tail -12
-  timeout $((B / 3)) python3 bench/bench_moe_block.py --reps 20 2>&1 | tee "$OUT/moe_block.log" | tail -20
+  timeout $((B / 3)) python3 bench/bench_moe_block.py --rounds 7 2>&1 | tee "$OUT/moe_block.log" | tail -20
 fi
 
 if [ "$STAGE" = slower ]; then
@@ -79,7 +79,7 @@ if [ "$STAGE" = moe ]; then
   # the block side by side with HF's fastest only (the eager Qwen3-MoE block took 1111 us
   # beside four compiled variants, 803 us in a process of its own, 2026-12-02), then where
   # its time goes
-  timeout 200 python3 bench/bench_moe_block.py --tokens "${TOKENS_MOE:-64,4096,16384}" --reps 20 \
+  timeout 200 python3 bench/bench_moe_block.py --tokens "${TOKENS_MOE:-64,4096,16384}" --rounds 7 \
     --variants hf_grouped_mm_inductor opreg 2>&1 | tee "$OUT/moe_block.log" | grep "^|"
   (cd bench && timeout 150 python3 moe_profile.py --tokens 64,4096 --inductor 2>&1 | tee "$OUT/moe_profile.log" \
     | grep -E "^[a-z].*T=|  (op|block)")
