@@ -303,31 +303,37 @@ def main(argv: Optional[list[str]] = None) -> int:
         table = json.load(f)
     # The first op call may build opreg's kernel libraries (~40 s): not out of the budget.
     fused.M.grouped(*inputs(2, 8, 8, 1, 4, dtype, device))
-    deadline = time.monotonic() + a.budget_s
+    start = time.monotonic()
+    jobs = [(shape, int(v)) for shape in shapes for v in a.tokens.split(",")]
     print(f"tuning moe_experts ({a.dtype}) on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
           f"{len(GEMM1)} + {1 + len(PREGATHER)} GEMM1 and {len(GEMM2)} GEMM2 candidates per shape, "
           f"budget {a.budget_s:.0f} s", flush=True)
-    for (e, h, i, k) in shapes:
-        for t in (int(v) for v in a.tokens.split(",")):
-            found = tune_shape(e, h, i, k, t, dtype, device, a.reps, deadline,
-                               GEMM1[:a.max_candidates], GEMM2[:a.max_candidates], PREGATHER[:a.max_candidates])
-            kept = record(table, e, h, i, k, t, dtype, found)
-            print(f"E={e} H={h} I={i} k={k} T={t}: default {found['default_us']:.0f} us, "
-                  f"best {found['best_us']:.0f} us ({found['default_us'] / found['best_us']:.2f}x) "
-                  f"error {found['error']:.1e}, {found['tried']} of {found['of']} candidates tried; "
-                  f"gemm1={found['gemm1']} gemm2={found['gemm2']}: "
-                  f"{'written' if kept else 'default kept'}",
-                  flush=True)
-            if not a.backward:
-                continue
-            fwd = {"gemm1": found["gemm1"], "gemm2": {**found["gemm2"], "BLOCK_M": found["gemm1"]["BLOCK_M"]}}
-            back = tune_backward(e, h, i, k, t, dtype, device, a.reps, deadline, fwd,
-                                 DGRAD2[:a.max_candidates], DGRAD1[:a.max_candidates])
-            kept = record_backward(table, e, h, i, k, t, dtype, back)
-            print(f"  backward: default {back['default_us']:.0f} us, best {back['best_us']:.0f} us "
-                  f"({back['default_us'] / back['best_us']:.2f}x) error {back['error']:.1e}, "
-                  f"{back['tried']} of {back['of']} candidates tried; dgrad2={back['dgrad2']} "
-                  f"dgrad1={back['dgrad1']}: {'written' if kept else 'default kept'}", flush=True)
+    for n, ((e, h, i, k), t) in enumerate(jobs):
+        # each shape gets an equal share of what is left of the budget: one global deadline
+        # left the last shapes none (the first took every candidate it had time for)
+        left = a.budget_s - (time.monotonic() - start)
+        deadline = time.monotonic() + max(left, 0.0) / (len(jobs) - n)
+        # with --backward the forward gets half of it, the dgrads the rest
+        fwd_deadline = deadline - (deadline - time.monotonic()) / 2 if a.backward else deadline
+        found = tune_shape(e, h, i, k, t, dtype, device, a.reps, fwd_deadline,
+                           GEMM1[:a.max_candidates], GEMM2[:a.max_candidates], PREGATHER[:a.max_candidates])
+        kept = record(table, e, h, i, k, t, dtype, found)
+        print(f"E={e} H={h} I={i} k={k} T={t}: default {found['default_us']:.0f} us, "
+              f"best {found['best_us']:.0f} us ({found['default_us'] / found['best_us']:.2f}x) "
+              f"error {found['error']:.1e}, {found['tried']} of {found['of']} candidates tried; "
+              f"gemm1={found['gemm1']} gemm2={found['gemm2']}: "
+              f"{'written' if kept else 'default kept'}",
+              flush=True)
+        if not a.backward:
+            continue
+        fwd = {"gemm1": found["gemm1"], "gemm2": {**found["gemm2"], "BLOCK_M": found["gemm1"]["BLOCK_M"]}}
+        back = tune_backward(e, h, i, k, t, dtype, device, a.reps, deadline, fwd,
+                             DGRAD2[:a.max_candidates], DGRAD1[:a.max_candidates])
+        kept = record_backward(table, e, h, i, k, t, dtype, back)
+        print(f"  backward: default {back['default_us']:.0f} us, best {back['best_us']:.0f} us "
+              f"({back['default_us'] / back['best_us']:.2f}x) error {back['error']:.1e}, "
+              f"{back['tried']} of {back['of']} candidates tried; dgrad2={back['dgrad2']} "
+              f"dgrad1={back['dgrad1']}: {'written' if kept else 'default kept'}", flush=True)
     table["tuned_on"] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
                          "torch": torch.__version__, "triton": getattr(fused.triton, "__version__", None),
                          "date": datetime.date.today().isoformat()}
