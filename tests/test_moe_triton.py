@@ -49,6 +49,8 @@ SMALL = {"gemm1": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=
          "gemm2": dict(BLOCK_N=16, BLOCK_K=32, GROUP_M=3, num_warps=4, num_stages=2),
          "combine": dict(BLOCK_H=32, num_warps=4)}
 PREGATHERED = {**SMALL, "gemm1": {**SMALL["gemm1"], "PREGATHER": 1}}
+# A program per SM (4 under the interpreter) walking several tiles each, past ragged edges.
+PERSISTENT = {**SMALL, "gemm1": {**SMALL["gemm1"], "PERSISTENT": 1}, "gemm2": {**SMALL["gemm2"], "PERSISTENT": 1}}
 
 
 # ------------------------------------------------------------------ interpreted cases
@@ -93,6 +95,16 @@ CASES: dict[str, dict] = {
     "pregathered rows, pointer loads, sentinel NaN weight": dict(
         dims=(10, 3, 24, 16, 4), opts=dict(sentinels=4), special="nan", dtypes=["float32"],
         configs={**PREGATHERED, "gemm1": {**PREGATHERED["gemm1"], "TMA": 0}}),
+    # persistent GEMMs: gathered and pregathered GEMM1, sentinels and an unused expert's rows
+    "persistent tiles": dict(dims=(9, 3, 40, 24, 3), opts=dict(bias=True), configs=PERSISTENT),
+    "persistent tiles, pregathered gpt_oss transposed": dict(
+        dims=(21, 2, 50, 18, 3), opts=dict(activation=M.GPT_OSS, transposed=True, bias=True, alpha=1.702,
+                                           limit=1.0, gain=3.0),
+        configs={**PERSISTENT, "gemm1": {**PERSISTENT["gemm1"], "PREGATHER": 1}}),
+    "persistent tiles, sentinel NaN weight": dict(dims=(10, 3, 24, 16, 4), opts=dict(sentinels=4), special="nan",
+                                                  configs=PERSISTENT, dtypes=["float32"]),
+    "persistent tiles, empty experts": dict(dims=(6, 2, 16, 8, 8), opts={}, special="skip_expert",
+                                            configs=PERSISTENT, dtypes=["float32"]),
     "default configs, more rows": dict(dims=(64, 2, 48, 32, 4), opts={}, dtypes=["float32"]),
     "sentinels": dict(dims=(10, 2, 16, 8, 4), opts=dict(sentinels=6)),
     "sentinel NaN weight, negative id": dict(dims=(10, 3, 24, 16, 4), opts=dict(sentinels=4), special="nan"),

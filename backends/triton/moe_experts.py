@@ -140,7 +140,12 @@ def _tile(block_expert_ptr, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
     """This program's (M block, N block) in GROUP_M-swizzled order (consecutive programs
     walk down GROUP_M row blocks of one column tile, so the expert's weight tile is reused
     from L2), and the M block's expert (-1: past the last padded row)."""
-    pid = tl.program_id(0)
+    return _tile_of(tl.program_id(0), block_expert_ptr, num_m_blocks, num_n_blocks, GROUP_M)
+
+
+@_jit
+def _tile_of(pid, block_expert_ptr, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
+    """:func:`_tile` of tile ``pid`` (a persistent program walks several)."""
     group = GROUP_M * num_n_blocks
     first_m = (pid // group) * GROUP_M
     size_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
@@ -220,7 +225,7 @@ def _halves(cols, N, INTERLEAVED: tl.constexpr):
 
 @_jit
 def _moe_gemm(
-    a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, w_desc, a_desc,
+    a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, w_desc, a_desc, used_ptr,
     num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
     stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
@@ -232,9 +237,10 @@ def _moe_gemm(
     GATHER: tl.constexpr, ROUTED: tl.constexpr, SCALED: tl.constexpr, GATED: tl.constexpr,
     INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr,
     SAVE_PRE: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-    W_TMA: tl.constexpr, W_KMAJOR: tl.constexpr, A_TMA: tl.constexpr,
+    W_TMA: tl.constexpr, W_KMAJOR: tl.constexpr, A_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
-    """One (BLOCK_M sorted rows) x (BLOCK_N output columns) tile of an expert's GEMM.
+    """One (BLOCK_M sorted rows) x (BLOCK_N output columns) tile of an expert's GEMM, or
+    with PERSISTENT every tile of the work list, a program per SM striding over them.
 
     GEMM1 (GATHER, not ROUTED): A = hidden_states (T, K), row = pair // top_k; W = gate_up
     seen as (E, 2N or N, K) through strides; out = activation (padded rows, N), row = the
@@ -247,10 +253,45 @@ def _moe_gemm(
     layout of either weight is just strides (stride_wn, stride_wk). W_TMA / A_TMA: W's tiles
     / A's (sorted, not GATHER) rows come through the tensor descriptors ``w_desc`` / ``a_desc``
     (see :func:`_mma`; ``launch_gemm`` decides where they apply).
+
+    PERSISTENT: the grid is a program per SM, each walking tiles pid, pid + programs, ...
+    of the blocks in use (``*used_ptr``: the last expert's padded end, a multiple of BLOCK_M;
+    so no tile is past the work list), with the tile loop flattened into the K loop, so
+    Triton's pipeliner can issue the next tile's first loads under this one's epilogue.
     """
-    pid_m, pid_n, expert = _tile(block_expert_ptr, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
-    if expert < 0:
-        return  # past the padded work list: nothing to compute, nothing to write
+    num_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        used_m = tl.load(used_ptr) // BLOCK_M
+        for tile in tl.range(tl.program_id(0), used_m * num_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n, expert = _tile_of(tile, block_expert_ptr, used_m, num_n, GROUP_M)
+            _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr,
+                       w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak, stride_we,
+                       stride_wn, stride_wk, stride_be, stride_bn, stride_rt, stride_rk, stride_om, stride_on,
+                       stride_pm, stride_pn, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, ROUTED, SCALED, GATED,
+                       INTERLEAVED, ACT, HAS_BIAS, HAS_LIMIT, SAVE_PRE, DOT_PRECISION, EVEN_K, W_TMA,
+                       W_KMAJOR, A_TMA)
+    else:
+        pid_m, pid_n, expert = _tile(block_expert_ptr, num_m_blocks, num_n, GROUP_M)
+        if expert < 0:
+            return  # past the padded work list: nothing to compute, nothing to write
+        _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr,
+                   w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak, stride_we,
+                   stride_wn, stride_wk, stride_be, stride_bn, stride_rt, stride_rk, stride_om, stride_on,
+                   stride_pm, stride_pn, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, ROUTED, SCALED, GATED,
+                   INTERLEAVED, ACT, HAS_BIAS, HAS_LIMIT, SAVE_PRE, DOT_PRECISION, EVEN_K, W_TMA,
+                   W_KMAJOR, A_TMA)
+
+
+@_jit
+def _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr,
+               w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak, stride_we, stride_wn,
+               stride_wk, stride_be, stride_bn, stride_rt, stride_rk, stride_om, stride_on, stride_pm, stride_pn,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr,
+               ROUTED: tl.constexpr, SCALED: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+               ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr, SAVE_PRE: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
+               A_TMA: tl.constexpr):
+    """:func:`_moe_gemm`'s tile (pid_m, pid_n) of ``expert``: main loop, epilogue, store."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # < num_m_blocks * BLOCK_M: the buffer's size
     pair = tl.load(pair_ids_ptr + rows)
     row_ok = pair < num_pairs  # padding rows hold the sentinel num_pairs
@@ -784,13 +825,18 @@ def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
                 bias: Optional[torch.Tensor], rw: torch.Tensor, out: torch.Tensor, pre: Optional[torch.Tensor],
                 sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, top_k: int, n: int, k: int,
                 gather: bool, routed: bool, scaled: bool = False, gated: bool = False, interleaved: bool = False,
-                act: int = _IDENTITY, alpha: float = 1.0, limit: float = math.inf, spec: Any = None) -> None:
+                act: int = _IDENTITY, alpha: float = 1.0, limit: float = math.inf, spec: Any = None,
+                used: Optional[torch.Tensor] = None) -> None:
     """One :func:`_moe_gemm` launch over the padded rows (``cfg["BLOCK_M"]`` = the routing's
     BLOCK_M). ``w_nk``: the weight seen as (E, N, K) (a view: either layout); ``bias``/``pre``
     None: none. ``cfg["TMA"]`` (default 1): load W's tiles, and A's where A is the sorted
     rows (not ``gather``), through tensor descriptors where :func:`_tma_ok` allows (not for
-    interleaved gate/up columns). ``spec``: a key that determines every argument's
-    metadata (see :func:`.launch.launch`): what follows from metadata alone is then reused."""
+    interleaved gate/up columns). ``cfg["PERSISTENT"]`` (default 0): a program per SM walks
+    the tiles; it needs ``used``, the routing tables' last padded end (``tables[3, -1:]``).
+    ``spec``: a key that determines every argument's metadata (see :func:`.launch.launch`):
+    what follows from metadata alone is then reused."""
+    if cfg.get("PERSISTENT", 0) and used is None:
+        raise ValueError("launch_gemm: a PERSISTENT config needs `used` (the routing's tables[3, -1:])")
     b = bias if bias is not None else w_nk  # a valid pointer, never read
     p = pre if pre is not None else out  # likewise, never written
     static = _GEMM_STATIC.get(spec) if spec is not None else None
@@ -804,11 +850,20 @@ def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
     w_desc = None if w_box is None else LazyDescriptor(w_nk if kmajor else w_nk.transpose(1, 2), w_box, w_key)
     a_desc = None if a_box is None else LazyDescriptor(a, a_box, a_key)
     finite = kwargs["HAS_LIMIT"]
-    launch_args(_moe_gemm, grid, (a, w_nk, b, rw, out, p, sorted_pair_ids, block_expert, w_desc, a_desc,
+    u = used if used is not None else block_expert  # a valid pointer, read only when PERSISTENT
+    launch_args(_moe_gemm, grid, (a, w_nk, b, rw, out, p, sorted_pair_ids, block_expert, w_desc, a_desc, u,
                                   *head, float(alpha), float(limit) if finite else 0.0, *tail), spec, kwargs)
 
 
 _GEMM_STATIC: dict[Any, tuple[Any, ...]] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """The programs of a persistent launch: the device's SMs (4 under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _gemm_static(cfg: dict[str, int], a: torch.Tensor, w_nk: torch.Tensor, b: torch.Tensor, rw: torch.Tensor,
@@ -821,10 +876,14 @@ def _gemm_static(cfg: dict[str, int], a: torch.Tensor, w_nk: torch.Tensor, b: to
     nb = block_expert.shape[0]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tma = bool(cfg.get("TMA", 1))
+    persistent = bool(cfg.get("PERSISTENT", 0))
     kmajor = w_nk.stride(2) == 1
     w_tiles = w_nk if kmajor else w_nk.transpose(1, 2)  # last dim contiguous, if either is
     w_box = [1, bn, bk] if kmajor else [1, bk, bn]
-    use_w = tma and not (gated and interleaved) and _tma_ok(w_tiles, tuple(w_box))
+    # a (E, K, N) weight's up half starts at column N: a tile's first column must sit on 16
+    # bytes (Triton's interpreter asserts it; a gated I = 18 transposed fp32 weight failed there)
+    up_ok = kmajor or not gated or (n * w_nk.element_size()) % 16 == 0
+    use_w = tma and not (gated and interleaved) and up_ok and _tma_ok(w_tiles, tuple(w_box))
     use_a = tma and not gather and _tma_ok(a, (bm, bk)) and a.shape[0] >= nb * bm
     sw = w_nk.stride()
     head = (rw.shape[0] * top_k, top_k, n, k, nb)
@@ -835,12 +894,14 @@ def _gemm_static(cfg: dict[str, int], a: torch.Tensor, w_nk: torch.Tensor, b: to
                   GATHER=gather, ROUTED=routed, SCALED=scaled, GATED=gated, INTERLEAVED=gated and interleaved,
                   ACT=act, HAS_BIAS=has_bias, HAS_LIMIT=gated and math.isfinite(limit), SAVE_PRE=save_pre,
                   DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", EVEN_K=k % bk == 0,
-                  W_TMA=use_w, W_KMAJOR=kmajor, A_TMA=use_a, num_warps=cfg["num_warps"],
+                  W_TMA=use_w, W_KMAJOR=kmajor, A_TMA=use_a, PERSISTENT=persistent, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
     # what a descriptor's encoding reads besides the address (LazyDescriptor.key)
     w_key = (w_tiles.dtype, tuple(w_tiles.shape), w_tiles.stride(), tuple(w_box)) if use_w else None
     a_key = (a.dtype, tuple(a.shape), a.stride(), (bm, bk)) if use_a else None
-    return ((nb * cdiv(n, bn),), kmajor, w_box if use_w else None, [bm, bk] if use_a else None, w_key, a_key,
+    tiles = nb * cdiv(n, bn)  # the static worst case; a persistent program per SM at most
+    grid = (min(tiles, _num_sms(a.device)) if persistent else tiles,)
+    return (grid, kmajor, w_box if use_w else None, [bm, bk] if use_a else None, w_key, a_key,
             head, tail, kwargs)
 
 
@@ -997,7 +1058,8 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         pre = _new_buffer((nb * bm, n1), PRE_DTYPE, x.device) if save else None
         pairs = _new_buffer((s, h), x.dtype, x.device)
         out = _new_buffer((t, h), x.dtype, x.device)
-        routing = dict(rw=rw, sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k)
+        routing = dict(rw=rw, sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k,
+                       used=tables.view(4, e)[3, -1:])
         # PREGATHER: GEMM1 reads a sorted copy of the token rows (its A then loads through a
         # tensor descriptor, as GEMM2's does) instead of gathering them on its load
         pregather = bool(c1.get("PREGATHER", 0))
