@@ -128,6 +128,13 @@ CASES: dict[str, dict] = {
     # the forward's GEMM1 on a sorted copy of its rows: the backward reads the same saved tensors
     "pregathered forward": dict(dims=(11, 2, 16, 8, 3), opts=dict(bias=True),
                                 configs={**SMALL_BWD, "gemm1": {**SMALL["gemm1"], "PREGATHER": 1}}),
+    # persistent GEMMs: the forward's two, dgrad2's split GEMM and dgrad1's Triton GEMM
+    "persistent": dict(dims=(24, 3, 40, 24, 3), opts=dict(bias=True), forbid=("TB._dgrad_act_kernel",), configs={
+        **SPLIT_BWD, **{g: {**SPLIT_BWD[g], "PERSISTENT": 1} for g in ("gemm1", "gemm2", "dgrad2", "dgrad1")}}),
+    "persistent, sentinels, empty expert": dict(
+        dims=(6, 2, 16, 8, 8), opts=dict(bias=True, sentinels=3), special="nan+skip_expert", dtypes=["float32"],
+        forbid=("TB._dgrad_act_kernel",), configs={
+            **SPLIT_BWD, **{g: {**SPLIT_BWD[g], "PERSISTENT": 1} for g in ("gemm1", "gemm2", "dgrad2", "dgrad1")}}),
     "k=1": dict(dims=(7, 1, 24, 16, 4), opts=dict(activation="gelu", interleaved=True)),
     "T=0": dict(dims=(0, 2, 16, 8, 4), opts=dict(bias=True), dtypes=["float32"]),
     "int32 ids, strided inputs, expanded grad": dict(dims=(8, 4, 24, 16, 8), opts=dict(idx_dtype=torch.int32),
@@ -549,6 +556,12 @@ def test_grouped_mm_wgrad_choice() -> None:
         with pytest.raises(ValueError, match=f"{gemm}.*GROUPED_MM.*not bfloat16"):
             TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.float16), *args, saved,
                                       configs={gemm: {"GROUPED_MM": 1}})
+    # PERSISTENT where the kernel that runs has no such mode: an error, not a silent no-op
+    bf16 = make(4, 2, 40, 24, 3, torch.bfloat16, "cpu")
+    for gemm, other in (("dgrad2", {"SPLIT": 0}), ("dgrad1", {"GROUPED_MM": 1})):
+        with pytest.raises(ValueError, match=f"{gemm}.*PERSISTENT"):
+            TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.bfloat16), *bf16, saved,
+                                      configs={gemm: {"PERSISTENT": 1, **other}})
 
 
 # ------------------------------------------------------------------ CUDA

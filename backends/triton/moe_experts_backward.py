@@ -563,6 +563,14 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
         grouped1 = bool(cfg["dgrad1"].get("GROUPED_MM", grouped_mm_dgrad1_default(x, w1, n1, i)))
         if grouped1 and (why := grouped_mm_unfit(x, n1, i, w1)) is not None:
             raise ValueError(f"fused_experts_backward: configs['dgrad1']['GROUPED_MM'] = 1, but {why}")
+        # PERSISTENT is the forward's GEMM's (F.launch_gemm): the fused dgrad2 kernel and
+        # CUTLASS have no such mode, and a flag that does nothing is an error
+        if cfg["dgrad2"].get("PERSISTENT", 0) and not cfg["dgrad2"].get("SPLIT", 0):
+            raise ValueError("fused_experts_backward: configs['dgrad2']['PERSISTENT'] = 1 needs SPLIT = 1 "
+                             "(the fused dgrad kernel is not persistent)")
+        if cfg["dgrad1"].get("PERSISTENT", 0) and grouped1:
+            raise ValueError("fused_experts_backward: configs['dgrad1']['PERSISTENT'] = 1 needs GROUPED_MM = 0 "
+                             "(torch._grouped_mm has no persistent mode here)")
         plan = (cfg, grouped, grouped1)
         if spec is not None:
             F._remember(_PLANS, spec, plan)
@@ -600,7 +608,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                 g = F._new_buffer((nb * bm, i), torch.float32, dev)
                 F.launch_gemm(c, a=dout, w_nk=w_nk, bias=None, rw=rw, out=g, pre=None,
                               sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k, n=i, k=h,
-                              gather=True, routed=False, act=_IDENTITY, spec=key("dgrad2"))
+                              gather=True, routed=False, act=_IDENTITY, spec=key("dgrad2"),
+                              used=saved.tables[3, -1:])
                 # the gate's pass: BLOCK_R rows (a power of 2 dividing BLOCK_M) x BLOCK_N
                 # columns a step; the config's GATE_R / GATE_N / GATE_WARPS for tuning. Default
                 # 8 x 256, 4 warps: the fastest of 7 tiles on all three configs (H200, T = 4096,
@@ -663,7 +672,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                 F.launch_gemm(cfg["dgrad1"], a=d_pre, w_nk=F._nk_view(w1, not transposed), bias=None,
                               rw=rw, out=pairs, pre=None, sorted_pair_ids=sorted_pair_ids,
                               block_expert=block_expert, top_k=k, n=h, k=n1, gather=False, routed=True,
-                              scaled=False, act=_IDENTITY, spec=key("dgrad1"))
+                              scaled=False, act=_IDENTITY, spec=key("dgrad1"), used=saved.tables[3, -1:])
                 F.combine(pairs, ids, dx, e, cfg["combine"], spec=key("combine"))
             out[0] = dx
 

@@ -239,14 +239,25 @@ def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, de
         raise RuntimeError("moe_experts' tuning: the table's own backward configs do not fit this GPU")
     best: dict[str, dict[str, int]] = {}
     best_run, tried = default, 0
+    tables = B._configs(rpe, dtype, bm, 2 * i, h, i, {})  # the table's, as the default runs them
+    skipped = 0  # persistent candidates that don't apply (not counted in "of")
     for gemm, cands in (("dgrad2", dgrad2), ("dgrad1", dgrad1)):
-        for c in cands:
+        for c in cands + [None]:
             if time.monotonic() > deadline:
                 break
+            if c is None:  # the best so far, persistent: where it runs on the forward's GEMM
+                now = best.get(gemm, tables[gemm])
+                triton_gemm = now.get("SPLIT", 0) if gemm == "dgrad2" else not now.get(
+                    "GROUPED_MM", B.grouped_mm_dgrad1_default(args[0], args[3], 2 * i, i))
+                if not triton_gemm or now.get("PERSISTENT", 0):
+                    skipped += 1
+                    continue
+                cand = {**now, "PERSISTENT": 1}
+            else:
+                # a dgrad1 candidate is the Triton GEMM's, so it runs off torch._grouped_mm (the
+                # sm90 bf16 default): a winner beat that default and keeps GROUPED_MM 0 in the table
+                cand = {**_dgrad(c), "GROUPED_MM": 0} if gemm == "dgrad1" else _dgrad(c)
             tried += 1
-            # a dgrad1 candidate is the Triton GEMM's, so it runs off torch._grouped_mm (the
-            # sm90 bf16 default): a winner beat that default and keeps GROUPED_MM 0 in the table
-            cand = {**_dgrad(c), "GROUPED_MM": 0} if gemm == "dgrad1" else _dgrad(c)
             fn = run({**best, gemm: cand})
             if _beats(fn, best_run, reps, device):
                 best, best_run = {**best, gemm: cand}, fn
@@ -257,7 +268,7 @@ def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, de
                 for g, w in zip(got, want))
     return {"default_us": default_us, "best_us": best_us, "dgrad2": best.get("dgrad2"),
             "dgrad1": best.get("dgrad1"), "rows_per_expert": rpe, "error": error, "tried": tried,
-            "of": len(dgrad2) + len(dgrad1)}
+            "of": len(dgrad2) + len(dgrad1) + 2 - skipped}
 
 
 def record(table: dict[str, Any], e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype,
