@@ -63,6 +63,12 @@ GROUPED_PATHS = {"wgrad": (("down_proj", "gate_up_proj"), True), "dgrad1": (("hi
 SPLIT_BWD = {**SMALL_BWD, "dgrad2": {**SMALL_BWD["dgrad2"], "SPLIT": 1}}
 
 
+# Every GEMM that can run persistent so: the forward's two, dgrad2's split GEMM, dgrad1 on
+# Triton (on the GPU bf16's dgrad1 would run on torch._grouped_mm, which has no such mode)
+PERSISTENT_BWD = {g: {**SPLIT_BWD[g], "PERSISTENT": 1} for g in ("gemm1", "gemm2", "dgrad2", "dgrad1")}
+PERSISTENT_BWD["dgrad1"]["GROUPED_MM"] = 0
+
+
 # ------------------------------------------------------------------ interpreted cases
 
 def _gate_cases() -> dict[str, dict]:
@@ -130,11 +136,11 @@ CASES: dict[str, dict] = {
                                 configs={**SMALL_BWD, "gemm1": {**SMALL["gemm1"], "PREGATHER": 1}}),
     # persistent GEMMs: the forward's two, dgrad2's split GEMM and dgrad1's Triton GEMM
     "persistent": dict(dims=(24, 3, 40, 24, 3), opts=dict(bias=True), forbid=("TB._dgrad_act_kernel",), configs={
-        **SPLIT_BWD, **{g: {**SPLIT_BWD[g], "PERSISTENT": 1} for g in ("gemm1", "gemm2", "dgrad2", "dgrad1")}}),
+        **SPLIT_BWD, **PERSISTENT_BWD}),
     "persistent, sentinels, empty expert": dict(
         dims=(6, 2, 16, 8, 8), opts=dict(bias=True, sentinels=3), special="nan+skip_expert", dtypes=["float32"],
         forbid=("TB._dgrad_act_kernel",), configs={
-            **SPLIT_BWD, **{g: {**SPLIT_BWD[g], "PERSISTENT": 1} for g in ("gemm1", "gemm2", "dgrad2", "dgrad1")}}),
+            **SPLIT_BWD, **PERSISTENT_BWD}),
     "k=1": dict(dims=(7, 1, 24, 16, 4), opts=dict(activation="gelu", interleaved=True)),
     "T=0": dict(dims=(0, 2, 16, 8, 4), opts=dict(bias=True), dtypes=["float32"]),
     "int32 ids, strided inputs, expanded grad": dict(dims=(8, 4, 24, 16, 8), opts=dict(idx_dtype=torch.int32),

@@ -54,7 +54,8 @@ def test_record_backward_keeps_only_a_faster_right_config(best_us, error, kept):
     e, h, i, k, t = 128, 2048, 768, 8, 4096
     rpe = t * k / e
     table = _table()
-    dgrad2 = dict(BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, SPLIT=1)
+    dgrad2 = dict(BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=2, SPLIT=1)  # not the table's
+    assert TM.pick_config("dgrad2", rpe, i, h, torch.bfloat16, table=table) != {**dgrad2, "BLOCK_M": 64}
     found = {"default_us": 100.0, "best_us": best_us, "rows_per_expert": rpe, "error": error,
              "dgrad2": dgrad2, "dgrad1": None}
     assert tune.record_backward(table, e, h, i, k, t, torch.bfloat16, found) is kept
@@ -104,3 +105,13 @@ def test_a_whole_run(tmp_path):
         got = TM.pick_config(gemm, rpe, n, k, torch.float32, block_m=cfg.get("BLOCK_M"), table=table)
         assert all(got[key] == v for key, v in cfg.items() if key != "num_stages"), (cfg, got)
         assert got["num_stages"] <= cfg["num_stages"]  # shrunk only to fit shared memory
+
+
+@needs_triton
+def test_shared_buckets_are_named() -> None:
+    """Qwen3-MoE's T = 4096 and 16384 (256 and 1024 rows per expert) fall in one gemm1 bucket
+    of the shipped table: the tuner says so before it overwrites one with the other."""
+    table = _table()
+    lines = tune.shared_buckets(table, tune.SHAPES["qwen3_moe"], [4096, 16384], ("gemm1",))
+    assert len(lines) == 1 and "T=4096, 16384 share gemm1's bucket '1024'" in lines[0], lines
+    assert tune.shared_buckets(table, tune.SHAPES["mixtral"], [4096, 16384], ("gemm1", "gemm2")) == []

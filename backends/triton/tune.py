@@ -303,6 +303,23 @@ def record_backward(table: dict[str, Any], e: int, h: int, i: int, k: int, t: in
     return True
 
 
+def shared_buckets(table: dict[str, Any], shape: tuple[int, int, int, int], tokens: list[int],
+                   gemms: tuple[str, ...]) -> list[str]:
+    """Lines naming the token counts of ``shape`` that fall in one bucket of a GEMM's table
+    (e.g. Qwen3-MoE's T = 4096 and 16384: 256 and 1024 rows per expert, both in "1024"):
+    there a later token count's winner, where written, replaces an earlier one's."""
+    e, _, _, k = shape
+    lines = []
+    for gemm in gemms:
+        by: dict[str, list[int]] = {}
+        for t in tokens:
+            by.setdefault(fused._bucket(t * k / e, list(table["default"][gemm])), []).append(t)
+        lines += [f"note: E={e} k={k}: T={', '.join(map(str, ts))} share {gemm}'s bucket '{b}': "
+                  f"a later T's winner, where written, replaces an earlier one's there"
+                  for b, ts in by.items() if len(ts) > 1]
+    return lines
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m opreg tune moe_experts", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES),
@@ -329,10 +346,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     # The first op call may build opreg's kernel libraries (~40 s): not out of the budget.
     fused.M.grouped(*inputs(2, 8, 8, 1, 4, dtype, device))
     start = time.monotonic()
-    jobs = [(shape, int(v)) for shape in shapes for v in a.tokens.split(",")]
+    jobs = [(shape, t) for shape in shapes for t in (int(v) for v in a.tokens.split(","))]
     print(f"tuning moe_experts ({a.dtype}) on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
           f"{len(GEMM1)} + {2 + len(PREGATHER)} GEMM1 and {1 + len(GEMM2)} GEMM2 candidates per shape, "
           f"budget {a.budget_s:.0f} s", flush=True)
+    tokens = [int(v) for v in a.tokens.split(",")]
+    for shape in shapes:
+        for line in shared_buckets(table, shape, tokens, ("gemm1", "gemm2") + (("dgrad2", "dgrad1") if a.backward
+                                                                                  else ())):
+            print(line, flush=True)
     for n, ((e, h, i, k), t) in enumerate(jobs):
         # each shape gets an equal share of what is left of the budget: one global deadline
         # left the last shapes none (the first took every candidate it had time for)
