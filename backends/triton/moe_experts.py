@@ -271,6 +271,8 @@ def _moe_gemm(
                        INTERLEAVED, ACT, HAS_BIAS, HAS_LIMIT, SAVE_PRE, DOT_PRECISION, EVEN_K, W_TMA,
                        W_KMAJOR, A_TMA)
     else:
+        # the same call as above, not one loop for both: a one-trip loop with the tile under
+        # an `if` would change the default kernel's code (the K loop's pipelining) untimed
         pid_m, pid_n, expert = _tile(block_expert_ptr, num_m_blocks, num_n, GROUP_M)
         if expert < 0:
             return  # past the padded work list: nothing to compute, nothing to write
