@@ -9,6 +9,7 @@ import copy
 import functools
 import logging
 import math
+import warnings
 
 import pytest
 import torch
@@ -142,6 +143,19 @@ def test_gpt_oss_under_compile_without_an_eager_call(fullgraph):
     assert OPREG in same_as_eager_compiled(fast, m, call)
     m.alpha = 0.9
     assert OPREG in same_as_eager_compiled(fast, m, call)
+
+
+def test_compiled_call_warns_of_nothing():
+    """Under torch.compile the experts call the op directly: Dynamo said it traced past the
+    eager fast path's functools.lru_cache ("silent incorrectness is a potential risk"), a
+    warning a user would read as ours."""
+    torch._dynamo.reset()
+    m, call = experts(), inputs()
+    fast = torch.compile(m, backend="eager", fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert OPREG in same_as_eager_compiled(fast, m, call)
+    assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message) for w in caught]
 
 
 def same_as_eager_compiled(fast, m: nn.Module, call) -> set[str]:

@@ -176,6 +176,8 @@ def _experts(op_args: tuple[Any, ...], needs_grad: bool) -> torch.Tensor:
     (GuardOnDataDependentSymNode) and Dynamo without fullgraph splits at every projection:
     there the op itself, one node whose backward is an op of its own."""
     if not needs_grad:
+        if torch.compiler.is_compiling():  # the op, one node (and Dynamo warns of lru_cache)
+            return torch.ops.opreg.moe_experts(*op_args)
         return _op_call()(*op_args)
     if _fused_train is not None and _fused_train.fused_trains(op_args):
         return _fused_train.train(*op_args)
