@@ -239,14 +239,14 @@ def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, de
         raise RuntimeError("moe_experts' tuning: the table's own backward configs do not fit this GPU")
     best: dict[str, dict[str, int]] = {}
     best_run, tried = default, 0
-    tables = B._configs(rpe, dtype, bm, 2 * i, h, i, {})  # the table's, as the default runs them
+    defaults = B._configs(rpe, dtype, bm, 2 * i, h, i, {})  # the table's, as the default runs them
     skipped = 0  # persistent candidates that don't apply (not counted in "of")
     for gemm, cands in (("dgrad2", dgrad2), ("dgrad1", dgrad1)):
         for c in cands + [None]:
             if time.monotonic() > deadline:
                 break
             if c is None:  # the best so far, persistent: where it runs on the forward's GEMM
-                now = best.get(gemm, tables[gemm])
+                now = best.get(gemm, defaults[gemm])
                 triton_gemm = now.get("SPLIT", 0) if gemm == "dgrad2" else not now.get(
                     "GROUPED_MM", B.grouped_mm_dgrad1_default(args[0], args[3], 2 * i, i))
                 if not triton_gemm or now.get("PERSISTENT", 0):
