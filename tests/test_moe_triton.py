@@ -76,8 +76,42 @@ def _gate_cases() -> dict[str, dict]:
     return cases
 
 
+# The decode kernels (T = 1, TM.decode_forward) over several K steps and column blocks.
+DECODE_SMALL = {"decode": dict(UP_BLOCK_N=16, DOWN_BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2)}
+
+
+def _decode_cases() -> dict[str, dict]:
+    """T = 1, the decode kernels: every gate x {gated, not} x {transposed, not} at the
+    table's decode config (one K step at these sizes) or small blocks (ragged H and I, several
+    K steps and column blocks), biases, interleaving and the limit varying along."""
+    cases, n = {}, 0
+    kinds = [(g, True) for g in GATES] + [(g, False) for g in GATES] + [(M.GPT_OSS, True)]
+    for act, gated in kinds:
+        for transposed in (False, True):
+            n += 1
+            opts = dict(activation=act, gated=gated, transposed=transposed, bias=n % 3 != 0,
+                        interleaved=gated and n % 2 == 1)
+            if act == M.GPT_OSS:
+                opts.update(alpha=1.702, limit=1.5, gain=4.0)
+            elif act == "silu":
+                opts.update(limit=0.7, gain=4.0)
+            small = n % 2 == 0
+            dims = (1, 3, 50, 18, 5) if small else (1, 3, 40, 24, 5)
+            name = f"decode {act} {'gated' if gated else 'ungated'}{' transposed' if transposed else ''}"
+            cases[name] = dict(dims=dims, opts=opts, configs=DECODE_SMALL if small else None,
+                               dtypes=["float32", "float16"] if n % 4 == 1 or act == M.GPT_OSS else ["float32"])
+    return cases
+
+
 CASES: dict[str, dict] = {
     **_gate_cases(),
+    **_decode_cases(),
+    "decode, sentinel NaN weight, negative id": dict(dims=(1, 4, 24, 16, 6), opts=dict(sentinels=2), special="nan",
+                                                     configs=DECODE_SMALL),
+    "decode, all slots sentinel": dict(dims=(1, 2, 16, 8, 4), opts={}, special="all_out"),
+    "decode, strided inputs": dict(dims=(1, 4, 24, 16, 8), opts=dict(idx_dtype=torch.int32),
+                                   special="strided columns"),
+    "T=1, GEMM path": dict(dims=(1, 2, 24, 16, 4), opts=dict(bias=True), configs=SMALL),
     # ragged H, I (not multiples of any block), several blocks in M, N and K, swizzle groups
     "ragged small blocks": dict(dims=(9, 3, 40, 24, 3), opts=dict(bias=True), configs=SMALL, dtypes=["float32"]),
     "ragged gpt_oss small blocks": dict(dims=(21, 2, 50, 18, 3), configs=SMALL, opts=dict(
@@ -157,6 +191,14 @@ def _special(args: tuple, special: str | None) -> tuple[tuple, tuple]:
         ws = args[2].t().contiguous().t()
         assert not xs.is_contiguous() and not ws.is_contiguous()
         a = sub(args, hidden_states=xs, top_k_weights=ws)
+        return a, a
+    if special == "strided columns":  # every other element of a wider row (one row: no other stride to vary)
+        def every_other(v: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(v.shape[0], 2 * v.shape[1], dtype=v.dtype, device=v.device)[:, ::2]
+            return out.copy_(v)
+        a = sub(args, hidden_states=every_other(args[0]), top_k_index=every_other(args[1]),
+                top_k_weights=every_other(args[2]))
+        assert all(t.stride(1) == 2 for t in a[:3])
         return a, a
     return args, args
 
@@ -426,10 +468,22 @@ def test_config_table() -> None:
     assert c2["BLOCK_M"] == 64
     f32 = TM.pick_config("gemm1", 999.0, 512, 512, torch.float32, table=table)  # shrunk to fit
     assert f32["num_stages"] * f32["BLOCK_K"] * (128 + 2 * 128) * 4 <= TM._SMEM_BUDGET
-    # the shipped file parses and covers every bucket of both GEMMs
+    # the shipped file parses and covers every bucket of both GEMMs, and the decode kernels
     for gemm in ("gemm1", "gemm2"):
         for rows in (1, 30, 200, 5000):
             assert TM.pick_config(gemm, rows, 1536, 2048, torch.bfloat16, block_m=16)["BLOCK_N"] > 0
+    assert set(TM.pick_config("decode", 0.0, 1536, 2048, torch.bfloat16)) == {
+        "UP_BLOCK_N", "DOWN_BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+
+
+@needs_triton
+def test_which_forward_decodes() -> None:
+    """The decode kernels take a forward of one token that saves nothing for a backward
+    (which reads the GEMM path's routing tables), unless the caller pins GEMM configs."""
+    assert TM.decodes(1, False, None) and TM.decodes(1, False, {"decode": {}})
+    assert not TM.decodes(1, True, None)
+    assert not TM.decodes(2, False, None) and not TM.decodes(64, False, None)
+    assert not TM.decodes(1, False, {"gemm1": {}, "gemm2": {}, "combine": {}})
 
 
 @needs_triton
@@ -549,6 +603,24 @@ def test_cuda_cases(case_id: str) -> None:
 @pytest.mark.parametrize("name", list(ROUTING))
 def test_cuda_routing(name: str) -> None:
     run_routing(name, 0, "cuda")
+
+
+def _one_token(device: str, dtype: torch.dtype, requires_grad: bool = False):
+    """T = 1 (the decode kernels) with the families' layouts and a sentinel slot."""
+    for fam in ("mixtral silu", "gpt_oss biases", "relu2 ungated"):
+        yield Sample(make(1, 4, 256, 128, 16, dtype, device, **FAMILIES[fam][1], sentinels=1), f"one token {fam}")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+def test_cuda_decode(dtype: torch.dtype) -> None:
+    """The decode kernels on the GPU: against float64, two runs bit-identical, CUDA-graph
+    capture and replay."""
+    suite = _suite(_one_token)
+    suite.check_correctness("cuda", dtype, impl="triton")
+    suite.check_deterministic("cuda", dtype, impl="triton")
+    suite.check_cuda_graphs(dtype)
 
 
 @pytest.mark.cuda

@@ -19,6 +19,12 @@ current stream (Triton launches on torch's current stream of the current device)
    of the pair rows whose id is in [0, E) (a NaN weight in a sentinel slot adds nothing).
    Same bits every run.
 
+One token without a backward to feed (decode, :func:`decodes`) takes two kernels instead
+(:func:`decode_forward`): GEMM1 and the gate per (token, slot) pair as a matrix-vector
+product, then GEMM2, the routing weights and the combine per token in one, in the same slot
+order with the same roundings; no routing, no padded rows. At T = 1 the pairs are the
+token's top-k experts, so it reads the same weight bytes in half the launches.
+
 On sm90+ both GEMMs load the weight's tiles, and GEMM2 its sorted activation rows, through
 tensor descriptors (TMA) instead of pointer arithmetic (:func:`launch_gemm` decides per
 launch): 11-14 % faster forward on the H200 (``bench/moe_gemms.py``); GEMM1's gathered token
@@ -373,6 +379,88 @@ def _combine_kernel(
     tl.store(out_ptr + t * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@_jit
+def _gemv_tile(a_ptr, w_base, wcol, col_ok, K, stride_a, stride_wn, stride_wk,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum over k of a[k] * W[wcol[n], k] for BLOCK_N columns, fp32 (exact products, as the
+    GEMMs' fp32 accumulation of 16-bit inputs): elementwise partial sums over the K loop,
+    one reduction at the end. The decode kernels' main loop."""
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        a = tl.load(a_ptr + (k0 + ks) * stride_a, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_base + wcol[:, None] * stride_wn + (k0 + ks)[None, :] * stride_wk,
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@_jit
+def _decode_up_kernel(
+    x_ptr, ids_ptr, w_ptr, bias_ptr, act_ptr, top_k, num_experts, N, K, alpha, limit,
+    stride_xt, stride_xk, stride_it, stride_ik, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    stride_am, stride_an,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+):
+    """The decode path's GEMM1 (:func:`decode_forward`): program (p, n) computes pair p = t*k
+    + j's activation row for BLOCK_N columns, act[p] = gate(x[t] @ gate_up[e]^T + bias[e]),
+    e = the pair's id, as a matrix-vector product: no routing, no padded rows. A pair whose
+    id is outside [0, E) is skipped: its row stays unwritten and nothing reads it."""
+    p = tl.program_id(0)
+    t = (p // top_k).to(tl.int64)
+    e = tl.load(ids_ptr + t * stride_it + (p % top_k) * stride_ik)
+    if (e < 0) | (e >= num_experts):
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    wcol0, wcol1 = _halves(cols, N, INTERLEAVED)
+    w_base = w_ptr + e.to(tl.int64) * stride_we  # int64: E * N * K may pass 2**31
+    x_row = x_ptr + t * stride_xt
+    acc0 = _gemv_tile(x_row, w_base, wcol0, col_ok, K, stride_xk, stride_wn, stride_wk, BLOCK_N, BLOCK_K)
+    acc1 = acc0  # the up half; unused unless GATED
+    if GATED:
+        acc1 = _gemv_tile(x_row, w_base, wcol1, col_ok, K, stride_xk, stride_wn, stride_wk, BLOCK_N, BLOCK_K)
+    if HAS_BIAS:
+        b_base = bias_ptr + e.to(tl.int64) * stride_be
+        acc0 += tl.load(b_base + wcol0 * stride_bn, mask=col_ok, other=0.0).to(tl.float32)
+        if GATED:
+            acc1 += tl.load(b_base + wcol1 * stride_bn, mask=col_ok, other=0.0).to(tl.float32)
+    y = _gate(acc0, acc1, alpha, limit, GATED, ACT, HAS_LIMIT)
+    tl.store(act_ptr + p.to(tl.int64) * stride_am + cols * stride_an, y.to(act_ptr.dtype.element_ty), mask=col_ok)
+
+
+@_jit
+def _decode_down_kernel(
+    act_ptr, ids_ptr, rw_ptr, w_ptr, bias_ptr, out_ptr, top_k, num_experts, N, K,
+    stride_am, stride_ak, stride_it, stride_ik, stride_rt, stride_rk, stride_we, stride_wn, stride_wk,
+    stride_be, stride_bn, stride_ot, stride_on,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """The decode path's GEMM2 and combine in one (:func:`decode_forward`): program (t, n)
+    sums, over token t's slots j = 0..k-1 in that order, pair p's row of the down projection
+    times its routing weight (fp32, rounded to out's dtype as GEMM2 stores a pair row), in
+    fp32, for BLOCK_N columns, as :func:`_moe_gemm` then :func:`_combine_kernel` do. A slot
+    whose id is outside [0, E) is skipped (its activation row and weight are never read)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in range(0, top_k):
+        e = tl.load(ids_ptr + t * stride_it + j * stride_ik)
+        if (e >= 0) & (e < num_experts):
+            w_base = w_ptr + e.to(tl.int64) * stride_we
+            y = _gemv_tile(act_ptr + (t * top_k + j) * stride_am, w_base, cols, col_ok, K, stride_ak, stride_wn,
+                           stride_wk, BLOCK_N, BLOCK_K)
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + e.to(tl.int64) * stride_be + cols * stride_bn, mask=col_ok,
+                             other=0.0).to(tl.float32)
+            rw = tl.load(rw_ptr + t * stride_rt + j * stride_rk).to(tl.float32)
+            total += (y * rw).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + cols * stride_on, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints. (``triton.cdiv`` is a ConstexprFunction in triton 3.8: each host
     call unwraps constexprs, ~3-14 us; the launcher calls it on every op call.)"""
@@ -682,16 +770,20 @@ def _fit_smem(cfg: dict[str, int], itemsize: int, operands_b: int) -> dict[str, 
     return cfg
 
 
+_UNBUCKETED = ("combine", "decode")  # one config whatever the rows per expert
+
+
 def pick_config(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.dtype,
                 block_m: Optional[int] = None, table: Optional[dict[str, Any]] = None) -> dict[str, int]:
     """The block config of ``gemm`` ("gemm1": N = gate_up width, K = H; "gemm2": N = H,
-    K = I; "combine"; the backward's "dgrad2", "dgrad1", "wgrad") for this rows-per-expert
+    K = I; "combine" and "decode", one config each; the backward's "dgrad2", "dgrad1", "wgrad")
+    for this rows-per-expert
     (S / E), shape and dtype: the table's tuned
     entry for (dtype, N, K) if any, else its default for the bucket. ``block_m`` forces
     BLOCK_M (gemm2 walks gemm1's padded rows)."""
     if table is None:  # the package's table: cached per bucket (it runs on every op call)
         t = _config_table()
-        bucket = "-" if gemm == "combine" else _bucket(rows_per_expert, list(t["default"][gemm]))
+        bucket = "-" if gemm in _UNBUCKETED else _bucket(rows_per_expert, list(t["default"][gemm]))
         return dict(_pick_cached(gemm, bucket, n, k, dtype, block_m))
     return _pick(gemm, rows_per_expert, n, k, dtype, block_m, table)
 
@@ -705,8 +797,8 @@ def _pick_cached(gemm: str, bucket: str, n: int, k: int, dtype: torch.dtype,
 
 def _pick(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.dtype, block_m: Optional[int],
           table: dict[str, Any]) -> dict[str, int]:
-    if gemm == "combine":
-        return dict(table["default"]["combine"])
+    if gemm in _UNBUCKETED:
+        return dict(table["default"][gemm])
     default = table["default"][gemm]
     bucket = _bucket(rows_per_expert, list(default))
     dname = str(dtype).replace("torch.", "")
@@ -961,6 +1053,80 @@ def combine(pairs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_exper
            MAPPED=rows is not None, num_warps=cfg["num_warps"])
 
 
+def decodes(t: int, save: bool, configs: Optional[dict[str, dict[str, int]]]) -> bool:
+    """Does a forward of ``t`` tokens run :func:`decode_forward`? Without ``save`` (the
+    backward reads the routing tables that only the GEMM path builds), for T = 1, unless
+    ``configs`` is given without a "decode" entry (tests and tuning pin the GEMM path).
+    Why T = 1: the decode kernels read each pair's expert weights once per pair, where the
+    GEMM path reads each used expert's once. At T = 1 the k pairs are the token's top-k,
+    distinct experts, so the weight bytes are the same, and the call is 2 launches instead
+    of 4 (routing, GEMM1, GEMM2, combine): decode is host-bound (H200, 2026-12-03: the
+    block at T = 1 takes 470-650 µs against ~25 µs of weight reads). At T = 2 two tokens
+    often share an expert (Mixtral: 8 experts, top-2), whose weights the pairs would read
+    twice."""
+    return not save and t == 1 and (configs is None or "decode" in configs)
+
+
+def decode_forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: torch.Tensor,
+                   b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor], activation: str,
+                   gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float,
+                   cfg: Optional[dict[str, int]] = None, spec: Any = None) -> torch.Tensor:
+    """The op's forward for few tokens (:func:`decodes`), (T, H) in x's dtype: per pair, GEMM1
+    and the gate as a matrix-vector product into an activation row (:func:`_decode_up_kernel`);
+    per token, GEMM2, the routing weights and the combine in one (:func:`_decode_down_kernel`).
+    The same results as :func:`fused_experts_forward`'s GEMM path but for the order of each
+    dot product's fp32 sums. ``cfg``: UP_BLOCK_N, DOWN_BLOCK_N, BLOCK_K, num_warps,
+    num_stages (default: the table's "decode"). ``spec``: as :func:`launch_gemm`'s."""
+    static = _DECODE_STATIC.get(spec) if spec is not None else None
+    if static is None:
+        cfg = cfg or pick_config("decode", 0.0, w1.shape[1], x.shape[1], x.dtype)
+        static = _decode_static(x, ids, rw, w1, b1, w2, b2, activation, gated, transposed, interleaved, limit, cfg)
+        if spec is not None:
+            _remember(_DECODE_STATIC, spec, static)
+    (g1, g2, act_shape, head1, tail1, opts1, head2, tail2, opts2) = static
+    w1v, w2v = _nk_view(w1, transposed), _nk_view(w2, transposed)
+    act = _new_buffer(act_shape, x.dtype, x.device)
+    out = _new_buffer(tuple(x.shape), x.dtype, x.device)
+    with _device_ctx(x):
+        launch_args(_decode_up_kernel, g1, (x, ids, w1v, b1 if b1 is not None else w1v, act, *head1,
+                                            float(alpha), float(limit) if opts1["HAS_LIMIT"] else 0.0, *tail1),
+                    spec and (spec, "decode up"), opts1)
+        launch_args(_decode_down_kernel, g2, (act, ids, rw, w2v, b2 if b2 is not None else w2v, out, *head2, *tail2),
+                    spec and (spec, "decode down"), opts2)
+    return out
+
+
+def _decode_static(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: torch.Tensor,
+                   b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor], activation: str,
+                   gated: bool, transposed: bool, interleaved: bool, limit: float,
+                   cfg: dict[str, int]) -> tuple[Any, ...]:
+    """What :func:`decode_forward` derives from metadata alone: both grids, the activation
+    buffer's shape, each launch's int arguments and constexprs."""
+    t, h = x.shape
+    k, e = ids.shape[1], w1.shape[0]
+    w1v, w2v = _nk_view(w1, transposed), _nk_view(w2, transposed)
+    n1 = w1v.shape[1]
+    i = n1 // 2 if gated else n1
+    bk = min(cfg["BLOCK_K"], next_pow2(max(h, i)))
+    bn1, bn2 = min(cfg["UP_BLOCK_N"], next_pow2(i)), min(cfg["DOWN_BLOCK_N"], next_pow2(h))
+    bias1, bias2 = b1 if b1 is not None else w1v, b2 if b2 is not None else w2v
+    launch_opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    s1, s2 = w1v.stride(), w2v.stride()
+    head1 = (k, e, i, h)
+    tail1 = (x.stride(0), x.stride(1), ids.stride(0), ids.stride(1), s1[0], s1[1], s1[2], bias1.stride(0),
+             bias1.stride(-1), i, 1)  # act is a fresh (T*k, I) buffer
+    opts1 = dict(BLOCK_N=bn1, BLOCK_K=bk, GATED=gated, INTERLEAVED=gated and interleaved, ACT=ACT_IDS[activation],
+                 HAS_BIAS=b1 is not None, HAS_LIMIT=gated and math.isfinite(limit), **launch_opts)
+    head2 = (k, e, h, i)
+    tail2 = (i, 1, ids.stride(0), ids.stride(1), rw.stride(0), rw.stride(1), s2[0], s2[1], s2[2], bias2.stride(0),
+             bias2.stride(-1), h, 1)  # out is a fresh (T, H) buffer
+    opts2 = dict(BLOCK_N=bn2, BLOCK_K=bk, HAS_BIAS=b2 is not None, **launch_opts)
+    return ((t * k, cdiv(i, bn1)), (t, cdiv(h, bn2)), (t * k, i), head1, tail1, opts1, head2, tail2, opts2)
+
+
+_DECODE_STATIC: dict[Any, tuple[Any, ...]] = {}
+
+
 def _meta(a: Any) -> Any:
     if not isinstance(a, torch.Tensor):
         return a
@@ -1044,6 +1210,9 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     else:
         spec = (spec or spec_of(x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed,
                                 interleaved, alpha, limit), save, keep_rows)
+    if decodes(t, save, configs):
+        return decode_forward(x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed,
+                              interleaved, alpha, limit, configs["decode"] if configs is not None else None, spec)
     picked = _CONFIGS.get(spec) if spec is not None else None
     if picked is None:
         picked = _configs(configs or {}, s / e, n1, h, i, k, x.dtype)

@@ -339,6 +339,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error("tuning needs a CUDA GPU (or TRITON_INTERPRET=1, for tests: its times mean nothing)")
     dtype = getattr(torch, a.dtype)
     shapes = [SHAPES[s] if s in SHAPES else tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
+    if not a.backward and any(fused.decodes(int(v), False, None) for v in a.tokens.split(",")):
+        # its table entries would never run: the op's forward there is the decode kernels
+        p.error(f"--tokens {a.tokens}: a forward of 1 token runs the decode kernels (moe_experts.decodes), "
+                "not the GEMMs tuned here; their config is the table's 'decode'")
     if fused._NO_TRITON is not None:
         p.error(fused._NO_TRITON)
     with open(a.out if os.path.exists(a.out) else fused.CONFIG_FILE) as f:  # update it, or start from ours
