@@ -159,6 +159,10 @@ CASE_IDS = [f"{name}/{dt}" for name, c in CASES.items() for dt in c["dtypes"]]
 ROUTING = {"routing 13x2 E4 bm16": (13, 2, 4, 16), "routing 1x8 E128 bm16": (1, 8, 128, 16),
            "routing 40x3 E5 bm4": (40, 3, 5, 4), "routing 0x2 E4": (0, 2, 4, 16),
            "routing 7x1 E1": (7, 1, 1, 16), "routing 300x2 E3 bm16": (300, 2, 3, 16),
+           # one program over several chunks (TM.ROUTE_ONE_PROGRAM_CHUNKS): 4 chunks exactly,
+           # then the smallest three-kernel case (5 chunks, ragged)
+           "routing 64x8 E128 bm16": (64, 8, 128, 16), "routing 50x5 E7 bm4": (50, 5, 7, 4),
+           "routing 129x4 E6 bm8": (129, 4, 6, 8),
            # 22 chunks of TM.ROUTE_CHUNK = 128 pairs: the scan kernel takes CB = 8192 // 512 = 16
            # chunks at a time, so two passes (and E is not a power of 2)
            "routing 700x4 E300 bm16": (700, 4, 300, 16)}

@@ -4,7 +4,7 @@ Four steps, all on the device, no host sync (CUDA-graph capturable), every launc
 current stream (Triton launches on torch's current stream of the current device):
 
 1. **Routing** (:func:`align_block_size`: a three-kernel counting sort of the ids, one
-   kernel where T*k <= 128): the S = T*k (token, slot) pairs, pair = t*k + j, sorted by
+   kernel where T*k <= 512): the S = T*k (token, slot) pairs, pair = t*k + j, sorted by
    expert (stable), each expert's segment padded to BLOCK_M.
    Ids outside [0, E) (the expert-parallel sentinel >= E; negative ids, the caller's error)
    never enter the work list. Buffers have static worst-case sizes, so no size is read back.
@@ -543,6 +543,11 @@ MAX_EXPERTS = 8192  # the routing kernels hold one lane per expert (BINS = next 
 
 
 ROUTE_CHUNK = 128  # pairs per program of the routing's count and place kernels
+# Up to this many chunks (T*k <= 512: T = 64 at top-8), one program places every pair
+# (_route_place_kernel's ONE_PROGRAM): two launches fewer where the call waits on its host
+# (decode), for a serial walk of at most 4 chunks twice (a chunk is one program's work in
+# the three-kernel form, whose kernels each cost a launch's gap on the device too).
+ROUTE_ONE_PROGRAM_CHUNKS = 4
 
 
 @_jit
@@ -582,10 +587,36 @@ def _route_scan_kernel(counts_ptr, tables_ptr, num_experts, num_chunks, CB: tl.c
 
 
 @_jit
+def _chunk_ids(ids_ptr, c, num_pairs, top_k, stride_t, stride_k, num_experts, CHUNK: tl.constexpr):
+    """(pairs, ids, valid) of chunk c: pairs [c*CHUNK, (c+1)*CHUNK), their expert ids (-1
+    past the end), and which ids are in [0, E)."""
+    p = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + (p // top_k).to(tl.int64) * stride_t + (p % top_k) * stride_k, mask=p < num_pairs,
+                  other=-1)
+    return p, ids, (ids >= 0) & (ids < num_experts)
+
+
+@_jit
+def _chunk_counts(ids, valid, BINS: tl.constexpr):
+    """How many of a chunk's pairs each expert has (invalid ids count nowhere)."""
+    e = tl.arange(0, BINS)
+    h = tl.histogram(tl.where(valid, ids, 0).to(tl.int32), BINS)
+    return h - tl.where(e == 0, tl.sum((~valid).to(tl.int32), axis=0), 0)
+
+
+@_jit
+def _chunk_ranks(ids, valid, CHUNK: tl.constexpr):
+    """Each valid pair's rank among the chunk's earlier pairs of its expert."""
+    q = tl.arange(0, CHUNK)
+    b = tl.where(valid, ids, -1).to(tl.int32)
+    return tl.sum(((b[:, None] == b[None, :]) & (q[None, :] < q[:, None])).to(tl.int32), axis=1)
+
+
+@_jit
 def _route_place_kernel(ids_ptr, offsets_ptr, tables_ptr, out_ptr, block_expert_ptr,
                         num_pairs, top_k, stride_t, stride_k, num_experts, num_chunks, num_m_blocks,
                         CHUNK: tl.constexpr, BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
-                        ONE_CHUNK: tl.constexpr):
+                        ONE_PROGRAM: tl.constexpr):
     """Program c: the experts' run starts, padded starts and padded ends (runs padded to
     BLOCK_M, laid end to end) from their totals, into tables[0], [1] and [3] (every program
     writes the same values); chunk c's pairs go to out[padded start of e + offsets[e, c] + their rank
@@ -593,20 +624,20 @@ def _route_place_kernel(ids_ptr, offsets_ptr, tables_ptr, out_ptr, block_expert_
     the expert of M blocks [c * bpp, (c+1) * bpp) (-1 past the last padded row) and the
     sentinel S in their padding rows. Every out entry is written once.
 
-    ONE_CHUNK (all pairs in this one program's chunk): the totals are this chunk's counts,
-    written to tables[2] here, and every offset is 0; the count and scan kernels don't run."""
+    ONE_PROGRAM (a grid of one, for a few chunks: :func:`_route_flat`): this program walks
+    every chunk twice, counting (the totals, written to tables[2] here), then placing, with
+    each expert's offset so far kept in ``offsets[e]`` (its first E entries, scratch); the
+    count and scan kernels don't run, and it owns every M block."""
     c = tl.program_id(0)
     e = tl.arange(0, BINS)
     real = e < num_experts
-    q = tl.arange(0, CHUNK)
-    p = c * CHUNK + q
-    ids = tl.load(ids_ptr + (p // top_k).to(tl.int64) * stride_t + (p % top_k) * stride_k, mask=p < num_pairs,
-                  other=-1)
-    valid = (ids >= 0) & (ids < num_experts)
-    if ONE_CHUNK:
-        total = tl.histogram(tl.where(valid, ids, 0).to(tl.int32), BINS)
-        total -= tl.where(e == 0, tl.sum((~valid).to(tl.int32), axis=0), 0)
+    if ONE_PROGRAM:
+        total = tl.zeros((BINS,), dtype=tl.int32)
+        for cc in range(0, num_chunks):
+            _, ids, valid = _chunk_ids(ids_ptr, cc, num_pairs, top_k, stride_t, stride_k, num_experts, CHUNK)
+            total += _chunk_counts(ids, valid, BINS)
         tl.store(tables_ptr + 2 * num_experts + e, total, mask=real)
+        tl.store(offsets_ptr + e, tl.zeros((BINS,), dtype=tl.int32), mask=real)
     else:
         total = tl.load(tables_ptr + 2 * num_experts + e, mask=real, other=0)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -616,18 +647,32 @@ def _route_place_kernel(ids_ptr, offsets_ptr, tables_ptr, out_ptr, block_expert_
     tl.store(tables_ptr + num_experts + e, pstart, mask=real)
     tl.store(tables_ptr + 3 * num_experts + e, pend, mask=real)
     tl.debug_barrier()  # this program's stores seen by its own threads' loads below
-    b = tl.where(valid, ids, -1).to(tl.int32)
-    rank = tl.sum(((b[:, None] == b[None, :]) & (q[None, :] < q[:, None])).to(tl.int32), axis=1)
-    bb = tl.where(valid, b, 0)
-    dest = tl.load(tables_ptr + num_experts + bb, mask=valid, other=0) + rank
-    if not ONE_CHUNK:
-        dest += tl.load(offsets_ptr + bb * num_chunks + c, mask=valid, other=0)
-    tl.store(out_ptr + dest, p, mask=valid)
+    if ONE_PROGRAM:
+        run = tl.zeros((BINS,), dtype=tl.int32)
+        for cc in range(0, num_chunks):
+            p, ids, valid = _chunk_ids(ids_ptr, cc, num_pairs, top_k, stride_t, stride_k, num_experts, CHUNK)
+            bb = tl.where(valid, ids, 0)
+            dest = (tl.load(tables_ptr + num_experts + bb, mask=valid, other=0)
+                    + tl.load(offsets_ptr + bb, mask=valid, other=0) + _chunk_ranks(ids, valid, CHUNK))
+            tl.store(out_ptr + dest, p, mask=valid)
+            run += _chunk_counts(ids, valid, BINS)
+            tl.debug_barrier()  # every thread has read offsets[] before it is overwritten
+            tl.store(offsets_ptr + e, run, mask=real)
+            tl.debug_barrier()  # ... and sees the new values in the next chunk
+        first_b = 0
+        b_end = num_m_blocks
+    else:
+        p, ids, valid = _chunk_ids(ids_ptr, c, num_pairs, top_k, stride_t, stride_k, num_experts, CHUNK)
+        bb = tl.where(valid, ids, 0)
+        dest = (tl.load(tables_ptr + num_experts + bb, mask=valid, other=0)
+                + tl.load(offsets_ptr + bb * num_chunks + c, mask=valid, other=0) + _chunk_ranks(ids, valid, CHUNK))
+        tl.store(out_ptr + dest, p, mask=valid)
+        bpp = tl.cdiv(num_m_blocks, num_chunks)
+        first_b = c * bpp
+        b_end = tl.minimum((c + 1) * bpp, num_m_blocks)
     # this program's M blocks
-    bpp = tl.cdiv(num_m_blocks, num_chunks)
-    b_end = tl.minimum((c + 1) * bpp, num_m_blocks)
     r = tl.arange(0, BLOCK_M)
-    for b0 in range(c * bpp, b_end, BLOCK_B):
+    for b0 in range(first_b, b_end, BLOCK_B):
         blk = b0 + tl.arange(0, BLOCK_B)
         bok = blk < b_end
         # the block's expert = how many experts' padded runs end at or before its first row
@@ -660,9 +705,10 @@ def routing_tables(top_k_index: torch.Tensor, num_experts: int,
     one int32 buffer (:func:`routing_views`; the forward keeps it as ``Saved.routing``).
 
     A counting sort in three launches (per-chunk counts, a scan per expert, placement)
-    into one int32 buffer; where every pair fits one chunk (T*k <= 128, decode) the
-    placement kernel counts them itself, one launch. ``torch.sort`` cost 100-250 us of host per call on the H200 box
-    and 60 us of GPU at T = 4096, k = 8 (eight radix passes over int64 keys)."""
+    into one int32 buffer; where the pairs fit a few chunks (T*k <= 512, decode) one
+    program of the placement kernel counts and places them all, one launch. ``torch.sort``
+    cost 100-250 us of host per call on the H200 box and 60 us of GPU at T = 4096, k = 8
+    (eight radix passes over int64 keys)."""
     return _route(top_k_index, num_experts, block_m)[1:]
 
 
@@ -714,17 +760,18 @@ def _route_flat(top_k_index: torch.Tensor, num_experts: int, block_m: int, spec:
     t0 = cap + nb
     sorted_pair_ids, block_expert, tables = buf[:cap], buf[cap:t0], buf[t0:t0 + 4 * num_experts]
     st, sk = top_k_index.stride()
-    one = nc == 1  # decode-sized: one launch instead of three (each ~15-25 us of host on the H200 box)
-    counts = tables  # never read where one chunk holds every pair
+    # decode-sized (T*k <= ROUTE_ONE_PROGRAM_CHUNKS * ROUTE_CHUNK): one launch instead of
+    # three (each ~15-25 us of host on the H200 box), one program walking the chunks
+    one = nc <= ROUTE_ONE_PROGRAM_CHUNKS
+    counts = buf[t0 + 4 * num_experts:]  # per (expert, chunk); one program's scratch (E entries)
     if not one:
-        counts = buf[t0 + 4 * num_experts:]
         launch(_route_count_kernel, (nc,), top_k_index, counts, s, k, st, sk, num_experts, nc, spec_key=spec,
                CHUNK=ROUTE_CHUNK, BINS=bins, num_warps=4)
         launch(_route_scan_kernel, (num_experts,), counts, tables, num_experts, nc, spec_key=spec,
                CB=min(next_pow2(nc), 1024), num_warps=4)
-    launch(_route_place_kernel, (nc,), top_k_index, counts, tables, sorted_pair_ids, block_expert, s, k, st, sk,
-           num_experts, nc, nb, spec_key=spec, CHUNK=ROUTE_CHUNK, BINS=bins, BLOCK_M=block_m,
-           BLOCK_B=max(1, min(64, 8192 // bins)), ONE_CHUNK=one, num_warps=4)
+    launch(_route_place_kernel, (1 if one else nc,), top_k_index, counts, tables, sorted_pair_ids, block_expert, s,
+           k, st, sk, num_experts, nc, nb, spec_key=spec, CHUNK=ROUTE_CHUNK, BINS=bins, BLOCK_M=block_m,
+           BLOCK_B=max(1, min(64, 8192 // bins)), ONE_PROGRAM=one, num_warps=4)
     return buf, sorted_pair_ids, block_expert, tables
 
 
