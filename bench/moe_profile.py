@@ -46,6 +46,23 @@ def host_profile(call, reps: int) -> None:
     st.sort_stats("cumtime").print_stats(30)
 
 
+def host_table(call, steps: int = 5) -> str:
+    """The host side under torch.profiler over ``steps`` calls, by self CPU time (a launch or
+    an allocation that blocks on the GPU shows up as a large self time on a cuda* runtime
+    call). A first profile runs untimed: the profiler's one-off set-up ("Activity Buffer
+    Request", 2.1-2.6 ms on the H200 box) landed in the twentieth session's tables."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                call()
+            torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=60)
+
+
 def router(block: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The block's top-k ids and weights for ``x`` (T, H), as its forward computes them."""
     gate = block.gate
@@ -64,7 +81,8 @@ def main() -> None:
     p.add_argument("--configs", nargs="*", default=list(bb.CONFIGS))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--host-profile", action="store_true",
-                   help="cProfile the op's host path (top functions by own time)")
+                   help="cProfile the op's host path (top functions by own time), and the block's (and each "
+                        "compiled step's) host side under torch.profiler, by self CPU time")
     p.add_argument("--inductor", action="store_true",
                    help="also the block under torch.compile (experts_implementation='opreg'): GPU time, "
                         "host time and its kernels, beside the eager block's")
@@ -100,6 +118,7 @@ def main() -> None:
                     print(f"  {name:24s} GPU {median_us(call, a.reps, True):8.0f} us   host {host_us(call):8.0f} us")
                 if a.host_profile:
                     host_profile(rows["op through torch.ops"], a.reps)
+                    print(host_table(rows["block"]))
                 from torch.profiler import ProfilerActivity, profile
                 block(x)
                 torch.cuda.synchronize()
@@ -160,14 +179,7 @@ def compiled_block(block: torch.nn.Module, x: torch.Tensor, reps: int, modes: li
                 host_profile(call, reps)
                 # the host side under torch.profiler, 5 steps: a launch or allocation that
                 # blocks on the GPU shows up as a large self CPU time on a cuda* runtime call
-                call()
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as cpu_prof:
-                    for _ in range(5):
-                        call()
-                    torch.cuda.synchronize()
-                print(cpu_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18,
-                                                    max_name_column_width=60))
+                print(host_table(call))
             rows = 8 if mode == "fwd" else 22
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70))
     torch._dynamo.reset()
