@@ -77,7 +77,8 @@ def _gate_cases() -> dict[str, dict]:
 
 
 # The decode kernels (T = 1, TM.decode_forward) over several K steps and column blocks.
-DECODE_SMALL = {"decode": dict(UP_BLOCK_N=16, DOWN_BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2)}
+DECODE_SMALL = {"decode": dict(UP_BLOCK_N=16, UP_BLOCK_K=16, UP_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=8, DOWN_WARPS=2,
+                               num_stages=2)}
 
 
 def _decode_cases() -> dict[str, dict]:
@@ -477,7 +478,13 @@ def test_config_table() -> None:
         for rows in (1, 30, 200, 5000):
             assert TM.pick_config(gemm, rows, 1536, 2048, torch.bfloat16, block_m=16)["BLOCK_N"] > 0
     assert set(TM.pick_config("decode", 0.0, 1536, 2048, torch.bfloat16)) == {
-        "UP_BLOCK_N", "DOWN_BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+        "UP_BLOCK_N", "UP_BLOCK_K", "UP_WARPS", "DOWN_BLOCK_N", "DOWN_BLOCK_K", "DOWN_WARPS", "num_stages"}
+    decode = dict(UP_BLOCK_N=64, UP_BLOCK_K=64, UP_WARPS=8, DOWN_BLOCK_N=8, DOWN_BLOCK_K=512, DOWN_WARPS=4,
+                  num_stages=2)
+    table["default"]["decode"] = dict(decode, UP_BLOCK_N=16)
+    table["tuned"]["bfloat16"]["N=256,K=128"]["decode"] = {"-": decode}  # decode: per shape, no bucket
+    assert TM.pick_config("decode", 0.0, 256, 128, torch.bfloat16, table=table) == decode
+    assert TM.pick_config("decode", 0.0, 512, 128, torch.bfloat16, table=table)["UP_BLOCK_N"] == 16
 
 
 @needs_triton

@@ -115,3 +115,26 @@ def test_shared_buckets_are_named() -> None:
     lines = tune.shared_buckets(table, tune.SHAPES["qwen3_moe"], [4096, 16384], ("gemm1",))
     assert len(lines) == 1 and "T=4096, 16384 share gemm1's bucket '1024'" in lines[0], lines
     assert tune.shared_buckets(table, tune.SHAPES["mixtral"], [4096, 16384], ("gemm1", "gemm2")) == []
+
+
+@needs_triton
+def test_a_decode_run(tmp_path):
+    """``--decode``: the decode kernels' candidates at T = 1; a winner lands under the
+    shape's "decode" entry, where pick_config reads it. A forward of one token without
+    ``--decode`` is refused: its GEMM configs would never run."""
+    out = tmp_path / "configs.json"
+    env = {**os.environ, **({} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"})}
+    run = fresh.run(["-m", "opreg", "tune", "moe_experts", "--shapes", "4:32:16:2", "--decode", "--reps", "1",
+                     "--max-candidates", "2", "--dtype", "float32", "--out", str(out)], env=env, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "E=4 H=32 I=16 k=2 T=1 (decode): default" in run.stdout and "4 of 4 candidates tried" in run.stdout, \
+        run.stdout
+    table = json.loads(out.read_text())
+    assert table["default"] == _table()["default"]
+    written = table["tuned"].get("float32", {}).get("N=32,K=32", {}).get("decode")
+    assert written or "default kept" in run.stdout, run.stdout
+    if written:
+        assert TM.pick_config("decode", 0.0, 32, 32, torch.float32, table=table) == written["-"]
+    refused = fresh.run(["-m", "opreg", "tune", "moe_experts", "--shapes", "4:32:16:2", "--tokens", "1"], env=env,
+                        timeout=120)
+    assert refused.returncode == 2 and "--decode tunes those" in refused.stderr, refused.stderr[-2000:]

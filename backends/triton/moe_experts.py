@@ -380,20 +380,26 @@ def _combine_kernel(
 
 
 @_jit
-def _gemv_tile(a_ptr, w_base, wcol, col_ok, K, stride_a, stride_wn, stride_wk,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """sum over k of a[k] * W[wcol[n], k] for BLOCK_N columns, fp32 (exact products, as the
-    GEMMs' fp32 accumulation of 16-bit inputs): elementwise partial sums over the K loop,
-    one reduction at the end. The decode kernels' main loop."""
+def _gemv(a_ptr, w_base, wcol0, wcol1, col_ok, K, stride_a, stride_wn, stride_wk,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr):
+    """sum over k of a[k] * W[wcol0[n], k] for BLOCK_N columns, and with TWO the same for
+    columns wcol1 in the same loop (a gated weight's up half: both halves' loads in flight
+    together), fp32 (exact products, as the GEMMs' fp32 accumulation of 16-bit inputs):
+    elementwise partial sums over the K loop, one reduction at the end. The decode kernels'
+    main loop."""
     ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
         a = tl.load(a_ptr + (k0 + ks) * stride_a, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_base + wcol[:, None] * stride_wn + (k0 + ks)[None, :] * stride_wk,
-                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * a[None, :]
-    return tl.sum(acc, axis=1)
+        m = col_ok[:, None] & k_ok[None, :]
+        w0 = tl.load(w_base + wcol0[:, None] * stride_wn + (k0 + ks)[None, :] * stride_wk, mask=m, other=0.0)
+        if TWO:
+            w1 = tl.load(w_base + wcol1[:, None] * stride_wn + (k0 + ks)[None, :] * stride_wk, mask=m, other=0.0)
+            acc1 += w1.to(tl.float32) * a[None, :]
+        acc0 += w0.to(tl.float32) * a[None, :]
+    return tl.sum(acc0, axis=1), tl.sum(acc1, axis=1)
 
 
 @_jit
@@ -418,10 +424,8 @@ def _decode_up_kernel(
     wcol0, wcol1 = _halves(cols, N, INTERLEAVED)
     w_base = w_ptr + e.to(tl.int64) * stride_we  # int64: E * N * K may pass 2**31
     x_row = x_ptr + t * stride_xt
-    acc0 = _gemv_tile(x_row, w_base, wcol0, col_ok, K, stride_xk, stride_wn, stride_wk, BLOCK_N, BLOCK_K)
-    acc1 = acc0  # the up half; unused unless GATED
-    if GATED:
-        acc1 = _gemv_tile(x_row, w_base, wcol1, col_ok, K, stride_xk, stride_wn, stride_wk, BLOCK_N, BLOCK_K)
+    acc0, acc1 = _gemv(x_row, w_base, wcol0, wcol1, col_ok, K, stride_xk, stride_wn, stride_wk, BLOCK_N, BLOCK_K,
+                       GATED)  # acc1: the up half, unused unless GATED
     if HAS_BIAS:
         b_base = bias_ptr + e.to(tl.int64) * stride_be
         acc0 += tl.load(b_base + wcol0 * stride_bn, mask=col_ok, other=0.0).to(tl.float32)
@@ -451,8 +455,8 @@ def _decode_down_kernel(
         e = tl.load(ids_ptr + t * stride_it + j * stride_ik)
         if (e >= 0) & (e < num_experts):
             w_base = w_ptr + e.to(tl.int64) * stride_we
-            y = _gemv_tile(act_ptr + (t * top_k + j) * stride_am, w_base, cols, col_ok, K, stride_ak, stride_wn,
-                           stride_wk, BLOCK_N, BLOCK_K)
+            y, _ = _gemv(act_ptr + (t * top_k + j) * stride_am, w_base, cols, cols, col_ok, K, stride_ak, stride_wn,
+                         stride_wk, BLOCK_N, BLOCK_K, False)
             if HAS_BIAS:
                 y += tl.load(bias_ptr + e.to(tl.int64) * stride_be + cols * stride_bn, mask=col_ok,
                              other=0.0).to(tl.float32)
@@ -844,11 +848,12 @@ def _pick_cached(gemm: str, bucket: str, n: int, k: int, dtype: torch.dtype,
 
 def _pick(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.dtype, block_m: Optional[int],
           table: dict[str, Any]) -> dict[str, int]:
-    if gemm in _UNBUCKETED:
-        return dict(table["default"][gemm])
+    dname = str(dtype).replace("torch.", "")
+    if gemm in _UNBUCKETED:  # one config; "decode" may be tuned per shape (bucket "-")
+        tuned = table.get("tuned", {}).get(dname, {}).get(f"N={n},K={k}", {}).get(gemm, {})
+        return dict(tuned.get("-", table["default"][gemm]))
     default = table["default"][gemm]
     bucket = _bucket(rows_per_expert, list(default))
-    dname = str(dtype).replace("torch.", "")
     tuned = table.get("tuned", {}).get(dname, {}).get(f"N={n},K={k}", {}).get(gemm, {})
     # The default's buckets for both: a shape tuned at 256 rows per expert says nothing of decode.
     cfg = dict(tuned.get(bucket, default[bucket]))
@@ -1122,11 +1127,12 @@ def decode_forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: tor
     and the gate as a matrix-vector product into an activation row (:func:`_decode_up_kernel`);
     per token, GEMM2, the routing weights and the combine in one (:func:`_decode_down_kernel`).
     The same results as :func:`fused_experts_forward`'s GEMM path but for the order of each
-    dot product's fp32 sums. ``cfg``: UP_BLOCK_N, DOWN_BLOCK_N, BLOCK_K, num_warps,
-    num_stages (default: the table's "decode"). ``spec``: as :func:`launch_gemm`'s."""
+    dot product's fp32 sums. ``cfg``: each kernel's columns and reduction step per program
+    and warps (UP_BLOCK_N, UP_BLOCK_K, UP_WARPS, DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS) and
+    num_stages (default: the table's "decode" for this shape). ``spec``: as :func:`launch_gemm`'s."""
     static = _DECODE_STATIC.get(spec) if spec is not None else None
     if static is None:
-        cfg = cfg or pick_config("decode", 0.0, w1.shape[1], x.shape[1], x.dtype)
+        cfg = cfg or pick_config("decode", 0.0, w1.shape[2] if transposed else w1.shape[1], x.shape[1], x.dtype)
         static = _decode_static(x, ids, rw, w1, b1, w2, b2, activation, gated, transposed, interleaved, limit, cfg)
         if spec is not None:
             _remember(_DECODE_STATIC, spec, static)
@@ -1154,20 +1160,21 @@ def _decode_static(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: tor
     w1v, w2v = _nk_view(w1, transposed), _nk_view(w2, transposed)
     n1 = w1v.shape[1]
     i = n1 // 2 if gated else n1
-    bk = min(cfg["BLOCK_K"], next_pow2(max(h, i)))
+    bk1, bk2 = min(cfg["UP_BLOCK_K"], next_pow2(h)), min(cfg["DOWN_BLOCK_K"], next_pow2(i))
     bn1, bn2 = min(cfg["UP_BLOCK_N"], next_pow2(i)), min(cfg["DOWN_BLOCK_N"], next_pow2(h))
     bias1, bias2 = b1 if b1 is not None else w1v, b2 if b2 is not None else w2v
-    launch_opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     s1, s2 = w1v.stride(), w2v.stride()
     head1 = (k, e, i, h)
     tail1 = (x.stride(0), x.stride(1), ids.stride(0), ids.stride(1), s1[0], s1[1], s1[2], bias1.stride(0),
              bias1.stride(-1), i, 1)  # act is a fresh (T*k, I) buffer
-    opts1 = dict(BLOCK_N=bn1, BLOCK_K=bk, GATED=gated, INTERLEAVED=gated and interleaved, ACT=ACT_IDS[activation],
-                 HAS_BIAS=b1 is not None, HAS_LIMIT=gated and math.isfinite(limit), **launch_opts)
+    opts1 = dict(BLOCK_N=bn1, BLOCK_K=bk1, GATED=gated, INTERLEAVED=gated and interleaved, ACT=ACT_IDS[activation],
+                 HAS_BIAS=b1 is not None, HAS_LIMIT=gated and math.isfinite(limit), num_warps=cfg["UP_WARPS"],
+                 num_stages=cfg["num_stages"])
     head2 = (k, e, h, i)
     tail2 = (i, 1, ids.stride(0), ids.stride(1), rw.stride(0), rw.stride(1), s2[0], s2[1], s2[2], bias2.stride(0),
              bias2.stride(-1), h, 1)  # out is a fresh (T, H) buffer
-    opts2 = dict(BLOCK_N=bn2, BLOCK_K=bk, HAS_BIAS=b2 is not None, **launch_opts)
+    opts2 = dict(BLOCK_N=bn2, BLOCK_K=bk2, HAS_BIAS=b2 is not None, num_warps=cfg["DOWN_WARPS"],
+                 num_stages=cfg["num_stages"])
     return ((t * k, cdiv(i, bn1)), (t, cdiv(h, bn2)), (t * k, i), head1, tail1, opts1, head2, tail2, opts2)
 
 

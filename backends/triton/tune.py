@@ -14,6 +14,10 @@ config that does not beat the default by more than the timing noise (2 %) is not
 Every comparison times the two side by side, in alternating rounds (``ROUNDS``): the GPU's
 clock sags under sustained load, and what ran first would otherwise win.
 
+``--decode`` tunes instead the decode kernels (a forward of one token,
+:func:`moe_experts.decode_forward`: two matrix-vector kernels, no GEMM), per shape, into
+``tuned[dtype]["N=<n>,K=<k>"]["decode"]["-"]``.
+
 ``--backward`` also tunes the backward's dgrad GEMMs for the transformers integration's
 training path: GEMM2's dgrad (fused, or split into the forward's GEMM and the gate's
 backward) and GEMM1's, timed as the fused forward + backward (:class:`FusedExperts`) with
@@ -70,6 +74,13 @@ GEMM2 = [(64, 64, 8, 4, 4), (128, 64, 8, 4, 4), (128, 64, 8, 8, 4), (256, 64, 8,
 DGRAD2 = [(64, 64, 8, 8, 4, 0), (64, 128, 8, 8, 3, 0), (32, 64, 8, 4, 4, 0), (128, 64, 8, 8, 4, 1),
           (128, 64, 8, 8, 3, 1), (256, 64, 8, 8, 3, 1), (128, 128, 8, 8, 3, 1), (64, 64, 8, 4, 4, 1)]
 DGRAD1 = [(128, 64, 8, 8, 4), (256, 64, 8, 8, 3), (128, 64, 8, 4, 4), (128, 128, 8, 8, 3)]
+# The decode kernels' (``--decode``: T = 1, moe_experts.decode_forward): GEMM1 + gate
+# candidates (UP_BLOCK_N, UP_BLOCK_K, UP_WARPS), then GEMM2 + combine ones (DOWN_BLOCK_N,
+# DOWN_BLOCK_K, DOWN_WARPS) with the best of the first; all without register spills on sm90
+# (ptxas, triton 3.8, bf16: 54-164 registers). At T = 1 the down kernel has only H / DOWN_BLOCK_N
+# programs: narrow column blocks and deep reduction steps keep loads in flight.
+DECODE_UP = [(16, 128, 4), (32, 128, 8), (64, 128, 8), (8, 256, 4), (16, 256, 4)]
+DECODE_DOWN = [(8, 256, 4), (16, 128, 4), (4, 512, 4), (8, 512, 8), (32, 128, 8)]
 NOISE = 0.02
 # Normwise error of the winner against the grouped path (same inputs, same dtype): both
 # round to the dtype, so about its epsilon times a small factor.
@@ -271,6 +282,51 @@ def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, de
             "of": len(dgrad2) + len(dgrad1) + 2 - skipped}
 
 
+def tune_decode(e: int, h: int, i: int, k: int, dtype: torch.dtype, device: str, reps: int, deadline: float,
+                up: list[tuple[int, ...]] = DECODE_UP, down: list[tuple[int, ...]] = DECODE_DOWN) -> dict[str, Any]:
+    """The decode kernels' config for one shape at T = 1 (coordinate descent: GEMM1's
+    kernel, then GEMM2's with the first's best), each candidate timed side by side with the
+    best so far; returns {"default_us", "best_us", "decode", "error", "tried", "of"}."""
+    args = inputs(e, h, i, k, 1, dtype, device)
+    default_cfg = fused.pick_config("decode", 0.0, 2 * i, h, dtype)
+
+    def run(cfg: dict[str, int]) -> Optional[Callable[[], Any]]:
+        return _compiled(lambda: fused.fused_experts_forward(*args, configs={"decode": cfg}))
+
+    default = run(default_cfg)
+    if default is None:
+        raise RuntimeError("moe_experts' tuning: the table's own decode config does not fit this GPU")
+    best, best_run, tried = default_cfg, default, 0
+    for prefix, cands in (("UP", up), ("DOWN", down)):
+        for bn, bk, warps in cands:
+            if time.monotonic() > deadline:
+                break
+            cand = {**best, f"{prefix}_BLOCK_N": bn, f"{prefix}_BLOCK_K": bk, f"{prefix}_WARPS": warps}
+            tried += 1
+            if cand == best:  # the incumbent itself (the table's default is among the candidates)
+                continue
+            fn = run(cand)
+            if _beats(fn, best_run, reps, device):
+                best, best_run = cand, fn
+    default_us, best_us = _versus(default, best_run, reps, device)
+    got = fused.fused_experts_forward(*args, configs={"decode": best}).double()
+    want = fused.M.grouped(*args).double()
+    error = float((got - want).norm() / want.norm().clamp_min(1e-30))
+    return {"default_us": default_us, "best_us": best_us, "decode": best, "error": error, "tried": tried,
+            "of": len(up) + len(down)}
+
+
+def record_decode(table: dict[str, Any], e: int, h: int, i: int, dtype: torch.dtype, found: dict[str, Any]) -> bool:
+    """As :func:`record`, for :func:`tune_decode`'s winner: under the shape's "decode" entry
+    (one config, bucket "-"; N = gate_up width, K = H, as pick_config is asked)."""
+    if found["best_us"] > found["default_us"] * (1 - NOISE) or not found["error"] <= MAX_ERROR[dtype]:
+        return False
+    dname = str(dtype).replace("torch.", "")
+    entry = table.setdefault("tuned", {}).setdefault(dname, {}).setdefault(f"N={2 * i},K={h}", {})
+    entry["decode"] = {"-": found["decode"]}
+    return True
+
+
 def record(table: dict[str, Any], e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype,
            found: dict[str, Any]) -> bool:
     """Write ``found`` into ``table["tuned"]`` if it beats the default by more than NOISE
@@ -333,16 +389,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--backward", action="store_true",
                    help="also the backward's dgrad configs (timed as forward + backward, the forward at "
                         "this run's winners)")
+    p.add_argument("--decode", action="store_true",
+                   help="instead, the decode kernels' config per shape (a forward of one token; --tokens "
+                        "and --backward do not apply)")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not fused.interpreting() else "cpu"
     if device == "cpu" and not fused.interpreting():
         p.error("tuning needs a CUDA GPU (or TRITON_INTERPRET=1, for tests: its times mean nothing)")
     dtype = getattr(torch, a.dtype)
     shapes = [SHAPES[s] if s in SHAPES else tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
-    if not a.backward and any(fused.decodes(int(v), False, None) for v in a.tokens.split(",")):
+    if not a.decode and not a.backward and any(fused.decodes(int(v), False, None) for v in a.tokens.split(",")):
         # its table entries would never run: the op's forward there is the decode kernels
         p.error(f"--tokens {a.tokens}: a forward of 1 token runs the decode kernels (moe_experts.decodes), "
-                "not the GEMMs tuned here; their config is the table's 'decode'")
+                "not the GEMMs tuned here: --decode tunes those")
+    if a.decode and a.backward:
+        p.error("--decode tunes a forward of one token: --backward does not apply")
     if fused._NO_TRITON is not None:
         p.error(fused._NO_TRITON)
     with open(a.out if os.path.exists(a.out) else fused.CONFIG_FILE) as f:  # update it, or start from ours
@@ -350,6 +411,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     # The first op call may build opreg's kernel libraries (~40 s): not out of the budget.
     fused.M.grouped(*inputs(2, 8, 8, 1, 4, dtype, device))
     start = time.monotonic()
+    if a.decode:
+        print(f"tuning moe_experts' decode kernels ({a.dtype}) on "
+              f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, {len(DECODE_UP)} + {len(DECODE_DOWN)} "
+              f"candidates per shape, budget {a.budget_s:.0f} s", flush=True)
+        for n, (e, h, i, k) in enumerate(shapes):
+            left = a.budget_s - (time.monotonic() - start)
+            deadline = time.monotonic() + max(left, 0.0) / (len(shapes) - n)
+            found = tune_decode(e, h, i, k, dtype, device, a.reps, deadline, DECODE_UP[:a.max_candidates],
+                                DECODE_DOWN[:a.max_candidates])
+            kept = record_decode(table, e, h, i, dtype, found)
+            print(f"E={e} H={h} I={i} k={k} T=1 (decode): default {found['default_us']:.1f} us, best "
+                  f"{found['best_us']:.1f} us ({found['default_us'] / found['best_us']:.2f}x) error "
+                  f"{found['error']:.1e}, {found['tried']} of {found['of']} candidates tried; "
+                  f"decode={found['decode']}: {'written' if kept else 'default kept'}", flush=True)
+        return _write(table, a.out, device)
     jobs = [(shape, t) for shape in shapes for t in (int(v) for v in a.tokens.split(","))]
     print(f"tuning moe_experts ({a.dtype}) on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
           f"{len(GEMM1)} + {2 + len(PREGATHER)} GEMM1 and {1 + len(GEMM2)} GEMM2 candidates per shape, "
@@ -385,11 +461,15 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"({back['default_us'] / back['best_us']:.2f}x) error {back['error']:.1e}, "
               f"{back['tried']} of {back['of']} candidates tried; dgrad2={back['dgrad2']} "
               f"dgrad1={back['dgrad1']}: {'written' if kept else 'default kept'}", flush=True)
+    return _write(table, a.out, device)
+
+
+def _write(table: dict[str, Any], out: str, device: str) -> int:
     table["tuned_on"] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
                          "torch": torch.__version__, "triton": getattr(fused.triton, "__version__", None),
                          "date": datetime.date.today().isoformat()}
-    with open(a.out, "w") as f:
+    with open(out, "w") as f:
         json.dump(table, f, indent=2)
         f.write("\n")
-    print(f"wrote {a.out}")
+    print(f"wrote {out}")
     return 0
