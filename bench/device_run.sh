@@ -10,6 +10,10 @@
 #                                          compiled (moe_profile.py --inductor), the GEMMs per config
 #                                          (moe_gemms.py); MOE_BACKWARD=1: the fused backward's kernels;
 #                                          MOE_TUNE=1: `opreg tune moe_experts --backward` into $OUT
+#   STAGE=decode bash bench/device_run.sh  the MoE layer at decode: the decode kernels tuned per shape
+#                                          (into $OUT/moe_experts_configs.json, then used by what follows),
+#                                          the block at T = 1 and 64 beside HF's eager and compiled
+#                                          grouped_mm, the eager block's host side (moe_profile --host-profile)
 #   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
 # TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
 # 16 cores) runs it with xdist; FIRST_CALL=0 skips the first-call timing.
@@ -91,4 +95,17 @@ if [ "$STAGE" = moe ]; then
   [ "${MOE_TUNE:-0}" = 1 ] && timeout $((${TUNE_S:-240} + 60)) python3 -m opreg tune moe_experts --backward \
     --tokens "${TOKENS_TUNE:-4096}" --budget-s "${TUNE_S:-240}" --out "$OUT/moe_experts_configs.json" 2>&1 \
     | tee "$OUT/tune.log" | grep -E "E=|backward|wrote"
+fi
+
+if [ "$STAGE" = decode ]; then
+  python3 -m opreg build >/dev/null 2>&1
+  # tuned into a copy of the table in $OUT (commit it as backends/triton/moe_experts_configs.json),
+  # copied over this checkout's table so that the runs below use the winners
+  timeout $((${TUNE_S:-90} + 60)) python3 -m opreg tune moe_experts --decode --reps 20 --budget-s "${TUNE_S:-90}" \
+    --out "$OUT/moe_experts_configs.json" 2>&1 | tee "$OUT/tune_decode.log" | grep -E "E=|wrote"
+  [ -s "$OUT/moe_experts_configs.json" ] && cp "$OUT/moe_experts_configs.json" backends/triton/moe_experts_configs.json
+  timeout 200 python3 bench/bench_moe_block.py --tokens 1,64 --rounds 7 \
+    --variants hf_grouped_mm hf_grouped_mm_inductor opreg opreg_inductor 2>&1 | tee "$OUT/moe_block_decode.log" | grep "^|"
+  (cd bench && timeout 150 python3 moe_profile.py --tokens 4096 --configs qwen3_moe mixtral --host-profile \
+    > "$OUT/moe_profile_host.log" 2>&1; grep -E "^[a-z].*T=|  (op|block)" "$OUT/moe_profile_host.log")
 fi
