@@ -1284,7 +1284,7 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         pairs = _new_buffer((s, h), x.dtype, x.device)
         out = _new_buffer((t, h), x.dtype, x.device)
         routing = dict(rw=rw, sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k,
-                       used=tables.view(4, e)[3, -1:])
+                       used=tables[-1:])  # (4 E,) flat: its last entry is tables[3, E - 1], the last padded end
         # PREGATHER: GEMM1 reads a sorted copy of the token rows (its A then loads through a
         # tensor descriptor, as GEMM2's does) instead of gathering them on its load
         pregather = bool(c1.get("PREGATHER", 0))

@@ -577,7 +577,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     cfg, grouped, grouped1 = plan
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     sorted_pair_ids, block_expert = saved.sorted_pair_ids, saved.block_expert
-    pstart, count = saved.tables[1], saved.tables[2]
+    tables = saved.tables
+    used = tables[3, -1:]  # the last expert's padded end (the persistent GEMMs' bound), one view for all
     out: list[torch.Tensor | None] = [None] * 6
 
     def key(name: Any) -> Any:
@@ -609,7 +610,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                 F.launch_gemm(c, a=dout, w_nk=w_nk, bias=None, rw=rw, out=g, pre=None,
                               sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k, n=i, k=h,
                               gather=True, routed=False, act=_IDENTITY, spec=key("dgrad2"),
-                              used=saved.tables[3, -1:])
+                              used=used)
                 # the gate's pass: BLOCK_R rows (a power of 2 dividing BLOCK_M) x BLOCK_N
                 # columns a step; the config's GATE_R / GATE_N / GATE_WARPS for tuning. Default
                 # 8 x 256, 4 warps: the fastest of 7 tiles on all three configs (H200, T = 4096,
@@ -672,7 +673,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                 F.launch_gemm(cfg["dgrad1"], a=d_pre, w_nk=F._nk_view(w1, not transposed), bias=None,
                               rw=rw, out=pairs, pre=None, sorted_pair_ids=sorted_pair_ids,
                               block_expert=block_expert, top_k=k, n=h, k=n1, gather=False, routed=True,
-                              scaled=False, act=_IDENTITY, spec=key("dgrad1"), used=saved.tables[3, -1:])
+                              scaled=False, act=_IDENTITY, spec=key("dgrad1"), used=used)
                 F.combine(pairs, ids, dx, e, cfg["combine"], spec=key("combine"))
             out[0] = dx
 
@@ -724,8 +725,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                                  DOT_PRECISION=precision, num_warps=c["num_warps"], num_stages=c["num_stages"]))
 
                 grid, tail, opts = _static(site, wgrad_static)
-                launch_args(_moe_wgrad, grid, (lhs, rhs, rw, do, dob, sorted_pair_ids, pstart, count) + tail, site,
-                            opts)
+                launch_args(_moe_wgrad, grid, (lhs, rhs, rw, do, dob, sorted_pair_ids, tables[1], tables[2]) + tail,
+                            site, opts)
             return dw, db
 
         if need_w2 or need_b2:  # d down_proj[e] = (rw * dout[t])^T act, d down_bias[e] = sum rw * dout[t]
