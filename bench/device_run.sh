@@ -11,7 +11,8 @@
 #                                          (moe_gemms.py); MOE_BACKWARD=1: the fused backward's kernels;
 #                                          MOE_TUNE=1: `opreg tune moe_experts --backward` into $OUT
 #   STAGE=decode bash bench/device_run.sh  the MoE layer at decode: the decode kernels tuned per shape
-#                                          (into $OUT/moe_experts_configs.json, then used by what follows),
+#                                          (from CUDA graphs, into $OUT/moe_experts_configs.json, then used
+#                                          by what follows), their own time (moe_decode.py),
 #                                          the block at T = 1 and 64 beside HF's eager and compiled
 #                                          grouped_mm, the eager block's host side (moe_profile --host-profile)
 #   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
@@ -104,6 +105,8 @@ if [ "$STAGE" = decode ]; then
   timeout $((${TUNE_S:-90} + 60)) python3 -m opreg tune moe_experts --decode --reps 20 --budget-s "${TUNE_S:-90}" \
     --out "$OUT/moe_experts_configs.json" 2>&1 | tee "$OUT/tune_decode.log" | grep -E "E=|wrote"
   [ -s "$OUT/moe_experts_configs.json" ] && cp "$OUT/moe_experts_configs.json" backends/triton/moe_experts_configs.json
+  # the kernels' own time, from a CUDA graph (an eager call at T = 1 is all host there)
+  timeout 90 python3 bench/moe_decode.py --tokens 1,8 2>&1 | tee "$OUT/moe_decode.log" | grep "^|"
   timeout 200 python3 bench/bench_moe_block.py --tokens 1,64 --rounds 7 \
     --variants hf_grouped_mm hf_grouped_mm_inductor opreg opreg_inductor 2>&1 | tee "$OUT/moe_block_decode.log" | grep "^|"
   (cd bench && timeout 150 python3 moe_profile.py --tokens 4096 --configs qwen3_moe mixtral --host-profile \

@@ -157,13 +157,12 @@ def compiled_block(block: torch.nn.Module, x: torch.Tensor, reps: int, modes: li
     """The block eager and under torch.compile: same kernels (their GPU sums match), so a
     gap between the two GPU times (events, back to back) is the GPU waiting on the host.
     fwd+bwd: the training step (``bench_moe_block.step``: the gradients set to None, then
-    the sum's backward), with HF's grouped_mm + Inductor beside it. ``host``: also
+    the sum's backward). HF's grouped_mm + Inductor beside both. ``host``: also
     cProfile each step's host path."""
     from torch.profiler import ProfilerActivity, profile
 
     for mode in modes:
-        names = ("opreg", "opreg_inductor") if mode == "fwd" else \
-            ("hf_grouped_mm_inductor", "opreg", "opreg_inductor")
+        names = ("hf_grouped_mm_inductor", "opreg", "opreg_inductor")
         for name in names:
             torch._dynamo.reset()
             fn = bb.variant(block, name)

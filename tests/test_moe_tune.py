@@ -96,6 +96,10 @@ def test_a_whole_run(tmp_path):
     assert table["tuned_on"]["device"] == (torch.cuda.get_device_name() if torch.cuda.is_available()
                                            else "cpu (interpreter)")
     assert table["default"] == _table()["default"]  # only "tuned" changes
+    # this run's command first, then the shipped table's history (where each entry came from)
+    command = table["tuned_on"]["command"]
+    assert command.startswith("python -m opreg tune moe_experts --shapes 4:32:16:2 --tokens 8 "), command
+    assert command.endswith(_table()["tuned_on"]["command"]), command
     written = [(shape, gemm, bucket, cfg) for shape, gemms in table["tuned"].get("float32", {}).items()
                for gemm, buckets in gemms.items() for bucket, cfg in buckets.items()]
     assert written or "default kept" in run.stdout, run.stdout

@@ -35,12 +35,13 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Any, Callable, Optional
 
 import torch
 
-from opreg.testing.timing import median_us
+from opreg.testing.timing import graph_us, median_us
 
 from . import moe_experts as fused
 
@@ -109,24 +110,33 @@ def _compiled(fn: Callable[[], Any]) -> Optional[Callable[[], Any]]:
     return fn
 
 
-def _versus(a: Callable[[], Any], b: Callable[[], Any], reps: int, device: str) -> tuple[float, float]:
+def _versus(a: Callable[[], Any], b: Callable[[], Any], reps: int, device: str,
+            graph: bool = False) -> tuple[float, float]:
     """Median µs per call of ``a`` and of ``b``, each the median of ROUNDS medians of
-    ``reps`` back-to-back calls, the two timed alternately (see ROUNDS)."""
+    ``reps`` back-to-back calls, the two timed alternately (see ROUNDS). ``graph`` (CUDA):
+    each round's figure is the calls replayed from a CUDA graph (``graph_us``), the
+    kernels' time where an eager call is all host."""
+    def timed(fn: Callable[[], Any]) -> float:
+        if graph and device == "cuda":
+            return graph_us(fn, reps)
+        return median_us(fn, reps, device == "cuda")
+
     if a is b:
-        us = median_us(a, reps, device == "cuda")
+        us = timed(a)
         return us, us
     times: tuple[list[float], list[float]] = ([], [])
     for r in range(ROUNDS):
         for j in ((0, 1) if r % 2 == 0 else (1, 0)):
-            times[j].append(median_us((a, b)[j], reps, device == "cuda"))
+            times[j].append(timed((a, b)[j]))
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def _beats(candidate: Optional[Callable[[], Any]], incumbent: Callable[[], Any], reps: int, device: str) -> bool:
+def _beats(candidate: Optional[Callable[[], Any]], incumbent: Callable[[], Any], reps: int, device: str,
+           graph: bool = False) -> bool:
     """Is ``candidate`` (None: it does not fit) faster than ``incumbent``, timed side by side?"""
     if candidate is None:
         return False
-    inc_us, cand_us = _versus(incumbent, candidate, reps, device)
+    inc_us, cand_us = _versus(incumbent, candidate, reps, device, graph)
     return cand_us < inc_us
 
 
@@ -286,7 +296,9 @@ def tune_decode(e: int, h: int, i: int, k: int, dtype: torch.dtype, device: str,
                 up: list[tuple[int, ...]] = DECODE_UP, down: list[tuple[int, ...]] = DECODE_DOWN) -> dict[str, Any]:
     """The decode kernels' config for one shape at T = 1 (coordinate descent: GEMM1's
     kernel, then GEMM2's with the first's best), each candidate timed side by side with the
-    best so far; returns {"default_us", "best_us", "decode", "error", "tried", "of"}."""
+    best so far, from a CUDA graph: an eager decode call is all host on the H200 box (the
+    first run, timed with events, read 75.8-78.2 µs for all three shapes and every candidate,
+    2026-12-03); returns {"default_us", "best_us", "decode", "error", "tried", "of"}."""
     args = inputs(e, h, i, k, 1, dtype, device)
     default_cfg = fused.pick_config("decode", 0.0, 2 * i, h, dtype)
 
@@ -306,9 +318,9 @@ def tune_decode(e: int, h: int, i: int, k: int, dtype: torch.dtype, device: str,
             if cand == best:  # the incumbent itself (the table's default is among the candidates)
                 continue
             fn = run(cand)
-            if _beats(fn, best_run, reps, device):
+            if _beats(fn, best_run, reps, device, graph=True):
                 best, best_run = cand, fn
-    default_us, best_us = _versus(default, best_run, reps, device)
+    default_us, best_us = _versus(default, best_run, reps, device, graph=True)
     got = fused.fused_experts_forward(*args, configs={"decode": best}).double()
     want = fused.M.grouped(*args).double()
     error = float((got - want).norm() / want.norm().clamp_min(1e-30))
@@ -425,7 +437,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{found['best_us']:.1f} us ({found['default_us'] / found['best_us']:.2f}x) error "
                   f"{found['error']:.1e}, {found['tried']} of {found['of']} candidates tried; "
                   f"decode={found['decode']}: {'written' if kept else 'default kept'}", flush=True)
-        return _write(table, a.out, device)
+        return _write(table, a.out, device, argv)
     jobs = [(shape, t) for shape in shapes for t in (int(v) for v in a.tokens.split(","))]
     print(f"tuning moe_experts ({a.dtype}) on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
           f"{len(GEMM1)} + {2 + len(PREGATHER)} GEMM1 and {1 + len(GEMM2)} GEMM2 candidates per shape, "
@@ -461,13 +473,19 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"({back['default_us'] / back['best_us']:.2f}x) error {back['error']:.1e}, "
               f"{back['tried']} of {back['of']} candidates tried; dgrad2={back['dgrad2']} "
               f"dgrad1={back['dgrad1']}: {'written' if kept else 'default kept'}", flush=True)
-    return _write(table, a.out, device)
+    return _write(table, a.out, device, argv)
 
 
-def _write(table: dict[str, Any], out: str, device: str) -> int:
+def _write(table: dict[str, Any], out: str, device: str, argv: Optional[list[str]] = None) -> int:
+    """The table to ``out``, with this run's command and date ahead of the runs recorded
+    before it (``tuned_on.command``: where each entry came from)."""
+    today = datetime.date.today().isoformat()
+    args = sys.argv[1:] if argv is None else argv
+    run = f"python -m opreg tune moe_experts {' '.join(args)}".rstrip() + f" ({today})"
+    before = table.get("tuned_on", {}).get("command")
     table["tuned_on"] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
                          "torch": torch.__version__, "triton": getattr(fused.triton, "__version__", None),
-                         "date": datetime.date.today().isoformat()}
+                         "date": today, "command": f"{run}; before it: {before}" if before else run}
     with open(out, "w") as f:
         json.dump(table, f, indent=2)
         f.write("\n")
