@@ -1,6 +1,6 @@
 """moe_experts' fused training path (backends/triton/moe_experts_train.py): the custom ops
-``opreg::moe_experts_fused`` / ``opreg::moe_experts_fused_backward`` joined by
-``register_autograd``, and the transformers integration training through them.
+``opreg::moe_experts_fused`` / ``opreg::moe_experts_fused_backward``, the first's autograd
+calling the second, and the transformers integration training through them.
 
 As tests/test_moe_triton.py: without a GPU the kernels run under Triton's interpreter on CPU
 tensors in ONE child process (this file run as a script), one pytest test per case reading
@@ -281,6 +281,38 @@ def test_interpreted(case_id: str, interpreted: dict[str, str]) -> None:
 
 
 # ------------------------------------------------------------------ in process
+
+@needs_triton
+def test_plain_no_grad_calls_skip_the_autograd_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled graph calls the forward op with plain tensors and no gradient to record:
+    its Autograd kernel passes that call straight to the implementation (host time), and
+    anything that can carry a gradient, or a traced call, through the autograd.Function."""
+    args = make(5, 2, 16, 8, 4, torch.float32, "cpu")
+    seen: list[int] = []
+
+    def implementation(*a: Any) -> tuple[torch.Tensor, ...]:
+        seen.append(len(a))
+        return tuple(torch.zeros(1) for _ in range(5))
+
+    class Recorded(Exception):
+        pass
+
+    def apply(*a: Any) -> Any:
+        raise Recorded
+
+    monkeypatch.setattr(TR, "_fused", implementation)
+    monkeypatch.setattr(TR._FusedFunction, "apply", apply)
+    with torch.no_grad():
+        torch.ops.opreg.moe_experts_fused(*args)
+    torch.ops.opreg.moe_experts_fused(*args)  # grad mode on, but nothing requires grad
+    assert seen == [14, 14]  # keep_rows' default filled in
+    leaves, _ = _leaves(args)
+    with pytest.raises(Recorded):
+        torch.ops.opreg.moe_experts_fused(*leaves)
+    with torch._subclasses.FakeTensorMode() as mode, pytest.raises(Recorded):
+        torch.ops.opreg.moe_experts_fused(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                             for a in args))
+
 
 @needs_triton
 def test_fused_trains_only_where_triton_runs() -> None:

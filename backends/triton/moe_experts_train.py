@@ -1,4 +1,4 @@
-"""The fused MoE kernels as a training path: two custom ops joined by ``register_autograd``.
+"""The fused MoE kernels as a training path: two ops, the forward's autograd calling the backward.
 
 ``opreg::moe_experts_fused`` runs the fused forward (:func:`.moe_experts.fused_experts_forward`
 with ``save=True``) and returns, beside the output, what the backward reads: the routing
@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from opreg import registry
+from opreg._dispatch import plain_eager
 from opreg.ops import moe_experts as M
 
 from . import moe_experts as F
@@ -54,7 +55,27 @@ def _layout(x: Tensor, ids: Tensor, w1: Tensor, gated: bool, transposed: bool
     return F.num_blocks(s, e, bm) * bm, F.routing_size(s, e, bm), i, n1
 
 
-@torch.library.custom_op("opreg::moe_experts_fused", mutates_args=())
+# The two ops are defined on a Library of their own, not with torch.library.custom_op: in a
+# compiled training step Inductor's wrapper calls them through torch.ops, and custom_op's
+# Python layers (its autograd kernel, the redispatch below autograd, the backend wrapper with
+# its aliasing check, the disabled-Dynamo frame) cost 47-80 µs a no-grad forward call here
+# against 31-36 for the function itself (2-core box, launches stubbed, T = 64, 2026-12-03;
+# the H200 box's host runs such Python ~4-5x slower). Here the forward's Autograd kernel is
+# one Python function (:func:`_fused_autograd`), which a plain no-grad eager call (a compiled
+# graph's runtime) passes straight to the kernel, and the backward op has no Python kernel
+# above its implementation.
+_LIB = torch.library.Library("opreg", "FRAGMENT")  # alive for the process: it holds the ops
+_LIB.define("moe_experts_fused(Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, "
+            "Tensor gate_up_proj, Tensor? gate_up_bias, Tensor down_proj, Tensor? down_bias, str activation, "
+            "bool gated, bool transposed, bool interleaved, float alpha, float limit, bool keep_rows=False) "
+            "-> (Tensor, Tensor, Tensor, Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.define("moe_experts_fused_backward(Tensor grad, Tensor hidden_states, Tensor top_k_index, "
+            "Tensor top_k_weights, Tensor gate_up_proj, Tensor? gate_up_bias, Tensor down_proj, "
+            "Tensor? down_bias, Tensor routing, Tensor act, Tensor pre, Tensor rows, str activation, bool gated, "
+            "bool transposed, bool interleaved, float alpha, float limit, bool[] needs) -> Tensor[]",
+            tags=(torch.Tag.pt2_compliant_tag,))
+
+
 def _fused(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor,
            gate_up_bias: Optional[Tensor], down_proj: Tensor, down_bias: Optional[Tensor], activation: str,
            gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float, keep_rows: bool = False
@@ -78,7 +99,7 @@ def _nothing_saved(x: Tensor, w1: Tensor, gated: bool, transposed: bool) -> tupl
             x.new_empty((0, n1), dtype=F.PRE_DTYPE), x.new_empty((0, x.shape[1])))
 
 
-@_fused.register_fake
+@torch.library.register_fake("opreg::moe_experts_fused", lib=_LIB)
 def _(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor,
       gate_up_bias: Optional[Tensor], down_proj: Tensor, down_bias: Optional[Tensor], activation: str,
       gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float, keep_rows: bool = False
@@ -96,7 +117,6 @@ def _(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up
 _GRAD_INPUTS = (0, 2, 3, 4, 5, 6)  # hidden_states, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias
 
 
-@torch.library.custom_op("opreg::moe_experts_fused_backward", mutates_args=())
 def _fused_backward(grad: Tensor, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
                     gate_up_proj: Tensor, gate_up_bias: Optional[Tensor], down_proj: Tensor,
                     down_bias: Optional[Tensor], routing: Tensor, act: Tensor, pre: Tensor, rows: Tensor,
@@ -131,7 +151,7 @@ def _block_m_of(t: int, k: int, e: int, n1: int, h: int, gated: bool, dtype: tor
     return F._configs({}, t * k / e, n1, h, n1 // 2 if gated else n1, k, dtype)[0]["BLOCK_M"]
 
 
-@_fused_backward.register_fake
+@torch.library.register_fake("opreg::moe_experts_fused_backward", lib=_LIB)
 def _(grad: Tensor, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor,
       gate_up_bias: Optional[Tensor], down_proj: Tensor, down_bias: Optional[Tensor], routing: Tensor,
       act: Tensor, pre: Tensor, rows: Tensor, activation: str, gated: bool, transposed: bool, interleaved: bool,
@@ -163,7 +183,38 @@ def _backward(ctx: Any, grad: Tensor, *_unused: Any) -> tuple[Optional[Tensor], 
     return tuple(out)
 
 
-_fused.register_autograd(_backward, setup_context=_setup_context)
+class _FusedFunction(torch.autograd.Function):
+    """The forward op's autograd: the op below autograd, :func:`_backward` for its gradient.
+    (What ``register_autograd`` would generate, without its per-call Python layers.)"""
+
+    @staticmethod
+    def forward(ctx: Any, *args: Any) -> tuple[Tensor, ...]:
+        with torch._C._AutoDispatchBelowAutograd():
+            out = torch.ops.opreg.moe_experts_fused.default(*args)
+        _setup_context(ctx, args, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Optional[Tensor], ...]:
+        return _backward(ctx, *grads)  # one per input (keep_rows' is None)
+
+
+def _fused_autograd(*args: Any) -> tuple[Tensor, ...]:
+    """The forward op's Autograd kernel. A plain eager call (plain tensors, no mode or
+    transform, nothing that can carry a gradient: :func:`opreg._dispatch.plain_eager`), as a
+    compiled graph makes it at run time, goes straight to the implementation; anything else
+    (tracing, a gradient to record) through :class:`_FusedFunction`, which records the
+    backward where a gradient can flow and otherwise just redispatches below autograd."""
+    if len(args) == 13:
+        args = (*args, False)  # keep_rows' default (the dispatcher does not fill it in here)
+    if plain_eager(args):
+        return _fused(*args)
+    return _FusedFunction.apply(*args)
+
+
+_LIB.impl("moe_experts_fused", _fused, "CompositeExplicitAutograd")
+_LIB.impl("moe_experts_fused", _fused_autograd, "Autograd")
+_LIB.impl("moe_experts_fused_backward", _fused_backward, "CompositeExplicitAutograd")
 
 
 @torch.compiler.assume_constant_result
