@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import opreg
+from opreg.testing import timing
 from opreg.ops.cat_linear import reference as cat_ref
 from opreg.ops.scatter_combine import reference as sc_ref
 
@@ -73,19 +74,7 @@ def paired(times: dict[str, list[float]], a: str, b: str) -> str:
 
 def graph_us(fn: Callable[[], Any], calls: int = 50, reps: int = 20) -> float:
     """Per-call time of ``calls`` calls captured in one CUDA graph and replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return device_us(g.replay, reps=reps) / calls
+    return timing.graph_us(fn, reps, calls)
 
 
 def device_us(fn: Callable[[], Any], reps: int = 15, batch: int = 10) -> float:
