@@ -15,6 +15,9 @@
 #                                          by what follows), their own time (moe_decode.py),
 #                                          the block at T = 1 and 64 beside HF's eager and compiled
 #                                          grouped_mm, the eager block's host side (moe_profile --host-profile)
+#   STAGE=table bash bench/device_run.sh   issue 18's block table: every variant but HF's eager loop at
+#                                          TOKENS_TABLE (default 1,64,512; the large T in a second call,
+#                                          TOKENS_TABLE=4096,16384), forward and training, 5 rounds
 #   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
 # TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
 # 16 cores) runs it with xdist; FIRST_CALL=0 skips the first-call timing.
@@ -96,6 +99,12 @@ if [ "$STAGE" = moe ]; then
   [ "${MOE_TUNE:-0}" = 1 ] && timeout $((${TUNE_S:-240} + 60)) python3 -m opreg tune moe_experts --backward \
     --tokens "${TOKENS_TUNE:-4096}" --budget-s "${TUNE_S:-240}" --out "$OUT/moe_experts_configs.json" 2>&1 \
     | tee "$OUT/tune.log" | grep -E "E=|backward|wrote"
+fi
+
+if [ "$STAGE" = table ]; then
+  python3 -m opreg build >/dev/null 2>&1
+  timeout ${TABLE_S:-480} python3 bench/bench_moe_block.py --tokens "${TOKENS_TABLE:-1,64,512}" --rounds 5 2>&1 \
+    | tee "$OUT/moe_table.log" | grep "^|"
 fi
 
 if [ "$STAGE" = decode ]; then
