@@ -58,9 +58,10 @@ def _layout(x: Tensor, ids: Tensor, w1: Tensor, gated: bool, transposed: bool
 # The two ops are defined on a Library of their own, not with torch.library.custom_op: in a
 # compiled training step Inductor's wrapper calls them through torch.ops, and custom_op's
 # Python layers (its autograd kernel, the redispatch below autograd, the backend wrapper with
-# its aliasing check, the disabled-Dynamo frame) cost 47-80 µs a no-grad forward call here
-# against 31-36 for the function itself (2-core box, launches stubbed, T = 64, 2026-12-03;
-# the H200 box's host runs such Python ~4-5x slower). Here the forward's Autograd kernel is
+# its aliasing check, the disabled-Dynamo frame) took a no-grad forward call through torch.ops
+# 47 µs against 43-44 now and 31-33 for the function itself, the backward 79-89 against 63-70
+# (2-core box, launches stubbed, T = 64, min of 25 interleaved rounds, 2026-12-03; the H200
+# box's host runs such Python ~4-5x slower). Here the forward's Autograd kernel is
 # one Python function (:func:`_fused_autograd`), which a plain no-grad eager call (a compiled
 # graph's runtime) passes straight to the kernel, and the backward op has no Python kernel
 # above its implementation.
@@ -188,11 +189,11 @@ class _FusedFunction(torch.autograd.Function):
     (What ``register_autograd`` would generate, without its per-call Python layers.)"""
 
     @staticmethod
-    def forward(ctx: Any, *args: Any) -> tuple[Tensor, ...]:
+    def forward(*args: Any) -> tuple[Tensor, ...]:
         with torch._C._AutoDispatchBelowAutograd():
-            out = torch.ops.opreg.moe_experts_fused.default(*args)
-        _setup_context(ctx, args, out)
-        return out
+            return torch.ops.opreg.moe_experts_fused.default(*args)
+
+    setup_context = staticmethod(_setup_context)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[Optional[Tensor], ...]:
