@@ -169,3 +169,20 @@ def test_a_kernel_library_default_goes_through_the_op() -> None:
     assert_matches(got, want, torch.float32)
     with torch.no_grad():  # and plain: the same values without the mode
         assert torch.equal(f(h, idx, g, 3), got)
+
+
+def test_a_list_argument_that_carries_a_gradient_is_not_plain() -> None:
+    """``plain_eager`` is what lets the op's Autograd kernel (and ``python_call``) skip the
+    gradient check, so a tensor inside a ``Tensor[]`` argument counts like a top-level one:
+    one that requires grad, under grad mode, makes the call not plain (a plugin op with a
+    list argument would otherwise run its implementation with no autograd recorded)."""
+    from opreg._dispatch import differentiating, plain_eager
+
+    x = torch.randn(3)
+    parts = [torch.randn(2), torch.randn(2, requires_grad=True)]
+    assert differentiating((x, parts)) and not plain_eager((x, parts))
+    assert plain_eager((x, [p.detach() for p in parts]))
+    with torch.no_grad():
+        assert plain_eager((x, parts))
+    fake = torch._subclasses.FakeTensorMode()
+    assert not plain_eager((x, [fake.from_tensor(parts[0])]))
