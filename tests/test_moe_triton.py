@@ -112,6 +112,12 @@ CASES: dict[str, dict] = {
     "decode, all slots sentinel": dict(dims=(1, 2, 16, 8, 4), opts={}, special="all_out"),
     "decode, strided inputs": dict(dims=(1, 4, 24, 16, 8), opts=dict(idx_dtype=torch.int32),
                                    special="strided columns"),
+    # the decode kernels at T > 1 (pinned by a "decode" config): tokens share experts (6
+    # tokens x top-3 of 4), so two programs read one expert's weights; sentinel slots
+    "decode, 6 tokens sharing experts": dict(dims=(6, 3, 40, 24, 4), opts=dict(bias=True, sentinels=2),
+                                             configs=DECODE_SMALL),
+    "decode, 8 tokens gpt_oss": dict(dims=(8, 2, 50, 18, 3), configs=DECODE_SMALL, dtypes=["float32"], opts=dict(
+        activation=M.GPT_OSS, transposed=True, interleaved=True, bias=True, alpha=1.702, limit=1.0, gain=3.0)),
     "T=1, GEMM path": dict(dims=(1, 2, 24, 16, 4), opts=dict(bias=True), configs=SMALL),
     # ragged H, I (not multiples of any block), several blocks in M, N and K, swizzle groups
     "ragged small blocks": dict(dims=(9, 3, 40, 24, 3), opts=dict(bias=True), configs=SMALL, dtypes=["float32"]),
@@ -489,12 +495,15 @@ def test_config_table() -> None:
 
 @needs_triton
 def test_which_forward_decodes() -> None:
-    """The decode kernels take a forward of one token that saves nothing for a backward
-    (which reads the GEMM path's routing tables), unless the caller pins GEMM configs."""
+    """The decode kernels take a forward of 1 to DECODE_MAX_TOKENS tokens that saves nothing
+    for a backward (which reads the GEMM path's routing tables); a caller's configs pin the
+    path (a "decode" entry: the decode kernels at any T; GEMM configs only: the GEMM path)."""
     assert TM.decodes(1, False, None) and TM.decodes(1, False, {"decode": {}})
-    assert not TM.decodes(1, True, None)
-    assert not TM.decodes(2, False, None) and not TM.decodes(64, False, None)
+    assert not TM.decodes(1, True, None) and not TM.decodes(0, False, None)
+    assert TM.decodes(TM.DECODE_MAX_TOKENS, False, None) and not TM.decodes(TM.DECODE_MAX_TOKENS + 1, False, None)
+    assert not TM.decodes(64, False, None)
     assert not TM.decodes(1, False, {"gemm1": {}, "gemm2": {}, "combine": {}})
+    assert TM.decodes(8, False, {"decode": {}}) and not TM.decodes(8, True, {"decode": {}})  # pinned: any T
 
 
 @needs_triton

@@ -1105,18 +1105,27 @@ def combine(pairs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_exper
            MAPPED=rows is not None, num_warps=cfg["num_warps"])
 
 
+# The most tokens whose forward takes the decode kernels by default (see decodes).
+DECODE_MAX_TOKENS = 1
+
+
 def decodes(t: int, save: bool, configs: Optional[dict[str, dict[str, int]]]) -> bool:
     """Does a forward of ``t`` tokens run :func:`decode_forward`? Without ``save`` (the
-    backward reads the routing tables that only the GEMM path builds), for T = 1, unless
-    ``configs`` is given without a "decode" entry (tests and tuning pin the GEMM path).
+    backward reads the routing tables that only the GEMM path builds), for 1 <= T <=
+    :data:`DECODE_MAX_TOKENS`; ``configs`` pins the path for tests and tuning: with a
+    "decode" entry the decode kernels at any T, without one the GEMM path.
     Why T = 1: the decode kernels read each pair's expert weights once per pair, where the
     GEMM path reads each used expert's once. At T = 1 the k pairs are the token's top-k,
     distinct experts, so the weight bytes are the same, and the call is 2 launches instead
     of 4 (routing, GEMM1, GEMM2, combine): decode is host-bound (H200, 2026-12-03: the
     block at T = 1 takes 470-650 µs against ~25 µs of weight reads). At T = 2 two tokens
     often share an expert (Mixtral: 8 experts, top-2), whose weights the pairs would read
-    twice."""
-    return not save and t == 1 and (configs is None or "decode" in configs)
+    twice, unless the cache serves the second read."""
+    if save or t < 1:
+        return False
+    if configs is not None:
+        return "decode" in configs
+    return t <= DECODE_MAX_TOKENS
 
 
 def decode_forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: torch.Tensor,
