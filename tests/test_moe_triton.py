@@ -114,6 +114,7 @@ CASES: dict[str, dict] = {
                                    special="strided columns"),
     # the decode kernels at T > 1 (pinned by a "decode" config): tokens share experts (6
     # tokens x top-3 of 4), so two programs read one expert's weights; sentinel slots
+    "decode by default, 2 tokens": dict(dims=(2, 3, 40, 24, 4), opts=dict(bias=True, sentinels=1)),
     "decode, 6 tokens sharing experts": dict(dims=(6, 3, 40, 24, 4), opts=dict(bias=True, sentinels=2),
                                              configs=DECODE_SMALL),
     "decode, 8 tokens gpt_oss": dict(dims=(8, 2, 50, 18, 3), configs=DECODE_SMALL, dtypes=["float32"], opts=dict(
@@ -626,17 +627,21 @@ def test_cuda_routing(name: str) -> None:
 
 
 def _one_token(device: str, dtype: torch.dtype, requires_grad: bool = False):
-    """T = 1 (the decode kernels) with the families' layouts and a sentinel slot."""
+    """T = 1 to DECODE_MAX_TOKENS (the decode kernels by default) with the families' layouts
+    and a sentinel slot; at T > 1 the tokens share experts (top-4 of 6)."""
     for fam in ("mixtral silu", "gpt_oss biases", "relu2 ungated"):
         yield Sample(make(1, 4, 256, 128, 16, dtype, device, **FAMILIES[fam][1], sentinels=1), f"one token {fam}")
+        t = TM.DECODE_MAX_TOKENS
+        if t > 1:
+            yield Sample(make(t, 4, 256, 128, 6, dtype, device, **FAMILIES[fam][1], sentinels=1), f"{t} tokens {fam}")
 
 
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
 def test_cuda_decode(dtype: torch.dtype) -> None:
-    """The decode kernels on the GPU: against float64, two runs bit-identical, CUDA-graph
-    capture and replay."""
+    """The decode kernels on the GPU (the default path at 1 to DECODE_MAX_TOKENS tokens):
+    against float64, two runs bit-identical, CUDA-graph capture and replay."""
     suite = _suite(_one_token)
     suite.check_correctness("cuda", dtype, impl="triton")
     suite.check_deterministic("cuda", dtype, impl="triton")

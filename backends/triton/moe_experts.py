@@ -19,11 +19,11 @@ current stream (Triton launches on torch's current stream of the current device)
    of the pair rows whose id is in [0, E) (a NaN weight in a sentinel slot adds nothing).
    Same bits every run.
 
-One token without a backward to feed (decode, :func:`decodes`) takes two kernels instead
-(:func:`decode_forward`): GEMM1 and the gate per (token, slot) pair as a matrix-vector
-product, then GEMM2, the routing weights and the combine per token in one, in the same slot
-order with the same roundings; no routing, no padded rows. At T = 1 the pairs are the
-token's top-k experts, so it reads the same weight bytes in half the launches.
+One or two tokens without a backward to feed (decode, :func:`decodes`) take two kernels
+instead (:func:`decode_forward`): GEMM1 and the gate per (token, slot) pair as a
+matrix-vector product, then GEMM2, the routing weights and the combine per token in one, in
+the same slot order with the same roundings; no routing, no padded rows. At T = 1 the pairs
+are the token's top-k experts, so it reads the same weight bytes in half the launches.
 
 On sm90+ both GEMMs load the weight's tiles, and GEMM2 its sorted activation rows, through
 tensor descriptors (TMA) instead of pointer arithmetic (:func:`launch_gemm` decides per
@@ -1105,8 +1105,14 @@ def combine(pairs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_exper
            MAPPED=rows is not None, num_warps=cfg["num_warps"])
 
 
-# The most tokens whose forward takes the decode kernels by default (see decodes).
-DECODE_MAX_TOKENS = 1
+# The most tokens whose forward takes the decode kernels by default (see decodes). H200,
+# bf16, 2026-12-03 (`bench/moe_decode.py --tokens 1,2,4,8,16,32 --block`), decode kernels
+# against the GEMM path from CUDA graphs, µs: T = 2 59.9 / 63.4 Mixtral, 54.3 / 55.5
+# Qwen3-MoE, 59.7 / 64.7 OLMoE; T = 4 96.7 / 94.3, 91.1 / 87.4, 107.4 / 102.5; T = 8 150.7 /
+# 94.2, 163.6 / 129.7, 190.1 / 151.3. The eager block (host included) at T = 2: 1.45x, 1.39x
+# and 1.30x faster with the decode kernels (1.20-1.37x at T = 4 and 8, where the GPU alone,
+# e.g. replaying a CUDA graph, is 2.5-5 % and 26-60 % slower): 2 is where neither is slower.
+DECODE_MAX_TOKENS = 2
 
 
 def decodes(t: int, save: bool, configs: Optional[dict[str, dict[str, int]]]) -> bool:
@@ -1114,13 +1120,13 @@ def decodes(t: int, save: bool, configs: Optional[dict[str, dict[str, int]]]) ->
     backward reads the routing tables that only the GEMM path builds), for 1 <= T <=
     :data:`DECODE_MAX_TOKENS`; ``configs`` pins the path for tests and tuning: with a
     "decode" entry the decode kernels at any T, without one the GEMM path.
-    Why T = 1: the decode kernels read each pair's expert weights once per pair, where the
-    GEMM path reads each used expert's once. At T = 1 the k pairs are the token's top-k,
-    distinct experts, so the weight bytes are the same, and the call is 2 launches instead
-    of 4 (routing, GEMM1, GEMM2, combine): decode is host-bound (H200, 2026-12-03: the
-    block at T = 1 takes 470-650 µs against ~25 µs of weight reads). At T = 2 two tokens
-    often share an expert (Mixtral: 8 experts, top-2), whose weights the pairs would read
-    twice, unless the cache serves the second read."""
+    Why so few tokens: the decode kernels read each pair's expert weights once per pair (the
+    pairs sharing an expert read it through L2), where the GEMM path reads each used
+    expert's once into shared memory and runs tensor cores on all of its rows. At T = 1
+    the k pairs are distinct experts, the weight bytes the same, and the call is 2 launches
+    instead of 4 (routing, GEMM1, GEMM2, combine) with a third of the Python: the block at
+    decode is host-bound (H200: 470-650 µs against ~25 µs of weight reads). From T = 4 the
+    GEMM path's kernels are the faster ones (the measurements at DECODE_MAX_TOKENS)."""
     if save or t < 1:
         return False
     if configs is not None:

@@ -414,8 +414,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     shapes = [SHAPES[s] if s in SHAPES else tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
     if not a.decode and not a.backward and any(fused.decodes(int(v), False, None) for v in a.tokens.split(",")):
         # its table entries would never run: the op's forward there is the decode kernels
-        p.error(f"--tokens {a.tokens}: a forward of 1 token runs the decode kernels (moe_experts.decodes), "
-                "not the GEMMs tuned here: --decode tunes those")
+        p.error(f"--tokens {a.tokens}: a forward of 1 to {fused.DECODE_MAX_TOKENS} tokens runs the decode kernels "
+                "(moe_experts.decodes), not the GEMMs tuned here: --decode tunes those")
     if a.decode and a.backward:
         p.error("--decode tunes a forward of one token: --backward does not apply")
     if fused._NO_TRITON is not None:
