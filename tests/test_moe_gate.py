@@ -397,3 +397,106 @@ def test_instance_gate_override_falls_back_and_module_is_freed():
     del m
     gc.collect()
     assert ref() is None
+
+
+# ------------------------------------------------------------------ eager experts that ignore their weights
+
+def test_whether_an_eager_forward_reads_its_routing_weights():
+    """``_reads_third_argument`` reads the bytecode: a load of the weights' name anywhere (a
+    nested function's cell included) is a read; a forward that never names them is not."""
+    def reads(self, x, ids, w):
+        return x * w.sum()
+
+    def reads_late(self, x, ids, w):
+        y = x.clone()
+        for _ in range(2):
+            y = y + 1
+        return y * (w if ids is not None else 1)
+
+    def reads_in_a_lambda(self, x, ids, w):
+        return (lambda: x * w)()
+
+    def ignores(self, x, ids, w):
+        ids = ids.squeeze(-1)
+        return x * (ids >= 0).unsqueeze(-1)
+
+    def too_few(self, x, ids):
+        return x
+
+    assert oi._reads_third_argument(reads) and oi._reads_third_argument(reads_late)
+    assert oi._reads_third_argument(reads_in_a_lambda)
+    assert not oi._reads_third_argument(ignores)
+    assert oi._reads_third_argument(too_few)  # can't tell: counts as reading (the weighted sum)
+    assert oi._weights_use(MixtralExperts) == oi._weights_use(GptOssExperts) == "read"
+
+
+class _OneRoute(nn.Module):
+    """Mixtral's experts (weights, gate) taking one route per row of unit weight: its eager
+    forward never reads top_k_weights, as transformers 5.25's ErgoExpertProjections."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_experts = config.num_local_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * INTER, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, INTER))
+        self.act_fn = ACT2FN["silu"]
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        idx = top_k_index.squeeze(-1)
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            mask = idx == e
+            gate, up = F.linear(hidden_states[mask], self.gate_up_proj[e]).chunk(2, dim=-1)
+            out[mask] = F.linear(self.act_fn(gate) * up, self.down_proj[e])
+        return out
+
+
+OneRoute = use_experts_implementation(_OneRoute)
+
+
+class OneRouteChild(OneRoute):
+    """A subclass whose own dispatched forward reads the weights its parent's ignores."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return super().forward(hidden_states, top_k_index, top_k_weights) * top_k_weights
+
+
+OneRouteChild = use_experts_implementation(OneRouteChild)
+
+
+def _one_route_call():
+    x = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, E, (T, 1))
+    return x, ids, torch.rand(T, 1, dtype=torch.float64, requires_grad=True)
+
+
+def test_experts_that_never_read_their_weights_run_unweighted():
+    """An experts class whose eager forward never reads top_k_weights runs the op with unit
+    weights: random weights change nothing and get no gradient, as in its eager forward."""
+    assert oi._weights_use(OneRoute) == "unread"
+    m = experts(OneRoute)
+    x, ids, w = _one_route_call()
+    got, ops = ops_run(lambda: m(x, ids, w))  # with gradients: the grouped path on the CPU
+    with torch.no_grad():
+        got_ng, ops_ng = ops_run(lambda: m(x, ids, w))
+    assert "opreg::scatter_combine" in ops and OPREG in ops_ng
+    want = eager_twin(m)(x, ids, w)
+    assert_matches(got, want.detach(), torch.float64)
+    assert_matches(got_ng, want.detach(), torch.float64)
+    cot = torch.randn_like(want)
+    g = torch.autograd.grad(got, (x, w), cot, allow_unused=True, materialize_grads=True)
+    gw = torch.autograd.grad(want, (x, w), cot, allow_unused=True, materialize_grads=True)
+    assert_matches(g[0], gw[0], torch.float64)
+    assert torch.count_nonzero(g[1]) == 0 and torch.count_nonzero(gw[1]) == 0
+
+
+def test_experts_whose_classes_disagree_on_the_weights_fall_back(caplog):
+    """A subclass's dispatched forward reads the weights and its parent's does not: which of the
+    two wrappers called can't be told, so transformers' own experts run, with the reason."""
+    assert oi._weights_use(OneRouteChild) == "mixed"
+    m = experts(OneRouteChild)
+    x, ids, w = _one_route_call()
+    with caplog.at_level(logging.WARNING, logger="opreg"):
+        got, ops = ops_run(lambda: m(x, ids, w))
+    assert not ops and any("disagree on reading top_k_weights" in r.getMessage() for r in caplog.records)
+    assert_matches(got, eager_twin(m)(x, ids, w).detach(), torch.float64)

@@ -1,5 +1,5 @@
 """Every experts class transformers builds with ``@use_experts_implementation`` (67 families
-in transformers 5.24), found in its source, on a tiny random instance in float64 (no
+in transformers 5.24, 68 in 5.25), found in its source, on a tiny random instance in float64 (no
 downloads): with ``experts_implementation="opreg"`` (output and every gradient) and under
 ``opreg.optimize`` on the eager experts (output), the result equals HF eager's, and either
 opreg's ops ran or the module ran transformers' own experts with one log line naming why
@@ -38,6 +38,10 @@ FALLBACKS = {
 }
 # Eager loops that compute in float32 whatever the weights' dtype: compared at float32's tolerance.
 FLOAT32_EAGER = {"OpenAIPrivacyFilterExperts"}
+# Experts whose eager forward takes one route per row (it squeezes top_k_index's last dim) and
+# never reads top_k_weights (a unit weight): called with k = 1 and random weights, which must
+# change nothing; opreg.optimize finds no loop of its idioms there.
+ONE_ROUTE = {"ErgoExpertProjections"}  # transformers 5.25
 
 
 def families() -> list[str]:
@@ -139,7 +143,7 @@ def test_family(family: str, cls: type, caplog: pytest.LogCaptureFixture) -> Non
     if isinstance(m, str):
         pytest.skip(f"no tiny {cls.__name__} from its config: {m}")
     tol = torch.float32 if cls.__name__ in FLOAT32_EAGER else torch.float64
-    x, ids, w = inputs(m)
+    x, ids, w = inputs(m, k=1 if cls.__name__ in ONE_ROUTE else 2)
     params = list(m.parameters())
     m.config._experts_implementation = "eager"
     want = m(x, ids, w)
@@ -166,6 +170,10 @@ def test_family(family: str, cls: type, caplog: pytest.LogCaptureFixture) -> Non
     m.config._experts_implementation = "eager"
     fast = copy.deepcopy(m)
     opreg.optimize(fast, compile=False)
+    if cls.__name__ in ONE_ROUTE:  # a masked assignment per expert, no weighted sum: left as written
+        assert not any(f.matched for f in fast._opreg_loops), fast._opreg_loops
+        close(fast(x, ids, w), want, tol)
+        return
     assert [(f.matched, f.op) for f in fast._opreg_loops] == [(True, "opreg::moe_experts")], fast._opreg_loops
     with torch.no_grad():
         out, ops = ran(lambda: fast(x, ids, w))

@@ -11,7 +11,9 @@ its layout flags (``has_gate``, ``has_bias``, ``is_transposed``) map onto the op
 arguments, and its gate (``_apply_gate`` / ``act_fn``) onto one of the op's activations.
 
 Its gate is recognised from what the module *is*, never by calling it, and re-checked on
-every call (:mod:`opreg.integrations.transformers_gate`).
+every call (:mod:`opreg.integrations.transformers_gate`). So is its use of the routing weights:
+an experts class whose eager forward never reads ``top_k_weights`` (one route per row of unit
+weight, as transformers 5.25's ``ErgoExpertProjections``) runs the op with unit weights.
 
 What the op can't express (a post-expert norm, a gate or activation not proved, quantized
 or sharded weights) runs transformers' own experts for that module (``grouped_mm``; for
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import dis
 import functools
 import logging
 import types
@@ -156,6 +159,16 @@ def _forward(module: nn.Module, call: tuple[Any, ...], kwargs: dict[str, Any], f
     if isinstance(plan, str):
         return fallback(module, plan, *call)
     w1, b1, w2, b2 = weights
+    use = _weights_use(type(module))
+    if use == _MIXED:  # which class's dispatch called this can't be told: its eager decides
+        return fallback(module, "its experts classes' eager forwards disagree on reading top_k_weights", *call)
+    if use == _UNREAD:
+        # its eager forward never reads top_k_weights (each row one route of unit weight,
+        # e.g. transformers 5.25's ErgoExpertProjections): the op runs with unit weights, so
+        # the routing weights change nothing and get no gradient, as there
+        log_once(("unweighted", type(module)), logging.INFO, "opreg: %s's eager experts never read top_k_weights: "
+                 "moe_experts runs them with unit weights", type(module).__name__)
+        top_k_weights = torch.ones_like(top_k_weights)
     # as transformers' grouped_mm does (autocast leaves them apart); .to of the same dtype
     # returns its input, at ~1-2 us of host a call, twice per call here
     x = hidden_states if hidden_states.dtype == w1.dtype else hidden_states.to(w1.dtype)
@@ -209,6 +222,45 @@ def eager_forward(cls: type) -> Optional[Callable[..., Any]]:
     """The eager forward of an experts class (what its @use_experts_implementation
     wrapper wraps), or None if ``cls``'s forward is not such a wrapper."""
     return _dispatch_inner(getattr(cls, "forward", None))
+
+
+_READ, _UNREAD, _MIXED = "read", "unread", "mixed"
+
+
+@torch.compiler.assume_constant_result
+def _weights_use(cls: type) -> str:
+    """Whether the eager forwards of ``cls``'s experts dispatch (each class of its MRO whose
+    own forward is transformers' dispatch wrapper) read their routing weights, the third
+    argument: "read" (all, or none found), "unread" (none) or "mixed" (a subclass's and its
+    parent's disagree: the one whose wrapper called can't be told apart). Read from the
+    functions' bytecode, once per class; a constant to Dynamo."""
+    got = _WEIGHTS_USE.get(cls)
+    if got is None:
+        eagers = [e for e in (_dispatch_inner(vars(k).get("forward")) for k in cls.__mro__) if e is not None]
+        reads = {_reads_third_argument(e) for e in eagers}
+        got = _WEIGHTS_USE[cls] = _MIXED if len(reads) > 1 else _UNREAD if reads == {False} else _READ
+    return got
+
+
+_WEIGHTS_USE: dict[type, str] = {}
+
+
+def _reads_third_argument(fn: Callable[..., Any]) -> bool:
+    """Does ``fn`` (self, hidden_states, top_k_index, top_k_weights, ...) load its fourth
+    positional parameter anywhere? Any LOAD_* instruction naming it counts (LOAD_FAST and its
+    3.12-3.14 variants, some of which name two locals), as does a cell for a nested function;
+    a function this can't read (no fourth positional parameter) counts as reading them."""
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_argcount < 4:
+        return True
+    name = code.co_varnames[3]
+    if name in code.co_cellvars:
+        return True
+    for ins in dis.get_instructions(code):
+        if ins.opname.startswith("LOAD_") and (ins.argval == name
+                                               or (isinstance(ins.argval, tuple) and name in ins.argval)):
+            return True
+    return False
 
 
 def _dispatch_inner(wrapper: Any) -> Optional[Callable[..., Any]]:
