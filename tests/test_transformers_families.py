@@ -1,5 +1,5 @@
 """Every experts class transformers builds with ``@use_experts_implementation`` (67 families
-in transformers 5.24, 68 in 5.25), found in its source, on a tiny random instance in float64 (no
+in transformers 5.24, 72 in 5.25), found in its source, on a tiny random instance in float64 (no
 downloads): with ``experts_implementation="opreg"`` (output and every gradient) and under
 ``opreg.optimize`` on the eager experts (output), the result equals HF eager's, and either
 opreg's ops ran or the module ran transformers' own experts with one log line naming why
