@@ -12,8 +12,9 @@
 #                                          MOE_TUNE=1: `opreg tune moe_experts --backward` into $OUT
 #   STAGE=decode bash bench/device_run.sh  the MoE layer at decode: the decode kernels tuned per shape
 #                                          (from CUDA graphs, into $OUT/moe_experts_configs.json, then used
-#                                          by what follows), their own time (moe_decode.py),
-#                                          the block at T = 1 and 64 beside HF's eager and compiled
+#                                          by what follows), their own time against the GEMM path at
+#                                          T = 1-8 and the eager block with them and without (moe_decode.py),
+#                                          the block at T = 1, 2 and 64 beside HF's eager and compiled
 #                                          grouped_mm, the eager block's host side (moe_profile --host-profile)
 #   STAGE=table bash bench/device_run.sh   issue 18's block table: every variant but HF's eager loop at
 #                                          TOKENS_TABLE (default 1,64,512; the large T in a second call,
@@ -115,8 +116,9 @@ if [ "$STAGE" = decode ]; then
     --out "$OUT/moe_experts_configs.json" 2>&1 | tee "$OUT/tune_decode.log" | grep -E "E=|wrote"
   [ -s "$OUT/moe_experts_configs.json" ] && cp "$OUT/moe_experts_configs.json" backends/triton/moe_experts_configs.json
   # the kernels' own time, from a CUDA graph (an eager call at T = 1 is all host there)
-  timeout 90 python3 bench/moe_decode.py --tokens 1,8 2>&1 | tee "$OUT/moe_decode.log" | grep "^|"
-  timeout 200 python3 bench/bench_moe_block.py --tokens 1,64 --rounds 7 \
+  # (--block: the eager block with the decode kernels' token bound at 1 and at T, interleaved)
+  timeout 120 python3 bench/moe_decode.py --tokens 1,2,4,8 --block --rounds 5 2>&1 | tee "$OUT/moe_decode.log" | grep "^|"
+  timeout 200 python3 bench/bench_moe_block.py --tokens 1,2,64 --rounds 7 \
     --variants hf_grouped_mm hf_grouped_mm_inductor opreg opreg_inductor 2>&1 | tee "$OUT/moe_block_decode.log" | grep "^|"
   (cd bench && timeout 150 python3 moe_profile.py --tokens 4096 --configs qwen3_moe mixtral --host-profile \
     > "$OUT/moe_profile_host.log" 2>&1; grep -E "^[a-z].*T=|  (op|block)" "$OUT/moe_profile_host.log")
