@@ -65,14 +65,12 @@ if triton is not None:
     @triton.jit
     def _wgrad_kernel(p_desc, q_desc, o_desc, ends_ptr, E, A, B,
                       BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr,
-                      NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr):
+                      NUM_PROGRAMS: tl.constexpr):
         tiles_a = tl.cdiv(A, BLOCK_A)
         tiles_b = tl.cdiv(B, BLOCK_B)
         per_expert = tiles_a * tiles_b
         total = E * per_expert
-        # FLATTEN: one software-pipelined loop over every (tile, row step), so that the next
-        # tile's first loads are in flight during this tile's last steps and its store
-        for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN):
+        for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS):
             e = tile // per_expert
             rem = tile - e * per_expert
             # neighbouring programs take neighbouring B tiles of the same A rows (p's tile
@@ -117,6 +115,5 @@ def wgrad(p: torch.Tensor, q: torch.Tensor, ends: torch.Tensor, experts: int,
     args = tuple(LazyDescriptor(t, box, (t.dtype, tuple(t.shape), t.stride(), tuple(box)))
                  for t, box in ((p, [bk, bm]), (q, [bk, bn]), (o2, [bm, bn])))
     launch(_wgrad_kernel, (progs,), *args, ends, experts, a, b, spec_key=spec_key, BLOCK_A=bm, BLOCK_B=bn,
-           BLOCK_K=bk, NUM_PROGRAMS=progs, FLATTEN=bool(c.get("FLATTEN", 0)), num_warps=c["num_warps"],
-           num_stages=c["num_stages"])
+           BLOCK_K=bk, NUM_PROGRAMS=progs, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out
