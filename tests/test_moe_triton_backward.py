@@ -36,9 +36,8 @@ from opreg.testing import assert_matches  # noqa: E402
 try:
     from opreg.backends.triton import moe_experts as TM
     from opreg.backends.triton import moe_experts_backward as TB
-    from opreg.backends.triton import moe_wgrad as MW
 except ImportError:  # pragma: no cover - the package itself imports without triton
-    TM = TB = MW = None
+    TM = TB = None
 
 HAVE_TRITON = TM is not None and TM.triton is not None
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
@@ -53,9 +52,6 @@ SMALL_BWD = {**SMALL,
 # The weight gradients forced onto torch._grouped_mm (the sm90 bf16 default; here the CPU's
 # bf16 grouped_mm), the rest as SMALL_BWD: BLOCK_M = 16 padded runs.
 GROUPED_BWD = {**SMALL_BWD, "wgrad": {**SMALL_BWD["wgrad"], "GROUPED_MM": 1}}
-# The weight gradients on moe_wgrad's persistent TMA kernel over the same sorted rows (the
-# tile a multiple of the rows' BLOCK_M = 16 padded runs; H, N1 and I multiples of BLOCK_M)
-TMA_BWD = {**SMALL_BWD, "wgrad": {**SMALL_BWD["wgrad"], "GROUPED_MM": 1, "TMA": 1}}
 # GEMM1's dgrad forced onto torch._grouped_mm (the sm90 bf16 default; here the CPU's): its
 # rows come back in sorted-padded order and the combine reads them through pair_rows
 GROUPED_DGRAD1 = {**SMALL_BWD, "dgrad1": {**SMALL_BWD["dgrad1"], "GROUPED_MM": 1}}
@@ -199,19 +195,6 @@ CASES: dict[str, dict] = {
         "dims": (9, 3, 40, 24, 5), "opts": {"bias": True, "sentinels": 2}, "special": "nan",
         "configs": {**SMALL_BWD, "dgrad2": {**SPLIT_BWD["dgrad2"], "GATE_R": 16, "GATE_N": 16, "GATE_WARPS": 2}},
         "forbid": ("TB._dgrad_act_kernel",)},
-    # the weight gradients on the persistent TMA kernel (moe_wgrad.py), by construction as
-    # the grouped_mm cases: padded runs, an empty expert, sentinel slots with NaN weights, an
-    # expert spanning two blocks; both layouts, interleaved, split dgrad2
-    "tma wgrad, sentinels, empty experts": {
-        "dims": (6, 2, 16, 8, 8), "opts": {"bias": True, "sentinels": 3}, "special": "nan+skip_expert",
-        "configs": TMA_BWD, "dtypes": ["bfloat16"], "grouped": True, "tma": True},
-    "tma wgrad gated transposed interleaved, split dgrad2": {
-        "dims": (30, 2, 32, 16, 3), "opts": {"transposed": True, "interleaved": True, "bias": True},
-        "configs": {**TMA_BWD, "dgrad2": SPLIT_BWD["dgrad2"]}, "dtypes": ["bfloat16"], "grouped": True,
-        "tma": True, "forbid": ("TB._dgrad_act_kernel",)},
-    "tma wgrad ungated, gate_up_proj only": {
-        "dims": (30, 2, 32, 16, 3), "opts": {"activation": "relu2", "gated": False}, "configs": TMA_BWD,
-        "dtypes": ["bfloat16"], "grouped": True, "tma": True, "requires": ("gate_up_proj",)},
     "grouped_mm wgrad, down_proj only, a full block": {
         "dims": (16, 2, 24, 16, 3), "opts": {"bias": True}, "special": "full_block", "configs": GROUPED_BWD,
         "dtypes": ["bfloat16"], "grouped": True, "requires": ("down_proj", "down_bias"),
@@ -340,28 +323,22 @@ def _grouped_dgrad1(args: tuple, configs: dict | None) -> bool:
 
 def _check_wgrad_path(grouped: bool, grouped1: bool, names: tuple[str, ...], args: tuple, mm_calls: list[int],
                       wgrad_log: list[dict[str, Any]], rows_log: list[dict[str, Any]],
-                      fwd_rows_log: list[dict[str, Any]], tma_log: list[dict[str, Any]], tma: bool | None) -> None:
+                      fwd_rows_log: list[dict[str, Any]]) -> None:
     """The weight gradients ran where they should: ``grouped``, one torch._grouped_mm per
     weight gradient asked for, Triton's _moe_wgrad for the biases alone, and each gathered
     operand's rows copied once: rw * dout (scaled) for down_proj in the backward, x for
     gate_up_proj in the forward (GEMM1 read that copy, and the backward reuses it:
     ``keeps_rows``); else no torch._grouped_mm for them, and the forward copies x only where
     its table says PREGATHER. ``grouped1``: GEMM1's dgrad is one more torch._grouped_mm
-    where hidden_states' gradient is asked for. On the sorted rows the weight gradients run
-    either all on torch._grouped_mm or all on moe_wgrad's TMA kernel (``tma_log``: its
-    launches; ``tma``: which one the case asks for, None: either)."""
+    where hidden_states' gradient is asked for."""
     weights = [n for n in ("down_proj", "gate_up_proj") if n in names]
     dgrads = int(grouped1 and "hidden_states" in names)
     if not grouped:
         assert len(mm_calls) == dgrads, f"torch._grouped_mm ran {len(mm_calls)} times, {dgrads} asked for"
-        assert not tma_log, "the TMA weight gradients ran off the sorted rows"
         return
     biases = [n for n in ("down_bias", "gate_up_bias") if n in names and args[ARGS.index(n)] is not None]
-    on_tma = len(tma_log)
-    assert on_tma in (0, len(weights)) and (tma is None or on_tma == tma * len(weights)), \
-        f"{on_tma} weight gradients on the TMA kernel of {weights} (asked: {tma})"
-    assert len(mm_calls) == len(weights) - on_tma + dgrads, \
-        f"torch._grouped_mm ran {len(mm_calls)} times for {weights} ({on_tma} on TMA) and {dgrads} dgrads"
+    assert len(mm_calls) == len(weights) + dgrads, \
+        f"torch._grouped_mm ran {len(mm_calls)} times for {weights} and {dgrads} dgrads"
     assert [kw["WEIGHT_GRAD"] for kw in wgrad_log] == [False] * len(biases), wgrad_log
     assert [kw["SCALED"] for kw in rows_log] == [True] * ("down_proj" in weights), rows_log
     if "gate_up_proj" in weights:
@@ -426,8 +403,6 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
         patch[(torch, "_grouped_mm")] = _counted(torch._grouped_mm, mm_calls)
     assert grouped or not c.get("grouped"), "a grouped_mm case whose weight gradients would not use it"
     assert grouped1 or not c.get("grouped1"), "a grouped_mm case whose GEMM1 dgrad would not use it"
-    tma_log: list[dict[str, Any]] = []
-    patch[(MW, "_wgrad_kernel")] = _Launches(MW._wgrad_kernel, tma_log)
     if grouped:
         patch[(TB, "_moe_wgrad")] = _Launches(TB._moe_wgrad, wgrad_log)
         patch[(TM, "_sorted_rows_kernel")] = _Launches(TM._sorted_rows_kernel, rows_log)
@@ -441,8 +416,7 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     finally:
         for (mod, attr), fn in originals.items():
             setattr(mod, attr, fn)
-    _check_wgrad_path(grouped, grouped1, names, args, mm_calls, wgrad_log, rows_log, fwd_rows_log, tma_log,
-                      c.get("tma"))
+    _check_wgrad_path(grouped, grouped1, names, args, mm_calls, wgrad_log, rows_log, fwd_rows_log)
     # The reference's cotangent is the one the op got (rounded to dtype): a fp16 rounding of
     # cot alone moved d top_k_weights' dot over H by > 0.002 of its size where it cancels
     # (T = 1, float16: 3 of 200 seeds, with or without TMA loads).
@@ -590,12 +564,6 @@ def test_grouped_mm_wgrad_choice() -> None:
                                       configs={gemm: {"GROUPED_MM": 1}})
     # PERSISTENT where the kernel that runs has no such mode: an error, not a silent no-op
     bf16 = make(4, 2, 40, 24, 3, torch.bfloat16, "cpu")
-    # the TMA weight gradients forced where they can't run: off the sorted rows, or an
-    # output row count (H = 40) not a multiple of the tile's BLOCK_M
-    for wgrad, why in (({"GROUPED_MM": 0, "TMA": 1}, "GROUPED_MM = 0"), ({"GROUPED_MM": 1, "TMA": 1}, "40.*BLOCK_M")):
-        with pytest.raises(ValueError, match=f"wgrad.*TMA.*{why}"):
-            TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.bfloat16), *bf16, saved,
-                                      configs={"wgrad": {**SMALL_BWD["wgrad"], **wgrad}})
     for gemm, other in (("dgrad2", {"SPLIT": 0}), ("dgrad1", {"GROUPED_MM": 1})):
         with pytest.raises(ValueError, match=f"{gemm}.*PERSISTENT"):
             TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.bfloat16), *bf16, saved,

@@ -74,13 +74,12 @@ from typing import Any, Callable
 import torch
 
 from opreg.backends.triton import moe_experts as F
-from opreg.backends.triton import moe_wgrad as MW
 from opreg.backends.triton.launch import LazyDescriptor, launch_args
 from opreg.backends.triton.moe_experts import _IDENTITY, _act, _halves, _jit, _mma, _tile, tl
 from opreg.ops import moe_experts as M
 
 __all__ = ["FusedExperts", "clamp_ties", "fused_experts", "fused_experts_backward", "grouped_mm_dgrad1_default",
-           "grouped_mm_unfit", "grouped_mm_wgrad_default", "keeps_rows", "tma_wgrad"]
+           "grouped_mm_unfit", "grouped_mm_wgrad_default", "keeps_rows"]
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -442,32 +441,6 @@ def grouped_mm_wgrad_default(x: torch.Tensor, n1: int, i: int) -> bool:
             and _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
-# The persistent TMA kernel (moe_wgrad.py) instead of CUTLASS for the weight gradients up
-# to this many padded rows per expert (the reduction's length); see tma_wgrad.
-TMA_WGRAD_MAX_ROWS = 0
-
-
-def tma_wgrad(c: dict[str, int], grouped: bool, rows_per_expert: float, bm: int, widths: tuple[int, int],
-              dtype: torch.dtype) -> bool:
-    """Whether the weight gradients run on :func:`.moe_wgrad.wgrad` (a persistent Triton
-    GEMM with TMA loads and stores) over the sorted rows the ``torch._grouped_mm`` path
-    builds (``grouped``), instead of CUTLASS: ``c["TMA"]`` (the wgrad config; 1 where the
-    kernel can't take the shapes raises ValueError), else where it fits and an expert's
-    reduction is short (at most :data:`TMA_WGRAD_MAX_ROWS` rows per expert on average),
-    where CUTLASS ran the weight gradients at ~350 TF/s. ``widths``: the two gradients'
-    output rows (d down_proj's, d gate_up_proj's, in the weights' layouts)."""
-    forced = c.get("TMA")
-    if forced is not None and not forced:
-        return False
-    why = "the weight gradients are not on the sorted rows (GROUPED_MM = 0)" if not grouped \
-        else MW.unfit(bm, widths, dtype, c)
-    if forced:
-        if why is not None:
-            raise ValueError(f"fused_experts_backward: configs['wgrad']['TMA'] = 1, but {why}")
-        return True
-    return why is None and rows_per_expert <= TMA_WGRAD_MAX_ROWS
-
-
 def grouped_mm_dgrad1_default(x: torch.Tensor, w1: torch.Tensor, n1: int, i: int) -> bool:
     """Whether GEMM1's dgrad (d_pre @ gate_up_proj[e]) runs on ``torch._grouped_mm`` by
     default, else on the forward's Triton GEMM: where the weight gradients do
@@ -528,8 +501,7 @@ def _static(site: Any, make: Callable[[], Any]) -> Any:
     return got
 
 
-# spec -> (configs, grouped wgrad, dgrad1, tma wgrad)
-_PLANS: dict[Any, tuple[dict[str, dict[str, int]], bool, bool, bool]] = {}
+_PLANS: dict[Any, tuple[dict[str, dict[str, int]], bool, bool]] = {}  # spec -> (configs, grouped wgrad, dgrad1)
 
 
 def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -599,11 +571,10 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
         if cfg["dgrad1"].get("PERSISTENT", 0) and grouped1:
             raise ValueError("fused_experts_backward: configs['dgrad1']['PERSISTENT'] = 1 needs GROUPED_MM = 0 "
                              "(torch._grouped_mm has no persistent mode here)")
-        tma = tma_wgrad(cfg["wgrad"], grouped, s / e, bm, (i, h) if transposed else (h, n1), x.dtype)
-        plan = (cfg, grouped, grouped1, tma)
+        plan = (cfg, grouped, grouped1)
         if spec is not None:
             F._remember(_PLANS, spec, plan)
-    cfg, grouped, grouped1, tma = plan
+    cfg, grouped, grouped1 = plan
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     sorted_pair_ids, block_expert = saved.sorted_pair_ids, saved.block_expert
     tables = saved.tables
@@ -726,9 +697,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                                              key(("rows", False))))
                          if r_gather else rhs)
                 # out[e] = L_e^T R_e is (E, out, in); the (E, in, out) weight takes R_e^T L_e
-                p, q = (rrows, lrows) if transposed else (lrows, rrows)
-                dw = (MW.wgrad(p, q, offs, e, c, spec_key=key(("tma wgrad", l_scaled))) if tma
-                      else torch._grouped_mm(p.t(), q, offs=offs))
+                dw = (torch._grouped_mm(rrows.t(), lrows, offs=offs) if transposed
+                      else torch._grouped_mm(lrows.t(), rrows, offs=offs))
             elif do_w:
                 dw = F._new_buffer(tuple(w.shape), w.dtype, dev)
             db = F._new_buffer(tuple(b.shape), b.dtype, dev) if do_b and b is not None else None
