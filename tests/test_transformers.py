@@ -275,6 +275,63 @@ def test_cuda_bf16_experts(family):
         assert torch.equal(mine(h, idx, w16), mine(h, idx, w16))
 
 
+def _op_args(tokens: int, experts: int, k: int, hidden: int, inter: int) -> tuple:
+    """moe_experts' arguments of these sizes, on the meta device (only sizes are read)."""
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    return (torch.empty(tokens, hidden, **meta), torch.empty(tokens, k, device="meta", dtype=torch.long),
+            torch.empty(tokens, k, **meta), torch.empty(experts, 2 * inter, hidden, **meta), None,
+            torch.empty(experts, hidden, inter, **meta), None, "silu", True, False, False, 1.0, float("inf"))
+
+
+def test_compiled_training_takes_the_grouped_path_where_host_bound(monkeypatch):
+    """A training call traced by torch.compile takes the fused kernels only where their
+    GEMMs outlast the fused ops' host work (moe_experts_train.TRACED_MIN_FLOPS): Mixtral's
+    sizes at T = 512 go to the grouped path, which Inductor compiles whole; at T = 16384 the
+    fused ops stay; eager calls always take them; and where Inductor could not compile the
+    grouped path whole they stay too."""
+    train = pytest.importorskip("opreg.backends.triton.moe_experts_train")
+    monkeypatch.setattr(oi, "_fused_train", train)
+    monkeypatch.setattr(train, "fused_trains", lambda args: True)  # as on an H200
+    whole = [True]
+    monkeypatch.setattr(oi.spec, "grouped_traces_whole", lambda *a: whole[0])
+    small, large = _op_args(512, 8, 2, 2048, 4096), _op_args(16384, 8, 2, 2048, 4096)
+    flops = lambda t: 6.0 * t * 2 * 2048 * (8192 + 4096)  # noqa: E731
+    assert flops(512) < train.TRACED_MIN_FLOPS <= flops(16384)
+    assert train.traced_host_bound(small) and not train.traced_host_bound(large)
+    assert not oi._trains_fused(small, compiling=True)
+    assert oi._trains_fused(large, compiling=True)
+    assert oi._trains_fused(small, compiling=False)
+    whole[0] = False
+    assert oi._trains_fused(small, compiling=True)
+
+
+@pytest.mark.cuda
+@needs_sm90
+def test_cuda_compiled_training_small_step():
+    """A compiled bf16 training step below TRACED_MIN_FLOPS: the grouped path, traced whole
+    (no opreg op in the graph), with the same output and gradients as eager opreg's fused
+    kernels within bf16's tolerance of float64."""
+    mine, ref = _experts_pair("mixtral", torch.bfloat16, "cuda")
+    idx, w = _routing(64, mine.num_experts, 2, "cuda")
+    h = torch.randn(64, COMMON["hidden_size"], device="cuda").bfloat16().requires_grad_()
+    w16 = w.bfloat16().requires_grad_()
+    torch._dynamo.reset()
+    ran = _ran(lambda: torch.compile(mine, fullgraph=True)(h, idx, w16))
+    assert not {n for n in ran if n.startswith("opreg::moe_experts")}, ran
+    out = torch.compile(mine, fullgraph=True)(h, idx, w16)
+    h64 = h.detach().double().requires_grad_()
+    w64 = w16.detach().double().requires_grad_()
+    want = ref(h64, idx, w64)
+    assert_matches(out, want, torch.bfloat16)
+    cot = torch.randn_like(want)
+    out.backward(cot.bfloat16())
+    want.backward(cot)
+    assert_matches(h.grad, h64.grad, torch.bfloat16)
+    assert_matches(w16.grad, w64.grad, torch.bfloat16)
+    for p16, p64 in zip(mine.parameters(), ref.parameters()):
+        assert_matches(p16.grad, p64.grad, torch.bfloat16)
+
+
 @pytest.mark.cuda
 @needs_sm90
 def test_cuda_graph_capture_block():

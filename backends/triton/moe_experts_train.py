@@ -25,6 +25,7 @@ implementation's ``train`` (:func:`.moe_experts.moe_experts_triton_train`).
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Optional
 
 import torch
@@ -32,12 +33,13 @@ from torch import Tensor
 
 from opreg import registry
 from opreg._dispatch import plain_eager
+from opreg._log import log_once
 from opreg.ops import moe_experts as M
 
 from . import moe_experts as F
 from . import moe_experts_backward as B
 
-__all__ = ["fused_trains", "train"]
+__all__ = ["TRACED_MIN_FLOPS", "fused_trains", "traced_host_bound", "train"]
 
 
 def _layout(x: Tensor, ids: Tensor, w1: Tensor, gated: bool, transposed: bool
@@ -240,6 +242,44 @@ def fused_trains(args: tuple[Any, ...]) -> bool:
         return not any(isinstance(d, torch.SymInt) for t in (x, args[1]) for d in t.shape)
     return (torch._C._functorch.maybe_current_level() is None
             and getattr(torch.autograd.forward_ad, "_current_level", -1) < 0)
+
+
+# Under torch.compile a training step through the two fused ops pays their Python kernels
+# and launches (~16) on the host, where the differentiable grouped path, traced, pays only
+# Inductor's generated wrapper. Both steps wait on the host until the GEMMs outgrow it: on
+# the H200 box the compiled block's training step took 2.3-3.3 ms of host with the fused
+# ops at T <= 64 (its kernels ~0.5 ms), 0.35-0.53 ms more than HF's compiled grouped_mm
+# step (bench/RESULTS.md, twenty-fourth session, T = 1 and 64), and the fused step ran at
+# ~250-390 TF/s of its GEMM FLOPs where it was GPU-bound (T = 4096). So the fused step is
+# ahead only where its GEMMs take longer than that host time: ~2.5 ms x ~400 TF/s = 1e12
+# FLOPs (forward and backward: 6 T k H (N1 + I)). Measured there, compiled fused / HF
+# compiled (one run each, the twenty-third session's table): 0.85-0.91x at T = 512 (0.12-0.15
+# TFLOP), 0.93 / 1.01 / 1.05x at T = 4096 (1.24 / 0.93 / 1.24 TFLOP: Mixtral, Qwen3-MoE,
+# OLMoE), 1.03-1.27x at T = 16384.
+TRACED_MIN_FLOPS = 1.0e12
+
+
+def traced_host_bound(args: tuple[Any, ...]) -> bool:
+    """Would a compiled training step with the op's arguments ``args`` (static sizes) wait on
+    the fused ops' host work rather than their GEMMs (:data:`TRACED_MIN_FLOPS`)? Then the
+    differentiable grouped path, compiled by Inductor, is the faster one there."""
+    x, ids, w1, gated, transposed = args[0], args[1], args[3], args[8], args[9]
+    n1 = w1.shape[2] if transposed else w1.shape[1]
+    return _host_bound(x.shape[0], ids.shape[1], x.shape[1], n1, n1 // 2 if gated else n1)
+
+
+@torch.compiler.assume_constant_result
+def _host_bound(t: int, k: int, h: int, n1: int, i: int) -> bool:
+    """:func:`traced_host_bound` from plain sizes, said once per size (a constant to Dynamo,
+    which need not trace the logging)."""
+    flops = 6.0 * t * k * h * (n1 + i)
+    bound = flops < TRACED_MIN_FLOPS
+    if bound:
+        log_once(("traced host-bound", t, k, h, n1, i), logging.INFO,
+                 "opreg: a compiled moe_experts training step at T=%d, k=%d, H=%d, N1=%d, I=%d (%.2g GEMM "
+                 "FLOPs < %.2g) runs the grouped path under Inductor: the fused ops' host work would "
+                 "outlast their kernels there", t, k, h, n1, i, flops, TRACED_MIN_FLOPS)
+    return bound
 
 
 def train(*args: Any) -> Tensor:

@@ -22,10 +22,12 @@ whose ``forward`` is transformers' dispatch wrapper), with one log line naming w
 (``logging.getLogger("opreg")``).
 
 Training: when gradients are needed and the op runs its ``triton`` implementation there,
-the fused kernels forward and backward (:mod:`opreg.backends.triton.moe_experts_train`);
-otherwise :func:`opreg.ops.moe_experts.grouped`, the same grouped computation
-differentiated by torch autograd (scatter_combine's own backward for the combine). Never
-the op's reference gradients.
+the fused kernels forward and backward (:mod:`opreg.backends.triton.moe_experts_train`),
+but under ``torch.compile`` where the step's GEMMs are too small to hide the fused ops' host
+work (``moe_experts_train.traced_host_bound``, logged once per size); otherwise
+:func:`opreg.ops.moe_experts.grouped`, the same grouped computation differentiated by torch
+autograd (scatter_combine's own backward for the combine), compiled by Inductor where traced.
+Never the op's reference gradients.
 """
 from __future__ import annotations
 
@@ -192,12 +194,25 @@ def _experts(op_args: tuple[Any, ...], needs_grad: bool) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the op, one node (and Dynamo warns of lru_cache)
             return torch.ops.opreg.moe_experts(*op_args)
         return _op_call()(*op_args)
-    if _fused_train is not None and _fused_train.fused_trains(op_args):
+    compiling = torch.compiler.is_compiling()
+    if _trains_fused(op_args, compiling):
         return _fused_train.train(*op_args)
     x, w1, w2, transposed = op_args[0], op_args[3], op_args[5], op_args[9]
-    if torch.compiler.is_compiling() and not spec.grouped_traces_whole(x, w1, w2, transposed):
+    if compiling and not spec.grouped_traces_whole(x, w1, w2, transposed):
         return torch.ops.opreg.moe_experts(*op_args)
     return spec.grouped(*op_args)
+
+
+def _trains_fused(op_args: tuple[Any, ...], compiling: bool) -> bool:
+    """Does a training call take the fused kernels (:func:`_experts`)? Where they take it
+    (``moe_experts_train.fused_trains``), but not when ``compiling`` where Inductor can
+    compile the grouped path whole and the step would wait on the fused ops' host work
+    (``moe_experts_train.traced_host_bound``): there the compiled grouped path is faster."""
+    if _fused_train is None or not _fused_train.fused_trains(op_args):
+        return False
+    x, w1, w2, transposed = op_args[0], op_args[3], op_args[5], op_args[9]
+    return not (compiling and spec.grouped_traces_whole(x, w1, w2, transposed)
+                and _fused_train.traced_host_bound(op_args))
 
 
 @functools.lru_cache(maxsize=None)
