@@ -247,19 +247,17 @@ def _experts_pair(family: str, dtype: torch.dtype, device: str):
     return mine, ref
 
 
-@pytest.mark.cuda
-@needs_sm90
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
-def test_cuda_bf16_experts(family):
-    """bf16 (grouped_mm): the experts' output and gradients vs HF eager in float64, on the same
-    rounded weights and inputs and one fixed routing (a block-level bf16 comparison is not a
-    test of the experts: bf16 router logits flip near-tied top-k choices, and HF's own bf16
-    block then differs from float64 by ~2 % normwise, H200 2026-12-01); two runs identical."""
-    mine, ref = _experts_pair(family, torch.bfloat16, "cuda")
-    idx, w = _routing(256, mine.num_experts, 2, "cuda")
-    h = torch.randn(256, COMMON["hidden_size"], device="cuda").bfloat16().requires_grad_()
-    w16 = w.bfloat16().requires_grad_()
-    out = mine(h, idx, w16)
+def _bf16_call(mine: torch.nn.Module, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden states, expert ids, routing weights) for ``mine`` on CUDA, bf16 leaves."""
+    idx, w = _routing(tokens, mine.num_experts, 2, "cuda")
+    h = torch.randn(tokens, COMMON["hidden_size"], device="cuda").bfloat16().requires_grad_()
+    return h, idx, w.bfloat16().requires_grad_()
+
+
+def _matches_in_float64(out: torch.Tensor, ref: torch.nn.Module, h: torch.Tensor, idx: torch.Tensor,
+                        w16: torch.Tensor, mine: torch.nn.Module) -> None:
+    """``out`` (mine on (h, idx, w16)) and its gradients for a random cotangent against HF
+    eager in float64 (``ref``: the same rounded weights), within bf16's tolerance."""
     h64 = h.detach().double().requires_grad_()
     w64 = w16.detach().double().requires_grad_()
     want = ref(h64, idx, w64)
@@ -271,6 +269,19 @@ def test_cuda_bf16_experts(family):
     assert_matches(w16.grad, w64.grad, torch.bfloat16)
     for p16, p64 in zip(mine.parameters(), ref.parameters()):
         assert_matches(p16.grad, p64.grad, torch.bfloat16)
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_cuda_bf16_experts(family):
+    """bf16 (grouped_mm): the experts' output and gradients vs HF eager in float64, on the same
+    rounded weights and inputs and one fixed routing (a block-level bf16 comparison is not a
+    test of the experts: bf16 router logits flip near-tied top-k choices, and HF's own bf16
+    block then differs from float64 by ~2 % normwise, H200 2026-12-01); two runs identical."""
+    mine, ref = _experts_pair(family, torch.bfloat16, "cuda")
+    h, idx, w16 = _bf16_call(mine, 256)
+    _matches_in_float64(mine(h, idx, w16), ref, h, idx, w16, mine)
     with torch.no_grad():
         assert torch.equal(mine(h, idx, w16), mine(h, idx, w16))
 
@@ -312,24 +323,11 @@ def test_cuda_compiled_training_small_step():
     (no opreg op in the graph), with the same output and gradients as eager opreg's fused
     kernels within bf16's tolerance of float64."""
     mine, ref = _experts_pair("mixtral", torch.bfloat16, "cuda")
-    idx, w = _routing(64, mine.num_experts, 2, "cuda")
-    h = torch.randn(64, COMMON["hidden_size"], device="cuda").bfloat16().requires_grad_()
-    w16 = w.bfloat16().requires_grad_()
+    h, idx, w16 = _bf16_call(mine, 64)
     torch._dynamo.reset()
     ran = _ran(lambda: torch.compile(mine, fullgraph=True)(h, idx, w16))
     assert not {n for n in ran if n.startswith("opreg::moe_experts")}, ran
-    out = torch.compile(mine, fullgraph=True)(h, idx, w16)
-    h64 = h.detach().double().requires_grad_()
-    w64 = w16.detach().double().requires_grad_()
-    want = ref(h64, idx, w64)
-    assert_matches(out, want, torch.bfloat16)
-    cot = torch.randn_like(want)
-    out.backward(cot.bfloat16())
-    want.backward(cot)
-    assert_matches(h.grad, h64.grad, torch.bfloat16)
-    assert_matches(w16.grad, w64.grad, torch.bfloat16)
-    for p16, p64 in zip(mine.parameters(), ref.parameters()):
-        assert_matches(p16.grad, p64.grad, torch.bfloat16)
+    _matches_in_float64(torch.compile(mine, fullgraph=True)(h, idx, w16), ref, h, idx, w16, mine)
 
 
 @pytest.mark.cuda
