@@ -186,10 +186,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--accumulate-grads", action="store_true",
                    help="fwd+bwd adds into the kept .grad of every weight each step (the tables before "
                         "2026-12-02's fourteenth session); default: set to None first, as zero_grad() does")
+    p.add_argument("--modes", nargs="*", default=MODES, choices=MODES,
+                   help="forward (no grad) and/or a training step (each compiled variant compiles once per mode)")
+    p.add_argument("--traced-min-flops", type=float, default=None,
+                   help="moe_experts_train.TRACED_MIN_FLOPS for this process (0: a compiled training step "
+                        "always takes the fused ops; the default: the grouped path below 1e12 GEMM FLOPs)")
     p.add_argument("--variants", nargs="*", default=[v for v in VARIANTS if v != "hf_eager"],
                    help="default: all but hf_eager (the per-expert loop: 0.02-0.3x, 0.2 s a call at T 4096)")
     a = p.parse_args(argv)
     cpu = DEVICE == "cpu"
+    if a.traced_min_flops is not None:
+        from opreg.backends.triton import moe_experts_train
+        moe_experts_train.TRACED_MIN_FLOPS = a.traced_min_flops
+        print(f"moe_experts_train.TRACED_MIN_FLOPS = {a.traced_min_flops:g}")
     variants = [v for v in VARIANTS if v in a.variants]
     if "hf_grouped_mm_inductor" not in variants:
         p.error("the ratios are against hf_grouped_mm_inductor: keep it among --variants")
@@ -209,10 +218,10 @@ def main(argv: list[str] | None = None) -> None:
             # silently run eager (the H200 run of 2026-12-01 at T = 16384 did).
             torch._dynamo.reset()
             fns = {v: variant(block, v) for v in variants}
-            errs = {v: check(block, fn, x) for v, fn in fns.items()}
+            errs = {v: check(block, fn, x, a.modes[0]) for v, fn in fns.items()}
             print(f"| {config} | {tokens} | error vs float64 | " + " | ".join(f"{errs[v]:.2e}" for v in variants)
                   + " | |")
-            for mode in MODES:
+            for mode in a.modes:
                 steps = {v: step(fn, x, mode, a.accumulate_grads) for v, fn in fns.items()}
                 for f in steps.values():  # compile (once per grad mode), allocator
                     for _ in range(3):

@@ -19,6 +19,10 @@
 #   STAGE=table bash bench/device_run.sh   issue 18's block table: every variant but HF's eager loop at
 #                                          TOKENS_TABLE (default 1,64,512; the large T in a second call,
 #                                          TOKENS_TABLE=4096,16384), forward and training, 5 rounds
+#   STAGE=compiled bash bench/device_run.sh  the compiled training step's path (moe_experts_train.TRACED_MIN_FLOPS):
+#                                          the block's training step at TOKENS_COMPILED (default 64,512,4096)
+#                                          as shipped, then with the fused ops forced (--traced-min-flops 0),
+#                                          each beside HF's compiled grouped_mm and eager opreg
 #   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
 # TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
 # 16 cores) runs it with xdist; FIRST_CALL=0 skips the first-call timing.
@@ -122,4 +126,15 @@ if [ "$STAGE" = decode ]; then
     --variants hf_grouped_mm hf_grouped_mm_inductor opreg opreg_inductor 2>&1 | tee "$OUT/moe_block_decode.log" | grep "^|"
   (cd bench && timeout 150 python3 moe_profile.py --tokens 4096 --configs qwen3_moe mixtral --host-profile \
     > "$OUT/moe_profile_host.log" 2>&1; grep -E "^[a-z].*T=|  (op|block)" "$OUT/moe_profile_host.log")
+fi
+
+if [ "$STAGE" = compiled ]; then
+  python3 -m opreg build >/dev/null 2>&1
+  for bound in default 0; do
+    extra=""
+    [ "$bound" = 0 ] && extra="--traced-min-flops 0"
+    timeout ${COMPILED_S:-240} python3 bench/bench_moe_block.py --tokens "${TOKENS_COMPILED:-64,512,4096}" --modes fwd+bwd \
+      --rounds 5 --variants hf_grouped_mm_inductor opreg opreg_inductor $extra 2>&1 \
+      | tee "$OUT/moe_compiled_$bound.log" | grep -E "^\||TRACED"
+  done
 fi
