@@ -255,7 +255,12 @@ def fused_trains(args: tuple[Any, ...]) -> bool:
 # FLOPs (forward and backward: 6 T k H (N1 + I)). Measured there, compiled fused / HF
 # compiled (one run each, the twenty-third session's table): 0.85-0.91x at T = 512 (0.12-0.15
 # TFLOP), 0.93 / 1.01 / 1.05x at T = 4096 (1.24 / 0.93 / 1.24 TFLOP: Mixtral, Qwen3-MoE,
-# OLMoE), 1.03-1.27x at T = 16384.
+# OLMoE), 1.03-1.27x at T = 16384. Not seen from here: a step replayed from CUDA graphs
+# (mode="reduce-overhead") has no such host cost, but the choice is made while Dynamo
+# traces, before the backend applies its mode, so such a step takes the grouped path too,
+# whose GEMMs are HF's compiled grouped_mm step's: at T = 64 that step's kernels took ~7 %
+# longer than the fused ones (Mixtral, 543 against 509 µs, bench/RESULTS.md, twenty-second
+# session).
 TRACED_MIN_FLOPS = 1.0e12
 
 
