@@ -250,18 +250,22 @@ def fused_trains(args: tuple[Any, ...]) -> bool:
 # the H200 box the compiled block's training step took 2.3-3.3 ms of host with the fused
 # ops at T <= 64 (its kernels ~0.5 ms), 0.35-0.53 ms more than HF's compiled grouped_mm
 # step (bench/RESULTS.md, twenty-fourth session, T = 1 and 64), and the fused step ran at
-# ~250-390 TF/s of its GEMM FLOPs where it was GPU-bound (T = 4096). So the fused step is
-# ahead only where its GEMMs take longer than that host time: ~2.5 ms x ~400 TF/s = 1e12
-# FLOPs (forward and backward: 6 T k H (N1 + I)). Measured there, compiled fused / HF
-# compiled (one run each, the twenty-third session's table): 0.85-0.91x at T = 512 (0.12-0.15
-# TFLOP), 0.93 / 1.01 / 1.05x at T = 4096 (1.24 / 0.93 / 1.24 TFLOP: Mixtral, Qwen3-MoE,
-# OLMoE), 1.03-1.27x at T = 16384. Not seen from here: a step replayed from CUDA graphs
+# ~250 TF/s of its GEMM FLOPs at the smallest size where it was GPU-bound (Qwen3-MoE, T =
+# 4096). So the fused step is ahead only where its GEMMs take longer than that host time:
+# ~2.3 ms x ~250 TF/s = 5.8e11, rounded down to 5e11 FLOPs (forward and backward: 6 T k H
+# (N1 + I)). The two paths, each in its own process beside HF's compiled step
+# (`STAGE=compiled bash bench/device_run.sh`, twenty-fifth session; µs, grouped / fused,
+# Mixtral, Qwen3-MoE, OLMoE; HF's own step moved up to 15 % between the two processes):
+# T = 64 (0.015-0.02 TFLOP) 2033 / 2905, 2531 / 3035, 2111 / 2107; T = 512 (0.12-0.16
+# TFLOP) 2449 / 3174, 3185 / 2936, 2788 / 2535: no clear winner there, so the bound stays
+# above it; T = 4096 Qwen3-MoE (0.93 TFLOP, grouped under the former bound of 1e12) 4200 /
+# 3708, so the fused ops there now. Not seen from here: a step replayed from CUDA graphs
 # (mode="reduce-overhead") has no such host cost, but the choice is made while Dynamo
 # traces, before the backend applies its mode, so such a step takes the grouped path too,
 # whose GEMMs are HF's compiled grouped_mm step's: at T = 64 that step's kernels took ~7 %
 # longer than the fused ones (Mixtral, 543 against 509 µs, bench/RESULTS.md, twenty-second
 # session).
-TRACED_MIN_FLOPS = 1.0e12
+TRACED_MIN_FLOPS = 5.0e11
 
 
 def traced_host_bound(args: tuple[Any, ...]) -> bool:
