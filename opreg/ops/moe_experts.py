@@ -409,9 +409,16 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return (_GatherRows if torch.compiler.is_compiling() else _Gather).apply(x, idx)
 
 
-@functools.lru_cache(maxsize=None)
+_SM90_OR_NEWER: dict[int, bool] = {}
+
+
+@torch.compiler.assume_constant_result
 def _sm90_or_newer(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+    # A constant to Dynamo, which calls it once while tracing (an lru_cache here made Dynamo
+    # warn on every compiled model that reached it: it traces through such caches).
+    if device_index not in _SM90_OR_NEWER:
+        _SM90_OR_NEWER[device_index] = torch.cuda.get_device_capability(device_index) >= (9, 0)
+    return _SM90_OR_NEWER[device_index]
 
 
 def uses_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
