@@ -17,8 +17,9 @@ compile what is left with Inductor (or run it eagerly).
 * ``"patterns"``: names of the patterns to run (default: all registered; ``[]``: none).
 * ``"choose"``: with ``inner="auto"``, whether to time the candidates at compile time and run
   the fastest: the rewritten graph and the one Dynamo captured, each as is and through
-  Inductor (:mod:`opreg.compile.choose`). ``"auto"`` (default): graphs on a CUDA device;
-  ``"time"``: every graph; ``"rules"``: never (the rule above decides).
+  Inductor (:mod:`opreg.compile.choose`; a rewrite must lead by ``choose.REWRITE_MARGIN``).
+  ``"auto"`` (default): graphs on a CUDA device; ``"time"``: every graph; ``"rules"``:
+  never (the rule above decides).
 * ``"mode"``: an Inductor mode, like ``torch.compile(mode=...)`` (which can't be combined
   with ``options``).
 
@@ -219,7 +220,7 @@ def opreg_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: st
         candidates["rewritten/eager"] = compiled(gm, "eager")
     candidates["captured/inductor"] = compiled(captured, "inductor")
     candidates["captured/eager"] = compiled(captured, "eager")
-    _, fn, _ = choose.choose(candidates, example_inputs, gm)
+    _, fn, _ = choose.choose(candidates, example_inputs, gm, captured=lambda name: name.startswith("captured/"))
     return fn
 
 
