@@ -9,6 +9,8 @@ Variants, each on the same block weights and input: ``hf_eager`` (the per-expert
 under ``torch.compile``) and
 ``grouped_mm_backend_opreg`` (the grouped_mm block under ``torch.compile(backend="opreg")``) and
 ``hf_eager_optimize`` (the eager-loop block under ``opreg.optimize``: its loop rewritten);
+and, asked for by name only, ``opreg_decode`` (``opreg`` with the decode kernels taken up to
+``--decode-max-tokens`` tokens: the default's choice and an alternative timed side by side);
 modes ``fwd`` and ``fwd+bwd``. Every variant's output is first checked against HF eager in
 float64. On CUDA: the issue's three block configs at T = 4096, bf16; on the CPU a tiny
 one in float32 (so CI runs this file).
@@ -47,6 +49,27 @@ VARIANTS = ["hf_eager", "hf_grouped_mm", "hf_grouped_mm_inductor", "opreg", "opr
 # TFLOP/s, the device notes' KINDS.md): the floor a block's expert GEMMs can't beat.
 PEAK_TFLOPS = 790.0
 MODES = ["fwd", "fwd+bwd"]
+EXTRA_VARIANTS = ["opreg_decode"]  # only where --variants names them
+DECODE_TRY = 4  # opreg_decode's decode bound (--decode-max-tokens)
+
+
+class Decoding(torch.nn.Module):
+    """``block`` (experts_implementation="opreg") with the fused forward's decode kernels taken
+    up to ``tokens`` tokens (``moe_experts.DECODE_MAX_TOKENS`` set around each call; a
+    training step saves the GEMM path's routing tables, so it runs as ``opreg``)."""
+
+    def __init__(self, block: torch.nn.Module, tokens: int) -> None:
+        super().__init__()
+        from opreg.backends.triton import moe_experts as fused
+        self.block, self.tokens, self.fused = block, tokens, fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        old = self.fused.DECODE_MAX_TOKENS
+        self.fused.DECODE_MAX_TOKENS = max(old, self.tokens)
+        try:
+            return self.block(x)
+        finally:
+            self.fused.DECODE_MAX_TOKENS = old
 
 
 def make_block(name: str, dtype: torch.dtype, device: str, cpu: bool) -> torch.nn.Module:
@@ -69,11 +92,13 @@ def make_block(name: str, dtype: torch.dtype, device: str, cpu: bool) -> torch.n
 def variant(block: torch.nn.Module, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """A copy of ``block`` running as ``name`` says."""
     impl = {"hf_eager": "eager", "hf_eager_optimize": "eager", "opreg": "opreg",
-            "opreg_inductor": "opreg"}.get(name, "grouped_mm")
+            "opreg_inductor": "opreg", "opreg_decode": "opreg"}.get(name, "grouped_mm")
     b = copy.deepcopy(block)
     b.experts.config._experts_implementation = impl
     if name in ("hf_grouped_mm_inductor", "opreg_inductor"):
         return torch.compile(b)
+    if name == "opreg_decode":
+        return Decoding(b, DECODE_TRY)
     if name == "grouped_mm_backend_opreg":
         return torch.compile(b, backend="opreg")
     if name == "hf_eager_optimize":
@@ -178,6 +203,7 @@ def interleaved_us(steps: dict[str, Callable[[], None]], rounds: int) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> None:
+    global DECODE_TRY
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="4096", help="token counts, comma-separated (issue 18: 1,64,512,4096,16384)")
     p.add_argument("--configs", nargs="*", default=list(CONFIGS))
@@ -190,7 +216,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="forward (no grad) and/or a training step (each compiled variant compiles once per mode)")
     p.add_argument("--traced-min-flops", type=float, default=None,
                    help="moe_experts_train.TRACED_MIN_FLOPS for this process (0: a compiled training step "
-                        "always takes the fused ops; the default: the grouped path below 1e12 GEMM FLOPs)")
+                        "always takes the fused ops; the default: the grouped path below 5e11 GEMM FLOPs)")
+    p.add_argument("--decode-max-tokens", type=int, default=DECODE_TRY,
+                   help="opreg_decode's bound: its forward takes the decode kernels up to this many tokens")
     p.add_argument("--variants", nargs="*", default=[v for v in VARIANTS if v != "hf_eager"],
                    help="default: all but hf_eager (the per-expert loop: 0.02-0.3x, 0.2 s a call at T 4096)")
     a = p.parse_args(argv)
@@ -199,7 +227,8 @@ def main(argv: list[str] | None = None) -> None:
         from opreg.backends.triton import moe_experts_train
         moe_experts_train.TRACED_MIN_FLOPS = a.traced_min_flops
         print(f"moe_experts_train.TRACED_MIN_FLOPS = {a.traced_min_flops:g}")
-    variants = [v for v in VARIANTS if v in a.variants]
+    DECODE_TRY = a.decode_max_tokens
+    variants = [v for v in VARIANTS + EXTRA_VARIANTS if v in a.variants]
     if "hf_grouped_mm_inductor" not in variants:
         p.error("the ratios are against hf_grouped_mm_inductor: keep it among --variants")
     print(f"device {torch.cuda.get_device_name() if not cpu else 'cpu'}, torch {torch.__version__}, "
