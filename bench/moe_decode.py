@@ -9,6 +9,9 @@ Replayed from a graph, a call costs its kernels. Per config and T, bf16, µs per
 * ``decode``: the decode kernels (two launches), pinned at every T (``configs={"decode": the
   table's}``); a ``*`` marks the T where the forward takes them by default
   (``moe_experts.decodes``: 1 <= T <= ``DECODE_MAX_TOKENS``);
+* ``g<n>``: the decode kernels grouped by expert (``GROUPED``: each weight tile read once per
+  call; GEMM1 alone, or both GEMMs and then the combine), pinned with each of
+  ``GROUPED_CANDIDATES``; ``--kernels``: each kernel's time in the fastest of each kind;
 * ``GEMM path``: the routing, the two routed GEMMs and the combine (four launches), the path
   the decode kernels replace;
 * ``grouped``: the op's grouped path (``torch._grouped_mm``, as transformers' ``grouped_mm``
@@ -17,8 +20,10 @@ Replayed from a graph, a call costs its kernels. Per config and T, bf16, µs per
 
 ``--block``: also the whole eager transformers block (``experts_implementation="opreg"``, no
 grad) at each T with the forward's decode bound (``moe_experts.DECODE_MAX_TOKENS``) at 1 and
-at T, each in every one of ``--rounds`` interleaved rounds (median, µs per call back to back:
-what a serving loop's eager step costs, host included).
+at T, and at T with the grouped decode kernels (of each kind, the config fastest in the graph
+rows above),
+each in every one of ``--rounds`` interleaved rounds (median, µs per call back to back: what
+a serving loop's eager step costs, host included).
 """
 from __future__ import annotations
 
@@ -34,6 +39,27 @@ from opreg.testing.timing import graph_us
 import _timing as tm
 
 HBM_BYTES_PER_S = 4.8e12
+# The grouped decode kernels' candidates (moe_experts.decode_forward's config keys): GROUPED 1,
+# GEMM1 grouped by expert and the per-token GEMM2 + combine (two launches); GROUPED 2, both
+# GEMMs grouped, then the combine (three). tl.dot's tiles are 16 wide at least.
+_DOWN_PER_TOKEN = dict(DOWN_BLOCK_N=8, DOWN_BLOCK_K=512, DOWN_WARPS=8, DOWN_STAGES=2)  # the table's, tuned at T = 1
+GROUPED_CANDIDATES = [
+    dict(GROUPED=1, UP_BLOCK_N=64, UP_BLOCK_K=64, UP_WARPS=4, num_stages=4, WAVES=0, **_DOWN_PER_TOKEN),
+    dict(GROUPED=1, UP_BLOCK_N=128, UP_BLOCK_K=64, UP_WARPS=4, num_stages=3, WAVES=2, **_DOWN_PER_TOKEN),
+    dict(GROUPED=2, UP_BLOCK_N=64, UP_BLOCK_K=64, UP_WARPS=4, DOWN_BLOCK_N=64, DOWN_BLOCK_K=128, DOWN_WARPS=4,
+         num_stages=4, WAVES=4),
+    dict(GROUPED=2, UP_BLOCK_N=128, UP_BLOCK_K=64, UP_WARPS=4, DOWN_BLOCK_N=128, DOWN_BLOCK_K=64, DOWN_WARPS=4,
+         num_stages=3, WAVES=2),
+    dict(GROUPED=2, UP_BLOCK_N=64, UP_BLOCK_K=64, UP_WARPS=4, DOWN_BLOCK_N=32, DOWN_BLOCK_K=128, DOWN_WARPS=4,
+         num_stages=4, WAVES=0),
+]
+
+
+def _us(cell: str) -> float:
+    try:
+        return float(cell)
+    except ValueError:  # "failed (...)", "not capturable (...)"
+        return float("inf")
 
 
 def gemm_path(args: tuple[Any, ...]) -> torch.Tensor:
@@ -46,15 +72,38 @@ def gemm_path(args: tuple[Any, ...]) -> torch.Tensor:
         F.decodes = real
 
 
-def block_rows(configs: list[str], tokens: list[int], rounds: int) -> None:
-    """The eager block with the decode bound at 1 and at T, interleaved (see the docstring)."""
+def kernel_times(fn: Any, calls: int = 20) -> str:
+    """Each CUDA kernel's mean device µs per call of ``fn`` under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda ev: ev.time_range.start)
+    per_call = max(1, len(kernels) // calls)
+    total: dict[str, float] = {}
+    for n, ev in enumerate(kernels):  # labelled by place in the call: one kernel may launch twice
+        label = f"{n % per_call + 1}:{ev.name[:32]}"
+        total[label] = total.get(label, 0.0) + ev.time_range.elapsed_us() / calls
+    return ", ".join(f"{k} {v:.1f}" for k, v in sorted(total.items()))
+
+
+def block_rows(configs: list[str], tokens: list[int], rounds: int,
+               best: dict[tuple[str, int, int], dict[str, int]]) -> None:
+    """The eager block with the decode bound at 1 and at T, and at T grouped (``best``: the
+    config per (config, T, GROUPED)), interleaved (see the docstring)."""
     import opreg.integrations.transformers  # noqa: F401  (registers "opreg")
 
     import bench_moe_block as bm
 
-    print("| config | T | block, decode bound 1 | block, decode bound T | ratio |")
-    print("|---|---|---|---|---|")
-    saved = F.DECODE_MAX_TOKENS
+    print("| config | T | block, decode bound 1 | block, decode bound T | ratio | bound T, GEMM1 grouped | ratio "
+          "| bound T, both grouped | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    saved, saved_pick, saved_memo = F.DECODE_MAX_TOKENS, F.pick_config, F._DECODE_STATIC
     for name in configs:
         block = bm.make_block(name, torch.bfloat16, "cuda", False)
         block.experts.config._experts_implementation = "opreg"
@@ -65,15 +114,25 @@ def block_rows(configs: list[str], tokens: list[int], rounds: int) -> None:
                 with torch.no_grad():
                     block(x)
 
-            def bound(n: int) -> tm.Variant:
+            def bound(n: int, grouped: dict[str, int] | None = None) -> tm.Variant:
+                memo: dict = {}  # this variant's own decode statics (they hold the config)
+
+                def pick(gemm: str, *a: Any, **kw: Any) -> dict[str, int]:
+                    return dict(grouped) if gemm == "decode" and grouped else saved_pick(gemm, *a, **kw)
+
                 def before() -> None:
-                    F.DECODE_MAX_TOKENS = n
+                    F.DECODE_MAX_TOKENS, F.pick_config, F._DECODE_STATIC = n, pick, memo
 
-                return tm.Variant(call, before=before, after=lambda: setattr(F, "DECODE_MAX_TOKENS", saved))
+                def after() -> None:
+                    F.DECODE_MAX_TOKENS, F.pick_config, F._DECODE_STATIC = saved, saved_pick, saved_memo
 
-            got = tm.interleaved({"1": bound(1), "T": bound(t)}, "cuda", rounds=rounds)
-            one, at_t = tm.median(got["1"]), tm.median(got["T"])
-            print(f"| {name} | {t} | {one:.0f} | {at_t:.0f} | {one / at_t:.2f}x |", flush=True)
+                return tm.Variant(call, before=before, after=after)
+
+            got = tm.interleaved({"1": bound(1), "T": bound(t), "G1": bound(t, best[name, t, 1]),
+                                  "G2": bound(t, best[name, t, 2])}, "cuda", rounds=rounds)
+            one, at_t, g1, g2 = (tm.median(got[v]) for v in ("1", "T", "G1", "G2"))
+            print(f"| {name} | {t} | {one:.0f} | {at_t:.0f} | {one / at_t:.2f}x | {g1:.0f} | {one / g1:.2f}x | "
+                  f"{g2:.0f} | {one / g2:.2f}x |", flush=True)
 
 
 def main() -> None:
@@ -83,11 +142,17 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--block", action="store_true", help="also the eager block with the decode bound at 1 and at T")
     p.add_argument("--rounds", type=int, default=7, help="--block's interleaved rounds")
+    p.add_argument("--kernels", action="store_true",
+                   help="also each kernel's device time (torch.profiler) of the fastest grouped config per row")
     a = p.parse_args()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, µs per call from a CUDA graph "
           f"(median of {a.reps} replays of 20 calls)")
-    print("| config | T | decode | GEMM path | grouped | weight bytes floor |")
-    print("|---|---|---|---|---|---|")
+    cands = GROUPED_CANDIDATES
+    print("grouped candidates:", "; ".join(f"g{n}={c}" for n, c in enumerate(GROUPED_CANDIDATES)))
+    print("| config | T | decode | GEMM path | grouped | " + " | ".join(f"g{n}" for n in range(len(cands)))
+          + " | weight bytes floor |")
+    print("|---|---|---|---|---|" + "---|" * len(cands) + "---|")
+    best: dict[tuple[str, int, int], dict[str, int]] = {}
     for name in a.configs:
         e, h, i, k = tune.SHAPES[name]
         for t in (int(v) for v in a.tokens.split(",")):
@@ -95,10 +160,17 @@ def main() -> None:
             want = F.M.grouped(*args).double()
             rows = {}
             pinned = {"decode": F.pick_config("decode", 0.0, 2 * i, h, torch.bfloat16)}
-            for label, fn in (("decode", lambda: F.fused_experts_forward(*args, configs=pinned)),
-                              ("GEMM path", lambda: gemm_path(args)),
-                              ("grouped", lambda: F.M.grouped(*args))):
-                err = float((fn().double() - want).norm() / want.norm())
+            runs = [("decode", lambda: F.fused_experts_forward(*args, configs=pinned)),
+                    ("GEMM path", lambda: gemm_path(args)),
+                    ("grouped", lambda: F.M.grouped(*args))]
+            runs += [(f"g{n}", (lambda c: lambda: F.fused_experts_forward(*args, configs={"decode": c}))(c))
+                     for n, c in enumerate(cands)]
+            for label, fn in runs:
+                try:
+                    err = float((fn().double() - want).norm() / want.norm())
+                except Exception as exc:  # noqa: BLE001 - a candidate that does not fit this GPU
+                    rows[label] = f"failed ({type(exc).__name__})"
+                    continue
                 assert err < 2e-2, f"{name} T={t} {label}: relative error {err:.1e}"
                 try:
                     rows[label] = f"{graph_us(fn, a.reps):.1f}"
@@ -109,10 +181,19 @@ def main() -> None:
             weight_bytes = chosen * (args[3][0].numel() + args[5][0].numel()) * args[3].element_size()
             floor = weight_bytes / HBM_BYTES_PER_S * 1e6
             default = "*" if F.decodes(t, False, None) else ""
+            g = [rows[f"g{n}"] for n in range(len(cands))]
+            for mode in (1, 2):
+                of_mode = [n for n in range(len(cands)) if cands[n]["GROUPED"] == mode]
+                best[name, t, mode] = cands[min(of_mode, key=lambda n: _us(g[n]))]
             print(f"| {name} | {t} | {rows['decode']}{default} | {rows['GEMM path']} | {rows['grouped']} | "
-                  f"{floor:.1f} ({weight_bytes / 1e6:.0f} MB) |", flush=True)
+                  + " | ".join(g) + f" | {floor:.1f} ({weight_bytes / 1e6:.0f} MB) |", flush=True)
+            if a.kernels:
+                for mode in (1, 2):
+                    c = best[name, t, mode]
+                    print(f"  kernels, {name} T={t}, grouped {c}: " + kernel_times(
+                        lambda: F.fused_experts_forward(*args, configs={"decode": c})), flush=True)
     if a.block:
-        block_rows(a.configs, [int(v) for v in a.tokens.split(",")], a.rounds)
+        block_rows(a.configs, [int(v) for v in a.tokens.split(",")], a.rounds, best)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,11 @@ def _gate_cases() -> dict[str, dict]:
 # The decode kernels (T = 1, TM.decode_forward) over several K steps and column blocks.
 DECODE_SMALL = {"decode": dict(UP_BLOCK_N=16, UP_BLOCK_K=16, UP_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=8, DOWN_WARPS=2,
                                num_stages=2)}
+# The grouped decode kernels (GROUPED: per used expert, tl.dot's 16-wide tiles) over several
+# K steps, column blocks and, past 16 pairs of one expert, row steps: both GEMMs grouped (2),
+# or GEMM1 grouped and the per-token GEMM2 + combine (1).
+GROUPED_SMALL = {"decode": dict(DECODE_SMALL["decode"], DOWN_BLOCK_K=16, GROUPED=2)}
+GROUPED_UP_SMALL = {"decode": dict(DECODE_SMALL["decode"], GROUPED=1)}
 
 
 def _decode_cases() -> dict[str, dict]:
@@ -119,6 +124,31 @@ CASES: dict[str, dict] = {
                                              configs=DECODE_SMALL),
     "decode, 8 tokens gpt_oss": dict(dims=(8, 2, 50, 18, 3), configs=DECODE_SMALL, dtypes=["float32"], opts=dict(
         activation=M.GPT_OSS, transposed=True, interleaved=True, bias=True, alpha=1.702, limit=1.0, gain=3.0)),
+    # grouped by expert: tokens sharing experts, sentinels, two row steps of one expert (20
+    # tokens x top-2 of 2), every slot elsewhere, a NaN weight in a sentinel slot
+    "grouped decode, 6 tokens sharing experts": dict(dims=(6, 3, 40, 24, 4), opts=dict(bias=True, sentinels=2),
+                                                     configs=GROUPED_SMALL),
+    "grouped decode, T=1 gelu interleaved": dict(dims=(1, 3, 40, 24, 5), configs=GROUPED_SMALL, opts=dict(
+        activation="gelu", interleaved=True)),
+    "grouped decode, 8 tokens gpt_oss": dict(dims=(8, 2, 50, 18, 3), configs=GROUPED_SMALL, opts=dict(
+        activation=M.GPT_OSS, transposed=True, interleaved=True, bias=True, alpha=1.702, limit=1.0, gain=3.0)),
+    "grouped GEMM1, 8 tokens gpt_oss": dict(dims=(8, 2, 50, 18, 3), configs=GROUPED_UP_SMALL, opts=dict(
+        activation=M.GPT_OSS, transposed=True, interleaved=True, bias=True, alpha=1.702, limit=1.0, gain=3.0)),
+    "grouped GEMM1, sentinel NaN weight, negative id": dict(dims=(4, 3, 24, 16, 4), opts=dict(sentinels=2),
+                                                            special="nan", configs=GROUPED_UP_SMALL),
+    "grouped decode, two row steps, relu2 ungated": dict(dims=(20, 2, 40, 24, 2), configs=GROUPED_SMALL,
+                                                         opts=dict(activation="relu2", gated=False, bias=True)),
+    "grouped decode, int32 ids, strided inputs": dict(dims=(5, 4, 24, 16, 8), configs=GROUPED_SMALL,
+                                                      opts=dict(idx_dtype=torch.int32), special="strided"),
+    "grouped decode, sentinel NaN weight, negative id": dict(dims=(4, 3, 24, 16, 4), opts=dict(sentinels=2),
+                                                             special="nan", configs=GROUPED_SMALL),
+    "grouped decode, all slots sentinel": dict(dims=(3, 2, 16, 8, 4), opts={}, special="all_out",
+                                               configs=GROUPED_SMALL),
+    # fewer programs than column tiles (WAVES: one per SM, 4 under the interpreter): each
+    # walks several, over ragged edges
+    "grouped decode, programs walking column tiles": dict(
+        dims=(6, 3, 72, 40, 4), opts=dict(bias=True, sentinels=1, interleaved=True),
+        configs={"decode": dict(GROUPED_SMALL["decode"], WAVES=1)}),
     "T=1, GEMM path": dict(dims=(1, 2, 24, 16, 4), opts=dict(bias=True), configs=SMALL),
     # ragged H, I (not multiples of any block), several blocks in M, N and K, swizzle groups
     "ragged small blocks": dict(dims=(9, 3, 40, 24, 3), opts=dict(bias=True), configs=SMALL, dtypes=["float32"]),
@@ -646,6 +676,42 @@ def test_cuda_decode(dtype: torch.dtype) -> None:
     suite.check_correctness("cuda", dtype, impl="triton")
     suite.check_deterministic("cuda", dtype, impl="triton")
     suite.check_cuda_graphs(dtype)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+def test_cuda_grouped_decode(dtype: torch.dtype) -> None:
+    """The grouped decode kernels (GEMM1 alone, and both GEMMs with programs walking several
+    column tiles) at the sizes they are for (T = 1 to 16, up to 64 experts, several row
+    steps of one expert at T = 40 of 4), against float64, two runs bit-identical, and
+    captured in a CUDA graph: a replay on new inputs (written in place) gives what an eager
+    call on them does."""
+    for mode in (1, 2):
+        _grouped_decode(dtype, {"decode": dict(TM.pick_config("decode", 0.0, 512, 256, dtype), GROUPED=mode,
+                                               WAVES=mode - 1)})
+
+
+def _grouped_decode(dtype: torch.dtype, grouped: dict) -> None:
+    for t, k, e in ((1, 2, 8), (4, 8, 64), (16, 2, 8), (40, 2, 4)):
+        args = make(t, k, 256, 256, e, dtype, "cuda", sentinels=1, bias=True)
+        want = M.reference(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args])
+        got = TM.fused_experts_forward(*args, configs=grouped)
+        assert_matches(got, want, dtype)
+        assert torch.equal(got, TM.fused_experts_forward(*args, configs=grouped)), f"T={t}: two runs differ"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        TM.fused_experts_forward(*args, configs=grouped)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = TM.fused_experts_forward(*args, configs=grouped)
+    args[0].normal_()
+    args[1].copy_(torch.rand(args[1].shape[0], e, device="cuda").argsort(-1)[:, :k])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, TM.fused_experts_forward(*args, configs=grouped)), "the replay differs from eager"
 
 
 @pytest.mark.cuda

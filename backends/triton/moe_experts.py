@@ -19,11 +19,14 @@ current stream (Triton launches on torch's current stream of the current device)
    of the pair rows whose id is in [0, E) (a NaN weight in a sentinel slot adds nothing).
    Same bits every run.
 
-One or two tokens without a backward to feed (decode, :func:`decodes`) take two kernels
-instead (:func:`decode_forward`): GEMM1 and the gate per (token, slot) pair as a
-matrix-vector product, then GEMM2, the routing weights and the combine per token in one, in
-the same slot order with the same roundings; no routing, no padded rows. At T = 1 the pairs
-are the token's top-k experts, so it reads the same weight bytes in half the launches.
+Up to eight tokens without a backward to feed (decode, :func:`decodes`) take the decode
+kernels instead (:func:`decode_forward`), with no routing kernels and no padded rows. One
+token: two kernels, GEMM1 and the gate per (token, slot) pair as a matrix-vector product,
+then GEMM2, the routing weights and the combine per token in one (its pairs are k distinct
+experts: the same weight bytes in half the launches). From two tokens on, pairs may share
+experts: each program takes one used expert (found from the ids) and all of its pairs
+through tensor cores, for GEMM1 and the gate, then GEMM2 and the routing weights into pair
+rows, then the combine: each expert's weights read once.
 
 On sm90+ both GEMMs load the weight's tiles, and GEMM2 its sorted activation rows, through
 tensor descriptors (TMA) instead of pointer arithmetic (:func:`launch_gemm` decides per
@@ -465,6 +468,100 @@ def _decode_down_kernel(
     tl.store(out_ptr + t * stride_ot + cols * stride_on, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@_jit
+def _expert_pairs(ids_ptr, i, num_pairs, top_k, num_experts, stride_it, stride_ik,
+                  BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The grouped decode kernels' work item: of the experts some pair is routed to, the
+    ``i``-th in ascending id (-1 past the last), with the pairs' ids (BLOCK_P,: -1 past the
+    S = T*k pairs) and which of them go to it. Found from the ids alone (a (BLOCK_E,
+    BLOCK_P) comparison per program), so no routing kernel runs first; ids outside [0, E)
+    belong to no expert."""
+    ps = tl.arange(0, BLOCK_P)
+    ids = tl.load(ids_ptr + (ps // top_k) * stride_it + (ps % top_k) * stride_ik, mask=ps < num_pairs, other=-1)
+    ids = tl.where((ids >= 0) & (ids < num_experts), ids, -1).to(tl.int32)  # int32 compares, no wrap-around
+    es = tl.arange(0, BLOCK_E)
+    used = tl.max((ids[None, :] == es[:, None]).to(tl.int32), axis=1)
+    mine = (used > 0) & (tl.cumsum(used, axis=0) - 1 == i)
+    e = tl.sum(tl.where(mine, es, 0), axis=0) - (1 - tl.max(mine.to(tl.int32), axis=0)) * (BLOCK_E + 1)
+    return tl.maximum(e, -1), ids, ids == e
+
+
+@_jit
+def _expert_slots(hit, rank, m0, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Slots m0 .. m0 + BLOCK_M - 1 of an expert's pairs, in pair order: each slot's pair
+    index and whether it has one (``hit``: the expert's pairs, ``rank``: their ranks)."""
+    ms = m0 + tl.arange(0, BLOCK_M)
+    sel = hit[None, :] & (rank[None, :] == ms[:, None])
+    pair = tl.sum(tl.where(sel, tl.arange(0, BLOCK_P)[None, :], 0), axis=1)
+    return pair, tl.max(sel.to(tl.int32), axis=1) > 0
+
+
+@_jit
+def _decode_grouped_kernel(
+    a_ptr, ids_ptr, rw_ptr, w_ptr, bias_ptr, out_ptr, num_pairs, top_k, num_experts, N, K, alpha, limit,
+    stride_at, stride_ak, stride_it, stride_ik, stride_rt, stride_rk, stride_we, stride_wn, stride_wk,
+    stride_be, stride_bn, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr, UP: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The grouped decode path (:func:`decode_forward` with GROUPED): program (i, n) takes
+    the i-th used expert e (:func:`_expert_pairs`) and BLOCK_N output columns, and runs all
+    of e's pairs through them, BLOCK_M at a time, with tensor cores: each weight tile is read
+    once per call, however many pairs share the expert (the ungrouped kernels read it once
+    per pair). UP: GEMM1 and the gate, A = hidden_states rows (token = pair // k), out =
+    the (S, I) activation; else GEMM2, A = the activation rows, out = the (S, H) pair rows
+    times the routing weight, rounded to out's dtype as the GEMM path's GEMM2 stores them
+    (:func:`combine` sums them). Pair rows of ids outside [0, E) are never written."""
+    e, ids, hit = _expert_pairs(ids_ptr, tl.program_id(0), num_pairs, top_k, num_experts, stride_it, stride_ik,
+                                BLOCK_E, BLOCK_P)
+    if e < 0:
+        return
+    rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
+    count = tl.sum(hit.to(tl.int32), axis=0)
+    w_base = w_ptr + e.to(tl.int64) * stride_we  # int64: E * N * K may pass 2**31
+    ks = tl.arange(0, BLOCK_K)
+    for m0 in range(0, count, BLOCK_M):
+        pair, ok = _expert_slots(hit, rank, m0, BLOCK_M, BLOCK_P)
+        row = (pair // top_k) if UP else pair
+        a_rows = a_ptr + row.to(tl.int64)[:, None] * stride_at
+        if not UP:
+            rw = tl.load(rw_ptr + (pair // top_k).to(tl.int64) * stride_rt + (pair % top_k) * stride_rk, mask=ok,
+                         other=0.0).to(tl.float32)
+        # this program's column tiles: n, n + programs along dim 1, ... (one each unless the
+        # launch has fewer programs than tiles: then the search above is paid once for several)
+        for nt in range(tl.program_id(1), tl.cdiv(N, BLOCK_N), tl.num_programs(1)):
+            cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < N
+            if UP:
+                wcol0, wcol1 = _halves(cols, N, INTERLEAVED)
+            else:
+                wcol0, wcol1 = cols, cols
+            acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = ks < K - k0
+                a = tl.load(a_rows + (k0 + ks)[None, :] * stride_ak, mask=ok[:, None] & k_ok[None, :], other=0.0)
+                wm = k_ok[:, None] & col_ok[None, :]
+                w0 = tl.load(w_base + (k0 + ks)[:, None] * stride_wk + wcol0[None, :] * stride_wn, mask=wm,
+                             other=0.0)
+                acc0 = tl.dot(a, w0, acc0, input_precision=DOT_PRECISION)
+                if GATED:
+                    w1 = tl.load(w_base + (k0 + ks)[:, None] * stride_wk + wcol1[None, :] * stride_wn, mask=wm,
+                                 other=0.0)
+                    acc1 = tl.dot(a, w1, acc1, input_precision=DOT_PRECISION)
+            if HAS_BIAS:
+                b_base = bias_ptr + e.to(tl.int64) * stride_be
+                acc0 += tl.load(b_base + wcol0 * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                if GATED:
+                    acc1 += tl.load(b_base + wcol1 * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            if UP:
+                y = _gate(acc0, acc1, alpha, limit, GATED, ACT, HAS_LIMIT)
+            else:
+                y = acc0 * rw[:, None]
+            tl.store(out_ptr + pair.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on,
+                     y.to(out_ptr.dtype.element_ty), mask=ok[:, None] & col_ok[None, :])
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints. (``triton.cdiv`` is a ConstexprFunction in triton 3.8: each host
     call unwraps constexprs, ~3-14 us; the launcher calls it on every op call.)"""
@@ -821,7 +918,7 @@ def _fit_smem(cfg: dict[str, int], itemsize: int, operands_b: int) -> dict[str, 
     return cfg
 
 
-_UNBUCKETED = ("combine", "decode")  # one config whatever the rows per expert
+_UNBUCKETED = ("combine", "decode", "decode_grouped")  # one config whatever the rows per expert
 
 
 def pick_config(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.dtype,
@@ -1106,13 +1203,15 @@ def combine(pairs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_exper
 
 
 # The most tokens whose forward takes the decode kernels by default (see decodes). H200,
-# bf16, 2026-12-03 (`bench/moe_decode.py --tokens 1,2,4,8,16,32 --block`), decode kernels
-# against the GEMM path from CUDA graphs, µs: T = 2 59.9 / 63.4 Mixtral, 54.3 / 55.5
-# Qwen3-MoE, 59.7 / 64.7 OLMoE; T = 4 96.7 / 94.3, 91.1 / 87.4, 107.4 / 102.5; T = 8 150.7 /
-# 94.2, 163.6 / 129.7, 190.1 / 151.3. The eager block (host included) at T = 2: 1.45x, 1.39x
-# and 1.30x faster with the decode kernels (1.20-1.37x at T = 4 and 8, where the GPU alone,
-# e.g. replaying a CUDA graph, is 2.5-5 % and 26-60 % slower): 2 is where neither is slower.
-DECODE_MAX_TOKENS = 2
+# bf16, 2026-12-03 (`bench/moe_decode.py --tokens 1,2,4,8,16 --block`), the grouped decode
+# kernels (_decode_config) against the GEMM path from CUDA graphs, µs (Mixtral / Qwen3-MoE /
+# OLMoE): T = 4 83.0 / 89.9, 81.1 / 85.3, 95.0 / 95.1; T = 8 98.9 / 102.8, 135.2 / 131.2,
+# 147.4 / 148.5; T = 16 109.2 / 110.2, 223.3 / 202.9, 197.9 / 189.0. The eager block (host
+# included, where decode sizes wait) at T = 8 ran 1.25-1.31x faster than with the GEMM path
+# (1.22-1.31x in a second run). 8: the GPU alone never more than 3 % slower (Qwen3-MoE at
+# T = 8; the per-pair kernels alone were 26-60 % slower there), the eager block a quarter
+# faster; at 16 the GPU alone is up to 10 % slower.
+DECODE_MAX_TOKENS = 8
 
 
 def decodes(t: int, save: bool, configs: Optional[dict[str, dict[str, int]]]) -> bool:
@@ -1120,13 +1219,12 @@ def decodes(t: int, save: bool, configs: Optional[dict[str, dict[str, int]]]) ->
     backward reads the routing tables that only the GEMM path builds), for 1 <= T <=
     :data:`DECODE_MAX_TOKENS`; ``configs`` pins the path for tests and tuning: with a
     "decode" entry the decode kernels at any T, without one the GEMM path.
-    Why so few tokens: the decode kernels read each pair's expert weights once per pair (the
-    pairs sharing an expert read it through L2), where the GEMM path reads each used
-    expert's once into shared memory and runs tensor cores on all of its rows. At T = 1
-    the k pairs are distinct experts, the weight bytes the same, and the call is 2 launches
-    instead of 4 (routing, GEMM1, GEMM2, combine) with a third of the Python: the block at
-    decode is host-bound (H200: 470-650 µs against ~25 µs of weight reads). From T = 4 the
-    GEMM path's kernels are the faster ones (the measurements at DECODE_MAX_TOKENS)."""
+    Why: at decode sizes the block is host-bound (H200: 300-650 µs against 30-150 µs of
+    weight reads), and the decode kernels are 2-3 launches against the GEMM path's 4-5
+    (routing, GEMM1, GEMM2, combine) with a third of the Python; from two tokens they read
+    each used expert's weights once, as the GEMM path does, with tensor cores on all of its
+    pairs. Past a few rows per expert the GEMM path's tiles win on the GPU (the
+    measurements at DECODE_MAX_TOKENS)."""
     if save or t < 1:
         return False
     if configs is not None:
@@ -1138,59 +1236,146 @@ def decode_forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: tor
                    b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor], activation: str,
                    gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float,
                    cfg: Optional[dict[str, int]] = None, spec: Any = None) -> torch.Tensor:
-    """The op's forward for few tokens (:func:`decodes`), (T, H) in x's dtype: per pair, GEMM1
-    and the gate as a matrix-vector product into an activation row (:func:`_decode_up_kernel`);
-    per token, GEMM2, the routing weights and the combine in one (:func:`_decode_down_kernel`).
-    The same results as :func:`fused_experts_forward`'s GEMM path but for the order of each
-    dot product's fp32 sums. ``cfg``: each kernel's columns and reduction step per program
-    and warps (UP_BLOCK_N, UP_BLOCK_K, UP_WARPS, DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS) and
-    num_stages (default: the table's "decode" for this shape). ``spec``: as :func:`launch_gemm`'s."""
+    """The op's forward for few tokens (:func:`decodes`), (T, H) in x's dtype, no routing
+    kernels. GEMM1 and the gate into an activation row per pair: per pair as a
+    matrix-vector product (:func:`_decode_up_kernel`), or with the config's GROUPED per
+    used expert (:func:`_decode_grouped_kernel`: each weight tile read once however many
+    pairs share the expert). Then GEMM2, the routing weights and the combine: per token in
+    one kernel (:func:`_decode_down_kernel`), or with GROUPED = 2 per used expert into pair
+    rows and then :func:`combine` (a third launch). The same results as
+    :func:`fused_experts_forward`'s GEMM path but for the order of each dot product's fp32
+    sums. ``cfg``: each kernel's columns and reduction step per program and warps
+    (UP_BLOCK_N, UP_BLOCK_K, UP_WARPS, DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS), num_stages
+    (or UP_STAGES and DOWN_STAGES each), GROUPED and WAVES (:func:`_columns_programs`)
+    (default: :func:`_decode_config`). ``spec``: as :func:`launch_gemm`'s."""
     static = _DECODE_STATIC.get(spec) if spec is not None else None
     if static is None:
-        cfg = cfg or pick_config("decode", 0.0, w1.shape[2] if transposed else w1.shape[1], x.shape[1], x.dtype)
+        cfg = cfg or _decode_config(x, ids, w1, transposed)
         static = _decode_static(x, ids, rw, w1, b1, w2, b2, activation, gated, transposed, interleaved, limit, cfg)
         if spec is not None:
             _remember(_DECODE_STATIC, spec, static)
-    (g1, g2, act_shape, head1, tail1, opts1, head2, tail2, opts2) = static
+    (up, down, act_shape, pairs_shape, (gc, argc, optc)) = static
     w1v, w2v = _nk_view(w1, transposed), _nk_view(w2, transposed)
+    bias1, bias2 = b1 if b1 is not None else w1v, b2 if b2 is not None else w2v
+    lim = float(limit) if up[4]["HAS_LIMIT"] else 0.0
     act = _new_buffer(act_shape, x.dtype, x.device)
     out = _new_buffer(tuple(x.shape), x.dtype, x.device)
     with _device_ctx(x):
-        launch_args(_decode_up_kernel, g1, (x, ids, w1v, b1 if b1 is not None else w1v, act, *head1,
-                                            float(alpha), float(limit) if opts1["HAS_LIMIT"] else 0.0, *tail1),
-                    spec and (spec, "decode up"), opts1)
-        launch_args(_decode_down_kernel, g2, (act, ids, rw, w2v, b2 if b2 is not None else w2v, out, *head2, *tail2),
-                    spec and (spec, "decode down"), opts2)
+        kernel, grid, head, tail, opts = up
+        front = (x, ids, rw) if kernel is _decode_grouped_kernel else (x, ids)
+        launch_args(kernel, grid, (*front, w1v, bias1, act, *head, float(alpha), lim, *tail),
+                    spec and (spec, "decode up"), opts)
+        kernel, grid, head, tail, opts = down
+        if pairs_shape is None:
+            launch_args(kernel, grid, (act, ids, rw, w2v, bias2, out, *head, *tail), spec and (spec, "decode down"),
+                        opts)
+        else:
+            pairs = _new_buffer(pairs_shape, x.dtype, x.device)
+            launch_args(kernel, grid, (act, ids, rw, w2v, bias2, pairs, *head, 0.0, 0.0, *tail),
+                        spec and (spec, "decode down"), opts)
+            launch_args(_combine_kernel, gc, (pairs, ids, out, ids, *argc), spec and (spec, "decode combine"), optc)
     return out
+
+
+def _decode_config(x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, transposed: bool) -> dict[str, int]:
+    """The table's decode config for this forward: "decode_grouped" from 2 tokens on, where
+    the tokens may share experts and grouping reads each used expert's weights once (H200,
+    bf16, from CUDA graphs, 2026-12-03, ``bench/moe_decode.py``: faster than the per-pair
+    kernels, which read a shared expert's weights once per pair, by 3 and 9 % at T = 2 on
+    Mixtral and Qwen3-MoE (2 % slower on OLMoE), by 9-14 % at T = 4, 17-36 % at T = 8);
+    "decode" (the per-pair kernels) at
+    one token, whose k pairs are k distinct experts: the same weight bytes in two launches
+    instead of three (the eager block, host-bound there, ran 6-15 % slower grouped), and
+    where the experts' ids are too many for a grouped program's search
+    (:data:`GROUPED_MAX_SCAN`)."""
+    n1, e = (w1.shape[2] if transposed else w1.shape[1]), w1.shape[0]
+    if x.shape[0] > 1 and next_pow2(e) * next_pow2(ids.numel()) <= GROUPED_MAX_SCAN:
+        return pick_config("decode_grouped", 0.0, n1, x.shape[1], x.dtype)
+    return pick_config("decode", 0.0, n1, x.shape[1], x.dtype)
+
+
+# The grouped decode kernels find their expert by comparing every pair's id with every
+# expert id, in each program: past this many comparisons (E x T*k, both rounded up to
+# powers of two) the default decode config is the per-pair one, and a pinned grouped config
+# is refused.
+GROUPED_MAX_SCAN = 1 << 16
+# tl.dot's smallest tile side: the grouped kernels' rows (pairs) per step, and their
+# narrowest column and reduction blocks.
+_DOT_MIN = 16
 
 
 def _decode_static(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: torch.Tensor,
                    b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor], activation: str,
                    gated: bool, transposed: bool, interleaved: bool, limit: float,
                    cfg: dict[str, int]) -> tuple[Any, ...]:
-    """What :func:`decode_forward` derives from metadata alone: both grids, the activation
-    buffer's shape, each launch's int arguments and constexprs."""
+    """What :func:`decode_forward` derives from metadata alone: per launch its kernel, grid,
+    int arguments and constexprs; the activation (and pair rows') buffer's shape."""
     t, h = x.shape
     k, e = ids.shape[1], w1.shape[0]
+    s = t * k
     w1v, w2v = _nk_view(w1, transposed), _nk_view(w2, transposed)
     n1 = w1v.shape[1]
     i = n1 // 2 if gated else n1
-    bk1, bk2 = min(cfg["UP_BLOCK_K"], next_pow2(h)), min(cfg["DOWN_BLOCK_K"], next_pow2(i))
-    bn1, bn2 = min(cfg["UP_BLOCK_N"], next_pow2(i)), min(cfg["DOWN_BLOCK_N"], next_pow2(h))
+    mode = int(cfg.get("GROUPED", 0))
+    if mode not in (0, 1, 2):
+        raise ValueError(f"moe_experts' decode config: GROUPED must be 0, 1 or 2, got {mode}")
     bias1, bias2 = b1 if b1 is not None else w1v, b2 if b2 is not None else w2v
     s1, s2 = w1v.stride(), w2v.stride()
-    head1 = (k, e, i, h)
-    tail1 = (x.stride(0), x.stride(1), ids.stride(0), ids.stride(1), s1[0], s1[1], s1[2], bias1.stride(0),
-             bias1.stride(-1), i, 1)  # act is a fresh (T*k, I) buffer
-    opts1 = dict(BLOCK_N=bn1, BLOCK_K=bk1, GATED=gated, INTERLEAVED=gated and interleaved, ACT=ACT_IDS[activation],
-                 HAS_BIAS=b1 is not None, HAS_LIMIT=gated and math.isfinite(limit), num_warps=cfg["UP_WARPS"],
-                 num_stages=cfg["num_stages"])
-    head2 = (k, e, h, i)
-    tail2 = (i, 1, ids.stride(0), ids.stride(1), rw.stride(0), rw.stride(1), s2[0], s2[1], s2[2], bias2.stride(0),
-             bias2.stride(-1), h, 1)  # out is a fresh (T, H) buffer
-    opts2 = dict(BLOCK_N=bn2, BLOCK_K=bk2, HAS_BIAS=b2 is not None, num_warps=cfg["DOWN_WARPS"],
-                 num_stages=cfg["num_stages"])
-    return ((t * k, cdiv(i, bn1)), (t, cdiv(h, bn2)), (t * k, i), head1, tail1, opts1, head2, tail2, opts2)
+    ids_s, rw_s = (ids.stride(0), ids.stride(1)), (rw.stride(0), rw.stride(1))
+    gate = dict(GATED=gated, INTERLEAVED=gated and interleaved, ACT=ACT_IDS[activation], HAS_BIAS=b1 is not None,
+                HAS_LIMIT=gated and math.isfinite(limit))
+
+    def blocks(n_key: str, k_key: str, n: int, kk: int, grouped: bool) -> tuple[int, int]:
+        least = _DOT_MIN if grouped else 1
+        return max(least, min(cfg[n_key], next_pow2(n))), max(least, min(cfg[k_key], next_pow2(kk)))
+
+    scan = {}
+    used = min(e, s)  # the grouped kernels' programs along dim 0: the used experts at most
+    if mode:
+        scan = dict(BLOCK_M=_DOT_MIN, BLOCK_E=next_pow2(e), BLOCK_P=next_pow2(s),
+                    DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+        if scan["BLOCK_E"] * scan["BLOCK_P"] > GROUPED_MAX_SCAN:
+            raise ValueError(f"moe_experts' grouped decode kernels: {s} pairs x {e} experts is past what one "
+                             f"program scans (GROUPED_MAX_SCAN = {GROUPED_MAX_SCAN}); the GEMM path takes such a "
+                             "forward")
+    stages = dict(num_stages=cfg.get("UP_STAGES", cfg["num_stages"]))
+    act_out = (i, 1)  # act is a fresh (T*k, I) buffer
+    bn, bk = blocks("UP_BLOCK_N", "UP_BLOCK_K", i, h, bool(mode))
+    if mode:
+        up = (_decode_grouped_kernel, (used, _columns_programs(cfg, used, cdiv(i, bn), x.device)), (s, k, e, i, h),
+              (x.stride(0), x.stride(1), *ids_s, *rw_s, *s1, bias1.stride(0), bias1.stride(-1), *act_out),
+              dict(gate, **scan, **stages, BLOCK_N=bn, BLOCK_K=bk, UP=True, num_warps=cfg["UP_WARPS"]))
+    else:
+        up = (_decode_up_kernel, (s, cdiv(i, bn)), (k, e, i, h),
+              (x.stride(0), x.stride(1), *ids_s, *s1, bias1.stride(0), bias1.stride(-1), *act_out),
+              dict(gate, **stages, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["UP_WARPS"]))
+    bn, bk = blocks("DOWN_BLOCK_N", "DOWN_BLOCK_K", h, i, mode == 2)
+    stages = dict(num_stages=cfg.get("DOWN_STAGES", cfg["num_stages"]))
+    # (T, H) out, or with GROUPED 2 (S, H) pair rows: fresh buffers
+    tail2 = (i, 1, *ids_s, *rw_s, *s2, bias2.stride(0), bias2.stride(-1), h, 1)
+    if mode == 2:
+        down = (_decode_grouped_kernel, (used, _columns_programs(cfg, used, cdiv(h, bn), x.device)), (s, k, e, h, i),
+                tail2, dict(scan, **stages, BLOCK_N=bn, BLOCK_K=bk, UP=False, GATED=False, INTERLEAVED=False, ACT=0,
+                            HAS_BIAS=b2 is not None, HAS_LIMIT=False, num_warps=cfg["DOWN_WARPS"]))
+        cc = pick_config("combine", 0.0, h, k, x.dtype)
+        bh = min(cc["BLOCK_H"], next_pow2(h))
+        # _combine_kernel's arguments after (pairs, ids, out, rows): a fresh (S, H) pairs and (T, H) out
+        combine_launch = ((t, cdiv(h, bh)), (h, k, e, h, 1, *ids_s, h, 1),
+                          dict(BLOCK_H=bh, MAPPED=False, num_warps=cc["num_warps"]))
+        return up, down, (s, i), (s, h), combine_launch
+    down = (_decode_down_kernel, (t, cdiv(h, bn)), (k, e, h, i), tail2,
+            dict(**stages, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=b2 is not None, num_warps=cfg["DOWN_WARPS"]))
+    return up, down, (s, i), None, (None, None, None)
+
+
+def _columns_programs(cfg: dict[str, int], experts: int, tiles: int, device: torch.device) -> int:
+    """Programs per expert along the grouped decode kernels' columns: one per column tile,
+    or with the config's WAVES about WAVES programs per SM over all ``experts`` (then each
+    walks several tiles and pays its expert search once for them)."""
+    waves = cfg.get("WAVES", 0)
+    if not waves:
+        return tiles
+    return max(1, min(tiles, cdiv(waves * _num_sms(device), experts)))
 
 
 _DECODE_STATIC: dict[Any, tuple[Any, ...]] = {}

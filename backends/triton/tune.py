@@ -14,9 +14,11 @@ config that does not beat the default by more than the timing noise (2 %) is not
 Every comparison times the two side by side, in alternating rounds (``ROUNDS``): the GPU's
 clock sags under sustained load, and what ran first would otherwise win.
 
-``--decode`` tunes instead the decode kernels (a forward of one token,
-:func:`moe_experts.decode_forward`: two matrix-vector kernels, no GEMM), per shape, into
-``tuned[dtype]["N=<n>,K=<k>"]["decode"]["-"]``.
+``--decode`` tunes instead the decode kernels of one token (:func:`moe_experts.decode_forward`:
+two matrix-vector kernels, no GEMM), per shape, into
+``tuned[dtype]["N=<n>,K=<k>"]["decode"]["-"]``. The grouped decode kernels (2 to
+``DECODE_MAX_TOKENS`` tokens, the table's "decode_grouped") have no tuner yet: their default
+is the fastest of ``bench/moe_decode.py``'s candidates.
 
 ``--backward`` also tunes the backward's dgrad GEMMs for the transformers integration's
 training path: GEMM2's dgrad (fused, or split into the forward's GEMM and the gate's
