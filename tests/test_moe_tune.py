@@ -123,8 +123,9 @@ def test_shared_buckets_are_named() -> None:
 
 @needs_triton
 def test_a_decode_run(tmp_path):
-    """``--decode``: the decode kernels' candidates at T = 1; a winner lands under the
-    shape's "decode" entry, where pick_config reads it. A forward of one token without
+    """``--decode``: the decode kernels' candidates at T = 1, then the grouped ones at
+    tune.GROUPED_TOKENS; a winner lands under the shape's "decode" / "decode_grouped" entry,
+    where pick_config reads it. A forward of one token without
     ``--decode`` is refused: its GEMM configs would never run."""
     out = tmp_path / "configs.json"
     env = {**os.environ, **({} if torch.cuda.is_available() else {"TRITON_INTERPRET": "1"})}
@@ -133,12 +134,15 @@ def test_a_decode_run(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "E=4 H=32 I=16 k=2 T=1 (decode): default" in run.stdout and "4 of 4 candidates tried" in run.stdout, \
         run.stdout
+    assert "E=4 H=32 I=16 k=2 T=4 (grouped decode): default" in run.stdout, run.stdout
+    assert "2 of 2 candidates tried; decode_grouped=" in run.stdout, run.stdout
     table = json.loads(out.read_text())
     assert table["default"] == _table()["default"]
-    written = table["tuned"].get("float32", {}).get("N=32,K=32", {}).get("decode")
-    assert written or "default kept" in run.stdout, run.stdout
-    if written:
-        assert TM.pick_config("decode", 0.0, 32, 32, torch.float32, table=table) == written["-"]
+    for entry in ("decode", "decode_grouped"):
+        written = table["tuned"].get("float32", {}).get("N=32,K=32", {}).get(entry)
+        if written:
+            assert TM.pick_config(entry, 0.0, 32, 32, torch.float32, table=table) == written["-"]
+    assert "written" in run.stdout or "default kept" in run.stdout, run.stdout
     refused = fresh.run(["-m", "opreg", "tune", "moe_experts", "--shapes", "4:32:16:2", "--tokens", "1"], env=env,
                         timeout=120)
     assert refused.returncode == 2 and "--decode tunes those" in refused.stderr, refused.stderr[-2000:]

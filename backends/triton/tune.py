@@ -16,9 +16,8 @@ clock sags under sustained load, and what ran first would otherwise win.
 
 ``--decode`` tunes instead the decode kernels of one token (:func:`moe_experts.decode_forward`:
 two matrix-vector kernels, no GEMM), per shape, into
-``tuned[dtype]["N=<n>,K=<k>"]["decode"]["-"]``. The grouped decode kernels (2 to
-``DECODE_MAX_TOKENS`` tokens, the table's "decode_grouped") have no tuner yet: their default
-is the fastest of ``bench/moe_decode.py``'s candidates.
+``tuned[dtype]["N=<n>,K=<k>"]["decode"]["-"]``, and the grouped decode kernels (2 to
+``DECODE_MAX_TOKENS`` tokens) at ``GROUPED_TOKENS`` into ``...["decode_grouped"]["-"]``.
 
 ``--backward`` also tunes the backward's dgrad GEMMs for the transformers integration's
 training path: GEMM2's dgrad (fused, or split into the forward's GEMM and the gate's
@@ -86,6 +85,22 @@ DGRAD1 = [(128, 64, 8, 8, 4), (256, 64, 8, 8, 3), (128, 64, 8, 4, 4), (128, 128,
 # over the former default (16, 128, 4) / (8, 256, 4): the table's default since.
 DECODE_UP = [(16, 128, 4), (32, 128, 8), (64, 128, 8), (8, 256, 4), (16, 256, 4)]
 DECODE_DOWN = [(8, 256, 4), (16, 128, 4), (4, 512, 4), (8, 512, 8), (32, 128, 8)]
+# The grouped decode kernels' (``--decode``, at GROUPED_TOKENS: the table's "decode_grouped",
+# 2 to DECODE_MAX_TOKENS tokens): both GEMMs grouped (GROUPED 2), the columns and reduction
+# step of each, warps, stages and WAVES (moe_experts.decode_forward). On the H200 at T = 1-16
+# (bench/moe_decode.py, 2026-12-03) the first of the first three was the fastest at 10 of 15
+# (shape, T) points, 0.4-3.1 µs behind at the others: the table's default.
+DECODE_GROUPED = [
+    dict(GROUPED=2, UP_BLOCK_N=64, UP_BLOCK_K=64, UP_WARPS=4, DOWN_BLOCK_N=64, DOWN_BLOCK_K=128, DOWN_WARPS=4,
+         num_stages=4, WAVES=4),
+    dict(GROUPED=2, UP_BLOCK_N=128, UP_BLOCK_K=64, UP_WARPS=4, DOWN_BLOCK_N=128, DOWN_BLOCK_K=64, DOWN_WARPS=4,
+         num_stages=3, WAVES=2),
+    dict(GROUPED=2, UP_BLOCK_N=64, UP_BLOCK_K=64, UP_WARPS=4, DOWN_BLOCK_N=32, DOWN_BLOCK_K=128, DOWN_WARPS=4,
+         num_stages=4, WAVES=0),
+    dict(GROUPED=2, UP_BLOCK_N=64, UP_BLOCK_K=128, UP_WARPS=4, DOWN_BLOCK_N=64, DOWN_BLOCK_K=128, DOWN_WARPS=4,
+         num_stages=3, WAVES=4),
+]
+GROUPED_TOKENS = 4
 NOISE = 0.02
 # Normwise error of the winner against the grouped path (same inputs, same dtype): both
 # round to the dtype, so about its epsilon times a small factor.
@@ -332,14 +347,49 @@ def tune_decode(e: int, h: int, i: int, k: int, dtype: torch.dtype, device: str,
             "of": len(up) + len(down)}
 
 
-def record_decode(table: dict[str, Any], e: int, h: int, i: int, dtype: torch.dtype, found: dict[str, Any]) -> bool:
-    """As :func:`record`, for :func:`tune_decode`'s winner: under the shape's "decode" entry
-    (one config, bucket "-"; N = gate_up width, K = H, as pick_config is asked)."""
+def tune_decode_grouped(e: int, h: int, i: int, k: int, dtype: torch.dtype, device: str, reps: int,
+                        deadline: float, cands: list[dict[str, int]] = DECODE_GROUPED) -> dict[str, Any]:
+    """The grouped decode kernels' config for one shape at GROUPED_TOKENS tokens: each
+    candidate timed side by side with the best so far, from a CUDA graph (as
+    :func:`tune_decode`); returns {"default_us", "best_us", "decode", "error", "tried", "of"}
+    ("decode": the winner, for the table's "decode_grouped")."""
+    args = inputs(e, h, i, k, GROUPED_TOKENS, dtype, device)
+    default_cfg = fused.pick_config("decode_grouped", 0.0, 2 * i, h, dtype)
+
+    def run(cfg: dict[str, int]) -> Optional[Callable[[], Any]]:
+        return _compiled(lambda: fused.fused_experts_forward(*args, configs={"decode": cfg}))
+
+    default = run(default_cfg)
+    if default is None:
+        raise RuntimeError("moe_experts' tuning: the table's own decode_grouped config does not fit this GPU")
+    best, best_run, tried = default_cfg, default, 0
+    for cand in cands:
+        if time.monotonic() > deadline:
+            break
+        tried += 1
+        if cand == best:
+            continue
+        fn = run(cand)
+        if _beats(fn, best_run, reps, device, graph=True):
+            best, best_run = cand, fn
+    default_us, best_us = _versus(default, best_run, reps, device, graph=True)
+    got = fused.fused_experts_forward(*args, configs={"decode": best}).double()
+    want = fused.M.grouped(*args).double()
+    error = float((got - want).norm() / want.norm().clamp_min(1e-30))
+    return {"default_us": default_us, "best_us": best_us, "decode": best, "error": error, "tried": tried,
+            "of": len(cands)}
+
+
+def record_decode(table: dict[str, Any], e: int, h: int, i: int, dtype: torch.dtype, found: dict[str, Any],
+                  entry_name: str = "decode") -> bool:
+    """As :func:`record`, for :func:`tune_decode`'s (or :func:`tune_decode_grouped`'s, with
+    ``entry_name`` "decode_grouped") winner: under the shape's entry of that name (one
+    config, bucket "-"; N = gate_up width, K = H, as pick_config is asked)."""
     if found["best_us"] > found["default_us"] * (1 - NOISE) or not found["error"] <= MAX_ERROR[dtype]:
         return False
     dname = str(dtype).replace("torch.", "")
     entry = table.setdefault("tuned", {}).setdefault(dname, {}).setdefault(f"N={2 * i},K={h}", {})
-    entry["decode"] = {"-": found["decode"]}
+    entry[entry_name] = {"-": found["decode"]}
     return True
 
 
@@ -406,8 +456,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="also the backward's dgrad configs (timed as forward + backward, the forward at "
                         "this run's winners)")
     p.add_argument("--decode", action="store_true",
-                   help="instead, the decode kernels' config per shape (a forward of one token; --tokens "
-                        "and --backward do not apply)")
+                   help="instead, the decode kernels' configs per shape (a forward of one token, and the "
+                        f"grouped kernels' at {GROUPED_TOKENS} tokens; --tokens and --backward do not apply)")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not fused.interpreting() else "cpu"
     if device == "cpu" and not fused.interpreting():
@@ -430,17 +480,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.decode:
         print(f"tuning moe_experts' decode kernels ({a.dtype}) on "
               f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, {len(DECODE_UP)} + {len(DECODE_DOWN)} "
-              f"candidates per shape, budget {a.budget_s:.0f} s", flush=True)
+              f"candidates per shape at T = 1 and {len(DECODE_GROUPED)} grouped at T = {GROUPED_TOKENS}, budget "
+              f"{a.budget_s:.0f} s", flush=True)
         for n, (e, h, i, k) in enumerate(shapes):
             left = a.budget_s - (time.monotonic() - start)
             deadline = time.monotonic() + max(left, 0.0) / (len(shapes) - n)
-            found = tune_decode(e, h, i, k, dtype, device, a.reps, deadline, DECODE_UP[:a.max_candidates],
+            half = time.monotonic() + (deadline - time.monotonic()) / 2  # T = 1's share; the grouped, the rest
+            found = tune_decode(e, h, i, k, dtype, device, a.reps, half, DECODE_UP[:a.max_candidates],
                                 DECODE_DOWN[:a.max_candidates])
             kept = record_decode(table, e, h, i, dtype, found)
             print(f"E={e} H={h} I={i} k={k} T=1 (decode): default {found['default_us']:.1f} us, best "
                   f"{found['best_us']:.1f} us ({found['default_us'] / found['best_us']:.2f}x) error "
                   f"{found['error']:.1e}, {found['tried']} of {found['of']} candidates tried; "
                   f"decode={found['decode']}: {'written' if kept else 'default kept'}", flush=True)
+            # the grouped kernels (2 to DECODE_MAX_TOKENS tokens) with what is left of this shape's share
+            found = tune_decode_grouped(e, h, i, k, dtype, device, a.reps, max(deadline, time.monotonic() + 1.0),
+                                        DECODE_GROUPED[:a.max_candidates])
+            kept = record_decode(table, e, h, i, dtype, found, "decode_grouped")
+            print(f"E={e} H={h} I={i} k={k} T={GROUPED_TOKENS} (grouped decode): default "
+                  f"{found['default_us']:.1f} us, best {found['best_us']:.1f} us "
+                  f"({found['default_us'] / found['best_us']:.2f}x) error {found['error']:.1e}, {found['tried']} of "
+                  f"{found['of']} candidates tried; decode_grouped={found['decode']}: "
+                  f"{'written' if kept else 'default kept'}", flush=True)
         return _write(table, a.out, device, argv)
     jobs = [(shape, t) for shape in shapes for t in (int(v) for v in a.tokens.split(","))]
     print(f"tuning moe_experts ({a.dtype}) on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
