@@ -538,6 +538,23 @@ def test_which_forward_decodes() -> None:
 
 
 @needs_triton
+def test_which_decode_kernels() -> None:
+    """One token takes the per-pair decode kernels (its k pairs are distinct experts), two to
+    DECODE_MAX_TOKENS the grouped ones, unless E x T*k passes what a grouped program's search
+    takes (GROUPED_MAX_SCAN): then the per-pair ones; a pinned grouped config there is
+    refused with the reason, before any launch."""
+    def mode(t: int, k: int, e: int) -> int:
+        a = make(t, k, 16, 8, e, torch.float32, "cpu")
+        return TM._decode_config(a[0], a[1], a[3], False).get("GROUPED", 0)
+
+    assert mode(1, 2, 4) == 0 and mode(2, 2, 4) == 2 and mode(TM.DECODE_MAX_TOKENS, 8, 128) == 2
+    assert mode(8, 16, 1024) == 0  # 1024 experts x 128 pairs
+    big = make(8, 16, 16, 8, 1024, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="GROUPED_MAX_SCAN"):
+        TM.fused_experts_forward(*big, configs=GROUPED_SMALL)
+
+
+@needs_triton
 def test_listed_and_unavailable_without_cuda() -> None:
     # opreg.ops.moe_experts registers it at import where triton imports: then it stays
     # (test_moe_experts, later on the same xdist worker, lists it)

@@ -1283,11 +1283,10 @@ def _decode_config(x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, transpo
     bf16, from CUDA graphs, 2026-12-03, ``bench/moe_decode.py``: faster than the per-pair
     kernels, which read a shared expert's weights once per pair, by 3 and 9 % at T = 2 on
     Mixtral and Qwen3-MoE (2 % slower on OLMoE), by 9-14 % at T = 4, 17-36 % at T = 8);
-    "decode" (the per-pair kernels) at
-    one token, whose k pairs are k distinct experts: the same weight bytes in two launches
-    instead of three (the eager block, host-bound there, ran 6-15 % slower grouped), and
-    where the experts' ids are too many for a grouped program's search
-    (:data:`GROUPED_MAX_SCAN`)."""
+    "decode" (the per-pair kernels) at one token, whose k pairs are k distinct experts: the
+    same weight bytes in two launches instead of three (the eager block, host-bound there,
+    ran 6-15 % slower grouped), and where the pairs and experts are too many for a grouped
+    program's search (:data:`GROUPED_MAX_SCAN`)."""
     n1, e = (w1.shape[2] if transposed else w1.shape[1]), w1.shape[0]
     if x.shape[0] > 1 and next_pow2(e) * next_pow2(ids.numel()) <= GROUPED_MAX_SCAN:
         return pick_config("decode_grouped", 0.0, n1, x.shape[1], x.dtype)
@@ -1336,8 +1335,8 @@ def _decode_static(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: tor
                     DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
         if scan["BLOCK_E"] * scan["BLOCK_P"] > GROUPED_MAX_SCAN:
             raise ValueError(f"moe_experts' grouped decode kernels: {s} pairs x {e} experts is past what one "
-                             f"program scans (GROUPED_MAX_SCAN = {GROUPED_MAX_SCAN}); the GEMM path takes such a "
-                             "forward")
+                             f"program scans (GROUPED_MAX_SCAN = {GROUPED_MAX_SCAN}): pin GROUPED 0 (the per-pair "
+                             "kernels) or fewer tokens")
     stages = dict(num_stages=cfg.get("UP_STAGES", cfg["num_stages"]))
     act_out = (i, 1)  # act is a fresh (T*k, I) buffer
     bn, bk = blocks("UP_BLOCK_N", "UP_BLOCK_K", i, h, bool(mode))
