@@ -314,60 +314,43 @@ def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, de
 def tune_decode(e: int, h: int, i: int, k: int, dtype: torch.dtype, device: str, reps: int, deadline: float,
                 up: list[tuple[int, ...]] = DECODE_UP, down: list[tuple[int, ...]] = DECODE_DOWN) -> dict[str, Any]:
     """The decode kernels' config for one shape at T = 1 (coordinate descent: GEMM1's
-    kernel, then GEMM2's with the first's best), each candidate timed side by side with the
-    best so far, from a CUDA graph: an eager decode call is all host on the H200 box (the
-    first run, timed with events, read 75.8-78.2 µs for all three shapes and every candidate,
-    2026-12-03); returns {"default_us", "best_us", "decode", "error", "tried", "of"}."""
-    args = inputs(e, h, i, k, 1, dtype, device)
-    default_cfg = fused.pick_config("decode", 0.0, 2 * i, h, dtype)
-
-    def run(cfg: dict[str, int]) -> Optional[Callable[[], Any]]:
-        return _compiled(lambda: fused.fused_experts_forward(*args, configs={"decode": cfg}))
-
-    default = run(default_cfg)
-    if default is None:
-        raise RuntimeError("moe_experts' tuning: the table's own decode config does not fit this GPU")
-    best, best_run, tried = default_cfg, default, 0
-    for prefix, cands in (("UP", up), ("DOWN", down)):
-        for bn, bk, warps in cands:
-            if time.monotonic() > deadline:
-                break
-            cand = {**best, f"{prefix}_BLOCK_N": bn, f"{prefix}_BLOCK_K": bk, f"{prefix}_WARPS": warps}
-            tried += 1
-            if cand == best:  # the incumbent itself (the table's default is among the candidates)
-                continue
-            fn = run(cand)
-            if _beats(fn, best_run, reps, device, graph=True):
-                best, best_run = cand, fn
-    default_us, best_us = _versus(default, best_run, reps, device, graph=True)
-    got = fused.fused_experts_forward(*args, configs={"decode": best}).double()
-    want = fused.M.grouped(*args).double()
-    error = float((got - want).norm() / want.norm().clamp_min(1e-30))
-    return {"default_us": default_us, "best_us": best_us, "decode": best, "error": error, "tried": tried,
-            "of": len(up) + len(down)}
+    kernel, then GEMM2's with the first's best); see :func:`_tune_decode_at`."""
+    steps = [(lambda best, p=prefix, c=c: {**best, f"{p}_BLOCK_N": c[0], f"{p}_BLOCK_K": c[1], f"{p}_WARPS": c[2]})
+             for prefix, cands in (("UP", up), ("DOWN", down)) for c in cands]
+    return _tune_decode_at("decode", 1, e, h, i, k, dtype, device, reps, deadline, steps)
 
 
 def tune_decode_grouped(e: int, h: int, i: int, k: int, dtype: torch.dtype, device: str, reps: int,
                         deadline: float, cands: list[dict[str, int]] = DECODE_GROUPED) -> dict[str, Any]:
-    """The grouped decode kernels' config for one shape at GROUPED_TOKENS tokens: each
-    candidate timed side by side with the best so far, from a CUDA graph (as
-    :func:`tune_decode`); returns {"default_us", "best_us", "decode", "error", "tried", "of"}
-    ("decode": the winner, for the table's "decode_grouped")."""
-    args = inputs(e, h, i, k, GROUPED_TOKENS, dtype, device)
-    default_cfg = fused.pick_config("decode_grouped", 0.0, 2 * i, h, dtype)
+    """The grouped decode kernels' config for one shape at GROUPED_TOKENS tokens, for the
+    table's "decode_grouped"; see :func:`_tune_decode_at`."""
+    steps = [(lambda best, c=c: dict(c)) for c in cands]
+    return _tune_decode_at("decode_grouped", GROUPED_TOKENS, e, h, i, k, dtype, device, reps, deadline, steps)
+
+
+def _tune_decode_at(entry: str, t: int, e: int, h: int, i: int, k: int, dtype: torch.dtype, device: str, reps: int,
+                    deadline: float, steps: list[Callable[[dict[str, int]], dict[str, int]]]) -> dict[str, Any]:
+    """The table's ``entry`` config for one shape at ``t`` tokens: each step makes a
+    candidate from the best so far, timed side by side with it, from a CUDA graph: an eager
+    decode call is all host on the H200 box (the first run, timed with events, read
+    75.8-78.2 µs for all three shapes and every candidate, 2026-12-03); returns
+    {"default_us", "best_us", "decode" (the winner), "error", "tried", "of"}."""
+    args = inputs(e, h, i, k, t, dtype, device)
+    default_cfg = fused.pick_config(entry, 0.0, 2 * i, h, dtype)
 
     def run(cfg: dict[str, int]) -> Optional[Callable[[], Any]]:
         return _compiled(lambda: fused.fused_experts_forward(*args, configs={"decode": cfg}))
 
     default = run(default_cfg)
     if default is None:
-        raise RuntimeError("moe_experts' tuning: the table's own decode_grouped config does not fit this GPU")
+        raise RuntimeError(f"moe_experts' tuning: the table's own {entry} config does not fit this GPU")
     best, best_run, tried = default_cfg, default, 0
-    for cand in cands:
+    for step in steps:
         if time.monotonic() > deadline:
             break
+        cand = step(best)
         tried += 1
-        if cand == best:
+        if cand == best:  # the incumbent itself (the table's default is among the candidates)
             continue
         fn = run(cand)
         if _beats(fn, best_run, reps, device, graph=True):
@@ -377,7 +360,7 @@ def tune_decode_grouped(e: int, h: int, i: int, k: int, dtype: torch.dtype, devi
     want = fused.M.grouped(*args).double()
     error = float((got - want).norm() / want.norm().clamp_min(1e-30))
     return {"default_us": default_us, "best_us": best_us, "decode": best, "error": error, "tried": tried,
-            "of": len(cands)}
+            "of": len(steps)}
 
 
 def record_decode(table: dict[str, Any], e: int, h: int, i: int, dtype: torch.dtype, found: dict[str, Any],
