@@ -520,11 +520,9 @@ def _decode_grouped_kernel(
     rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
     count = tl.sum(hit.to(tl.int32), axis=0)
     w_base = w_ptr + e.to(tl.int64) * stride_we  # int64: E * N * K may pass 2**31
-    ks = tl.arange(0, BLOCK_K)
     for m0 in range(0, count, BLOCK_M):
         pair, ok = _expert_slots(hit, rank, m0, BLOCK_M, BLOCK_P)
-        row = (pair // top_k) if UP else pair
-        a_rows = a_ptr + row.to(tl.int64)[:, None] * stride_at
+        row = ((pair // top_k) if UP else pair).to(tl.int64)
         if not UP:
             rw = tl.load(rw_ptr + (pair // top_k).to(tl.int64) * stride_rt + (pair % top_k) * stride_rk, mask=ok,
                          other=0.0).to(tl.float32)
@@ -537,19 +535,8 @@ def _decode_grouped_kernel(
                 wcol0, wcol1 = _halves(cols, N, INTERLEAVED)
             else:
                 wcol0, wcol1 = cols, cols
-            acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k_ok = ks < K - k0
-                a = tl.load(a_rows + (k0 + ks)[None, :] * stride_ak, mask=ok[:, None] & k_ok[None, :], other=0.0)
-                wm = k_ok[:, None] & col_ok[None, :]
-                w0 = tl.load(w_base + (k0 + ks)[:, None] * stride_wk + wcol0[None, :] * stride_wn, mask=wm,
-                             other=0.0)
-                acc0 = tl.dot(a, w0, acc0, input_precision=DOT_PRECISION)
-                if GATED:
-                    w1 = tl.load(w_base + (k0 + ks)[:, None] * stride_wk + wcol1[None, :] * stride_wn, mask=wm,
-                                 other=0.0)
-                    acc1 = tl.dot(a, w1, acc1, input_precision=DOT_PRECISION)
+            acc0, acc1 = _mma(a_ptr, row, ok, stride_at, stride_ak, w_base, wcol0, wcol1, col_ok, stride_wn,
+                              stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, GATED, DOT_PRECISION)
             if HAS_BIAS:
                 b_base = bias_ptr + e.to(tl.int64) * stride_be
                 acc0 += tl.load(b_base + wcol0 * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
