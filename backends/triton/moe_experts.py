@@ -1272,8 +1272,8 @@ def _decode_config(x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, transpo
     Mixtral and Qwen3-MoE (2 % slower on OLMoE), by 9-14 % at T = 4, 17-36 % at T = 8);
     "decode" (the per-pair kernels) at one token, whose k pairs are k distinct experts: the
     same weight bytes in two launches instead of three (the eager block, host-bound there,
-    ran 6-15 % slower grouped), and where the pairs and experts are too many for a grouped
-    program's search (:data:`GROUPED_MAX_SCAN`)."""
+    ran 6-38 % slower grouped in three runs), and where the pairs and experts are too many
+    for a grouped program's search (:data:`GROUPED_MAX_SCAN`)."""
     n1, e = (w1.shape[2] if transposed else w1.shape[1]), w1.shape[0]
     if x.shape[0] > 1 and next_pow2(e) * next_pow2(ids.numel()) <= GROUPED_MAX_SCAN:
         return pick_config("decode_grouped", 0.0, n1, x.shape[1], x.dtype)
