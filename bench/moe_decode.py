@@ -6,12 +6,12 @@ Why: an eager call at T = 1 is all host on the H200 box (~76 µs a call for all 
 twenty-second session), so back-to-back events time the host and say nothing of the kernels.
 Replayed from a graph, a call costs its kernels. Per config and T, bf16, µs per call:
 
-* ``decode``: the decode kernels (two launches), pinned at every T (``configs={"decode": the
-  table's}``); a ``*`` marks the T where the forward takes them by default
-  (``moe_experts.decodes``: 1 <= T <= ``DECODE_MAX_TOKENS``);
+* ``decode``: the per-pair decode kernels (two launches), pinned at every T
+  (``configs={"decode": the table's}``); a ``*`` marks the T where the forward takes decode
+  kernels by default (``moe_experts.decodes``: 1 <= T <= ``DECODE_MAX_TOKENS``);
 * ``g<n>``: the decode kernels grouped by expert (``GROUPED``: each weight tile read once per
-  call; GEMM1 alone, or both GEMMs and then the combine), pinned with each of
-  ``GROUPED_CANDIDATES``; ``--kernels``: each kernel's time in the fastest of each kind;
+  call, then the combine; three launches), pinned with each of ``GROUPED_CANDIDATES``;
+  ``--kernels``: each kernel's time in the fastest of them;
 * ``GEMM path``: the routing, the two routed GEMMs and the combine (four launches), the path
   the decode kernels replace;
 * ``grouped``: the op's grouped path (``torch._grouped_mm``, as transformers' ``grouped_mm``
@@ -19,10 +19,9 @@ Replayed from a graph, a call costs its kernels. Per config and T, bf16, µs per
 * the bytes floor: the chosen experts' weights (each read once) at 4.8 TB/s, the H200's HBM rate.
 
 ``--block``: also the whole eager transformers block (``experts_implementation="opreg"``, no
-grad) at each T with the forward's decode bound (``moe_experts.DECODE_MAX_TOKENS``) at 1 and
-at T, and at T with the grouped decode kernels (of each kind, the config fastest in the graph
-rows above),
-each in every one of ``--rounds`` interleaved rounds (median, µs per call back to back: what
+grad) at each T with the forward's decode bound (``moe_experts.DECODE_MAX_TOKENS``) at 1, and
+at T with the per-pair decode kernels and with the grouped ones (the config fastest in the
+graph rows above), each in every one of ``--rounds`` interleaved rounds (median, µs per call back to back: what
 a serving loop's eager step costs, host included).
 """
 from __future__ import annotations
@@ -39,15 +38,8 @@ from opreg.testing.timing import graph_us
 import _timing as tm
 
 HBM_BYTES_PER_S = 4.8e12
-# The grouped decode kernels' candidates (moe_experts.decode_forward's config keys): GROUPED 1,
-# GEMM1 grouped by expert and the per-token GEMM2 + combine (two launches); GROUPED 2, both
-# GEMMs grouped, then the combine (three). tl.dot's tiles are 16 wide at least.
-_DOWN_PER_TOKEN = dict(DOWN_BLOCK_N=8, DOWN_BLOCK_K=512, DOWN_WARPS=8, DOWN_STAGES=2)  # the table's, tuned at T = 1
-GROUPED_CANDIDATES = [
-    dict(GROUPED=1, UP_BLOCK_N=64, UP_BLOCK_K=64, UP_WARPS=4, num_stages=4, WAVES=0, **_DOWN_PER_TOKEN),
-    dict(GROUPED=1, UP_BLOCK_N=128, UP_BLOCK_K=64, UP_WARPS=4, num_stages=3, WAVES=2, **_DOWN_PER_TOKEN),
-    *tune.DECODE_GROUPED,  # GROUPED 2: what `opreg tune moe_experts --decode` tries
-]
+# The grouped decode kernels' candidates: what `opreg tune moe_experts --decode` tries.
+GROUPED_CANDIDATES = tune.DECODE_GROUPED
 
 
 def _us(cell: str) -> float:
@@ -87,17 +79,17 @@ def kernel_times(fn: Any, calls: int = 20) -> str:
     return ", ".join(f"{k} {v:.1f}" for k, v in sorted(total.items()))
 
 
-def block_rows(configs: list[str], tokens: list[int], rounds: int,
-               best: dict[tuple[str, int, int], dict[str, int]]) -> None:
-    """The eager block with the decode bound at 1 and at T, and at T grouped (``best``: the
-    config per (config, T, GROUPED)), interleaved (see the docstring)."""
+def block_rows(configs: list[str], tokens: list[int], rounds: int, best: dict[tuple[str, int], dict[str, int]]
+               ) -> None:
+    """The eager block with the decode bound at 1 (the GEMM path past one token), and at T
+    with the per-pair decode kernels and with the grouped ones (``best``: the config per
+    (config, T)), interleaved (see the docstring)."""
     import opreg.integrations.transformers  # noqa: F401  (registers "opreg")
 
     import bench_moe_block as bm
 
-    print("| config | T | block, decode bound 1 | block, decode bound T | ratio | bound T, GEMM1 grouped | ratio "
-          "| bound T, both grouped | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| config | T | block, decode bound 1 | bound T, per pair | ratio | bound T, grouped | ratio |")
+    print("|---|---|---|---|---|---|---|")
     saved, saved_pick, saved_memo = F.DECODE_MAX_TOKENS, F.pick_config, F._DECODE_STATIC
     for name in configs:
         block = bm.make_block(name, torch.bfloat16, "cuda", False)
@@ -113,7 +105,9 @@ def block_rows(configs: list[str], tokens: list[int], rounds: int,
                 memo: dict = {}  # this variant's own decode statics (they hold the config)
 
                 def pick(gemm: str, *a: Any, **kw: Any) -> dict[str, int]:
-                    return dict(grouped) if gemm == "decode" and grouped else saved_pick(gemm, *a, **kw)
+                    if gemm not in ("decode", "decode_grouped"):
+                        return saved_pick(gemm, *a, **kw)
+                    return dict(grouped) if grouped else saved_pick("decode", *a, **kw)
 
                 def before() -> None:
                     F.DECODE_MAX_TOKENS, F.pick_config, F._DECODE_STATIC = n, pick, memo
@@ -123,11 +117,11 @@ def block_rows(configs: list[str], tokens: list[int], rounds: int,
 
                 return tm.Variant(call, before=before, after=after)
 
-            got = tm.interleaved({"1": bound(1), "T": bound(t), "G1": bound(t, best[name, t, 1]),
-                                  "G2": bound(t, best[name, t, 2])}, "cuda", rounds=rounds)
-            one, at_t, g1, g2 = (tm.median(got[v]) for v in ("1", "T", "G1", "G2"))
-            print(f"| {name} | {t} | {one:.0f} | {at_t:.0f} | {one / at_t:.2f}x | {g1:.0f} | {one / g1:.2f}x | "
-                  f"{g2:.0f} | {one / g2:.2f}x |", flush=True)
+            got = tm.interleaved({"1": bound(1), "T": bound(t), "G": bound(t, best[name, t])}, "cuda",
+                                 rounds=rounds)
+            one, at_t, grp = (tm.median(got[v]) for v in ("1", "T", "G"))
+            print(f"| {name} | {t} | {one:.0f} | {at_t:.0f} | {one / at_t:.2f}x | {grp:.0f} | {one / grp:.2f}x |",
+                  flush=True)
 
 
 def main() -> None:
@@ -147,7 +141,7 @@ def main() -> None:
     print("| config | T | decode | GEMM path | grouped | " + " | ".join(f"g{n}" for n in range(len(cands)))
           + " | weight bytes floor |")
     print("|---|---|---|---|---|" + "---|" * len(cands) + "---|")
-    best: dict[tuple[str, int, int], dict[str, int]] = {}
+    best: dict[tuple[str, int], dict[str, int]] = {}
     for name in a.configs:
         e, h, i, k = tune.SHAPES[name]
         for t in (int(v) for v in a.tokens.split(",")):
@@ -177,16 +171,13 @@ def main() -> None:
             floor = weight_bytes / HBM_BYTES_PER_S * 1e6
             default = "*" if F.decodes(t, False, None) else ""
             g = [rows[f"g{n}"] for n in range(len(cands))]
-            for mode in (1, 2):
-                of_mode = [n for n in range(len(cands)) if cands[n]["GROUPED"] == mode]
-                best[name, t, mode] = cands[min(of_mode, key=lambda n: _us(g[n]))]
+            best[name, t] = cands[min(range(len(cands)), key=lambda n: _us(g[n]))]
             print(f"| {name} | {t} | {rows['decode']}{default} | {rows['GEMM path']} | {rows['grouped']} | "
                   + " | ".join(g) + f" | {floor:.1f} ({weight_bytes / 1e6:.0f} MB) |", flush=True)
             if a.kernels:
-                for mode in (1, 2):
-                    c = best[name, t, mode]
-                    print(f"  kernels, {name} T={t}, grouped {c}: " + kernel_times(
-                        lambda: F.fused_experts_forward(*args, configs={"decode": c})), flush=True)
+                c = best[name, t]
+                print(f"  kernels, {name} T={t}, grouped {c}: " + kernel_times(
+                    lambda: F.fused_experts_forward(*args, configs={"decode": c})), flush=True)
     if a.block:
         block_rows(a.configs, [int(v) for v in a.tokens.split(",")], a.rounds, best)
 

@@ -80,10 +80,8 @@ def _gate_cases() -> dict[str, dict]:
 DECODE_SMALL = {"decode": dict(UP_BLOCK_N=16, UP_BLOCK_K=16, UP_WARPS=4, DOWN_BLOCK_N=16, DOWN_BLOCK_K=8, DOWN_WARPS=2,
                                num_stages=2)}
 # The grouped decode kernels (GROUPED: per used expert, tl.dot's 16-wide tiles) over several
-# K steps, column blocks and, past 16 pairs of one expert, row steps: both GEMMs grouped (2),
-# or GEMM1 grouped and the per-token GEMM2 + combine (1).
-GROUPED_SMALL = {"decode": dict(DECODE_SMALL["decode"], DOWN_BLOCK_K=16, GROUPED=2)}
-GROUPED_UP_SMALL = {"decode": dict(DECODE_SMALL["decode"], GROUPED=1)}
+# K steps, column blocks and, past 16 pairs of one expert, row steps.
+GROUPED_SMALL = {"decode": dict(DECODE_SMALL["decode"], DOWN_BLOCK_K=16, GROUPED=1)}
 
 
 def _decode_cases() -> dict[str, dict]:
@@ -132,10 +130,6 @@ CASES: dict[str, dict] = {
         activation="gelu", interleaved=True)),
     "grouped decode, 8 tokens gpt_oss": dict(dims=(8, 2, 50, 18, 3), configs=GROUPED_SMALL, opts=dict(
         activation=M.GPT_OSS, transposed=True, interleaved=True, bias=True, alpha=1.702, limit=1.0, gain=3.0)),
-    "grouped GEMM1, 8 tokens gpt_oss": dict(dims=(8, 2, 50, 18, 3), configs=GROUPED_UP_SMALL, opts=dict(
-        activation=M.GPT_OSS, transposed=True, interleaved=True, bias=True, alpha=1.702, limit=1.0, gain=3.0)),
-    "grouped GEMM1, sentinel NaN weight, negative id": dict(dims=(4, 3, 24, 16, 4), opts=dict(sentinels=2),
-                                                            special="nan", configs=GROUPED_UP_SMALL),
     "grouped decode, two row steps, relu2 ungated": dict(dims=(20, 2, 40, 24, 2), configs=GROUPED_SMALL,
                                                          opts=dict(activation="relu2", gated=False, bias=True)),
     "grouped decode, int32 ids, strided inputs": dict(dims=(5, 4, 24, 16, 8), configs=GROUPED_SMALL,
@@ -547,7 +541,7 @@ def test_which_decode_kernels() -> None:
         a = make(t, k, 16, 8, e, torch.float32, "cpu")
         return TM._decode_config(a[0], a[1], a[3], False).get("GROUPED", 0)
 
-    assert mode(1, 2, 4) == 0 and mode(2, 2, 4) == 2 and mode(TM.DECODE_MAX_TOKENS, 8, 128) == 2
+    assert mode(1, 2, 4) == 0 and mode(2, 2, 4) == 1 and mode(TM.DECODE_MAX_TOKENS, 8, 128) == 1
     assert mode(8, 16, 1024) == 0  # 1024 experts x 128 pairs
     big = make(8, 16, 16, 8, 1024, torch.float32, "cpu")
     with pytest.raises(ValueError, match="GROUPED_MAX_SCAN"):
@@ -699,17 +693,12 @@ def test_cuda_decode(dtype: torch.dtype) -> None:
 @needs_cuda
 @pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
 def test_cuda_grouped_decode(dtype: torch.dtype) -> None:
-    """The grouped decode kernels (GEMM1 alone, and both GEMMs with programs walking several
-    column tiles) at the sizes they are for (T = 1 to 16, up to 64 experts, several row
+    """The grouped decode kernels (the table's config, programs walking several column
+    tiles) at the sizes they are for (T = 1 to 16, up to 64 experts, several row
     steps of one expert at T = 40 of 4), against float64, two runs bit-identical, and
     captured in a CUDA graph: a replay on new inputs (written in place) gives what an eager
     call on them does."""
-    for mode in (1, 2):
-        _grouped_decode(dtype, {"decode": dict(TM.pick_config("decode", 0.0, 512, 256, dtype), GROUPED=mode,
-                                               WAVES=mode - 1)})
-
-
-def _grouped_decode(dtype: torch.dtype, grouped: dict) -> None:
+    grouped = {"decode": dict(TM.pick_config("decode_grouped", 0.0, 512, 256, dtype), WAVES=1)}
     for t, k, e in ((1, 2, 8), (4, 8, 64), (16, 2, 8), (40, 2, 4)):
         args = make(t, k, 256, 256, e, dtype, "cuda", sentinels=1, bias=True)
         want = M.reference(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args])

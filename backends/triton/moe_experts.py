@@ -1224,43 +1224,42 @@ def decode_forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: tor
                    gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float,
                    cfg: Optional[dict[str, int]] = None, spec: Any = None) -> torch.Tensor:
     """The op's forward for few tokens (:func:`decodes`), (T, H) in x's dtype, no routing
-    kernels. GEMM1 and the gate into an activation row per pair: per pair as a
-    matrix-vector product (:func:`_decode_up_kernel`), or with the config's GROUPED per
-    used expert (:func:`_decode_grouped_kernel`: each weight tile read once however many
-    pairs share the expert). Then GEMM2, the routing weights and the combine: per token in
-    one kernel (:func:`_decode_down_kernel`), or with GROUPED = 2 per used expert into pair
-    rows and then :func:`combine` (a third launch). The same results as
-    :func:`fused_experts_forward`'s GEMM path but for the order of each dot product's fp32
-    sums. ``cfg``: each kernel's columns and reduction step per program and warps
-    (UP_BLOCK_N, UP_BLOCK_K, UP_WARPS, DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS), num_stages
-    (or UP_STAGES and DOWN_STAGES each), GROUPED and WAVES (:func:`_columns_programs`)
-    (default: :func:`_decode_config`). ``spec``: as :func:`launch_gemm`'s."""
+    kernels. Per pair, GEMM1 and the gate as a matrix-vector product into an activation row
+    (:func:`_decode_up_kernel`); per token, GEMM2, the routing weights and the combine in one
+    (:func:`_decode_down_kernel`). With the config's GROUPED, per used expert instead
+    (:func:`_decode_grouped_kernel`, for each GEMM: each weight tile read once however many
+    pairs share the expert) into pair rows, then :func:`combine` (a third launch). The same
+    results as :func:`fused_experts_forward`'s GEMM path but for the order of each dot
+    product's fp32 sums. ``cfg``: each kernel's columns and reduction step per program and
+    warps (UP_BLOCK_N, UP_BLOCK_K, UP_WARPS, DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS),
+    num_stages, GROUPED and WAVES (:func:`_columns_programs`) (default:
+    :func:`_decode_config`). ``spec``: as :func:`launch_gemm`'s."""
     static = _DECODE_STATIC.get(spec) if spec is not None else None
     if static is None:
         cfg = cfg or _decode_config(x, ids, w1, transposed)
         static = _decode_static(x, ids, rw, w1, b1, w2, b2, activation, gated, transposed, interleaved, limit, cfg)
         if spec is not None:
             _remember(_DECODE_STATIC, spec, static)
-    (up, down, act_shape, pairs_shape, (gc, argc, optc)) = static
+    (g1, head1, tail1, opts1), (g2, head2, tail2, opts2), act_shape, combined = static
     w1v, w2v = _nk_view(w1, transposed), _nk_view(w2, transposed)
     bias1, bias2 = b1 if b1 is not None else w1v, b2 if b2 is not None else w2v
-    lim = float(limit) if up[4]["HAS_LIMIT"] else 0.0
+    lim = float(limit) if opts1["HAS_LIMIT"] else 0.0
     act = _new_buffer(act_shape, x.dtype, x.device)
     out = _new_buffer(tuple(x.shape), x.dtype, x.device)
     with _device_ctx(x):
-        kernel, grid, head, tail, opts = up
-        front = (x, ids, rw) if kernel is _decode_grouped_kernel else (x, ids)
-        launch_args(kernel, grid, (*front, w1v, bias1, act, *head, float(alpha), lim, *tail),
-                    spec and (spec, "decode up"), opts)
-        kernel, grid, head, tail, opts = down
-        if pairs_shape is None:
-            launch_args(kernel, grid, (act, ids, rw, w2v, bias2, out, *head, *tail), spec and (spec, "decode down"),
-                        opts)
-        else:
-            pairs = _new_buffer(pairs_shape, x.dtype, x.device)
-            launch_args(kernel, grid, (act, ids, rw, w2v, bias2, pairs, *head, 0.0, 0.0, *tail),
-                        spec and (spec, "decode down"), opts)
-            launch_args(_combine_kernel, gc, (pairs, ids, out, ids, *argc), spec and (spec, "decode combine"), optc)
+        if combined is None:
+            launch_args(_decode_up_kernel, g1, (x, ids, w1v, bias1, act, *head1, float(alpha), lim, *tail1),
+                        spec and (spec, "decode up"), opts1)
+            launch_args(_decode_down_kernel, g2, (act, ids, rw, w2v, bias2, out, *head2, *tail2),
+                        spec and (spec, "decode down"), opts2)
+            return out
+        pairs_shape, gc, argc, optc = combined
+        pairs = _new_buffer(pairs_shape, x.dtype, x.device)
+        launch_args(_decode_grouped_kernel, g1, (x, ids, rw, w1v, bias1, act, *head1, float(alpha), lim, *tail1),
+                    spec and (spec, "decode up"), opts1)
+        launch_args(_decode_grouped_kernel, g2, (act, ids, rw, w2v, bias2, pairs, *head2, 0.0, 0.0, *tail2),
+                    spec and (spec, "decode down"), opts2)
+        launch_args(_combine_kernel, gc, (pairs, ids, out, ids, *argc), spec and (spec, "decode combine"), optc)
     return out
 
 
@@ -1294,64 +1293,51 @@ def _decode_static(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: tor
                    b1: Optional[torch.Tensor], w2: torch.Tensor, b2: Optional[torch.Tensor], activation: str,
                    gated: bool, transposed: bool, interleaved: bool, limit: float,
                    cfg: dict[str, int]) -> tuple[Any, ...]:
-    """What :func:`decode_forward` derives from metadata alone: per launch its kernel, grid,
-    int arguments and constexprs; the activation (and pair rows') buffer's shape."""
+    """What :func:`decode_forward` derives from metadata alone: per GEMM launch its grid, int
+    arguments and constexprs; the activation buffer's shape; with GROUPED, the pair rows'
+    shape and the combine's launch (else None)."""
     t, h = x.shape
     k, e = ids.shape[1], w1.shape[0]
     s = t * k
     w1v, w2v = _nk_view(w1, transposed), _nk_view(w2, transposed)
     n1 = w1v.shape[1]
     i = n1 // 2 if gated else n1
-    mode = int(cfg.get("GROUPED", 0))
-    if mode not in (0, 1, 2):
-        raise ValueError(f"moe_experts' decode config: GROUPED must be 0, 1 or 2, got {mode}")
+    grouped = bool(cfg.get("GROUPED", 0))
+    least = _DOT_MIN if grouped else 1
+    bk1, bk2 = max(least, min(cfg["UP_BLOCK_K"], next_pow2(h))), max(least, min(cfg["DOWN_BLOCK_K"], next_pow2(i)))
+    bn1, bn2 = max(least, min(cfg["UP_BLOCK_N"], next_pow2(i))), max(least, min(cfg["DOWN_BLOCK_N"], next_pow2(h)))
     bias1, bias2 = b1 if b1 is not None else w1v, b2 if b2 is not None else w2v
     s1, s2 = w1v.stride(), w2v.stride()
     ids_s, rw_s = (ids.stride(0), ids.stride(1)), (rw.stride(0), rw.stride(1))
-    gate = dict(GATED=gated, INTERLEAVED=gated and interleaved, ACT=ACT_IDS[activation], HAS_BIAS=b1 is not None,
-                HAS_LIMIT=gated and math.isfinite(limit))
-
-    def blocks(n_key: str, k_key: str, n: int, kk: int, grouped: bool) -> tuple[int, int]:
-        least = _DOT_MIN if grouped else 1
-        return max(least, min(cfg[n_key], next_pow2(n))), max(least, min(cfg[k_key], next_pow2(kk)))
-
-    scan = {}
-    used = min(e, s)  # the grouped kernels' programs along dim 0: the used experts at most
-    if mode:
-        scan = dict(BLOCK_M=_DOT_MIN, BLOCK_E=next_pow2(e), BLOCK_P=next_pow2(s),
-                    DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-        if scan["BLOCK_E"] * scan["BLOCK_P"] > GROUPED_MAX_SCAN:
-            raise ValueError(f"moe_experts' grouped decode kernels: {s} pairs x {e} experts is past what one "
-                             f"program scans (GROUPED_MAX_SCAN = {GROUPED_MAX_SCAN}): pin GROUPED 0 (the per-pair "
-                             "kernels) or fewer tokens")
-    stages = dict(num_stages=cfg.get("UP_STAGES", cfg["num_stages"]))
-    act_out = (i, 1)  # act is a fresh (T*k, I) buffer
-    bn, bk = blocks("UP_BLOCK_N", "UP_BLOCK_K", i, h, bool(mode))
-    if mode:
-        up = (_decode_grouped_kernel, (used, _columns_programs(cfg, used, cdiv(i, bn), x.device)), (s, k, e, i, h),
-              (x.stride(0), x.stride(1), *ids_s, *rw_s, *s1, bias1.stride(0), bias1.stride(-1), *act_out),
-              dict(gate, **scan, **stages, BLOCK_N=bn, BLOCK_K=bk, UP=True, num_warps=cfg["UP_WARPS"]))
-    else:
-        up = (_decode_up_kernel, (s, cdiv(i, bn)), (k, e, i, h),
-              (x.stride(0), x.stride(1), *ids_s, *s1, bias1.stride(0), bias1.stride(-1), *act_out),
-              dict(gate, **stages, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["UP_WARPS"]))
-    bn, bk = blocks("DOWN_BLOCK_N", "DOWN_BLOCK_K", h, i, mode == 2)
-    stages = dict(num_stages=cfg.get("DOWN_STAGES", cfg["num_stages"]))
-    # (T, H) out, or with GROUPED 2 (S, H) pair rows: fresh buffers
+    opts1 = dict(BLOCK_N=bn1, BLOCK_K=bk1, GATED=gated, INTERLEAVED=gated and interleaved, ACT=ACT_IDS[activation],
+                 HAS_BIAS=b1 is not None, HAS_LIMIT=gated and math.isfinite(limit), num_warps=cfg["UP_WARPS"],
+                 num_stages=cfg["num_stages"])
+    opts2 = dict(BLOCK_N=bn2, BLOCK_K=bk2, HAS_BIAS=b2 is not None, num_warps=cfg["DOWN_WARPS"],
+                 num_stages=cfg["num_stages"])
+    # act is a fresh (S, I) buffer; out a fresh (T, H) one, or with GROUPED pair rows (S, H)
     tail2 = (i, 1, *ids_s, *rw_s, *s2, bias2.stride(0), bias2.stride(-1), h, 1)
-    if mode == 2:
-        down = (_decode_grouped_kernel, (used, _columns_programs(cfg, used, cdiv(h, bn), x.device)), (s, k, e, h, i),
-                tail2, dict(scan, **stages, BLOCK_N=bn, BLOCK_K=bk, UP=False, GATED=False, INTERLEAVED=False, ACT=0,
-                            HAS_BIAS=b2 is not None, HAS_LIMIT=False, num_warps=cfg["DOWN_WARPS"]))
-        cc = pick_config("combine", 0.0, h, k, x.dtype)
-        bh = min(cc["BLOCK_H"], next_pow2(h))
-        # _combine_kernel's arguments after (pairs, ids, out, rows): a fresh (S, H) pairs and (T, H) out
-        combine_launch = ((t, cdiv(h, bh)), (h, k, e, h, 1, *ids_s, h, 1),
-                          dict(BLOCK_H=bh, MAPPED=False, num_warps=cc["num_warps"]))
-        return up, down, (s, i), (s, h), combine_launch
-    down = (_decode_down_kernel, (t, cdiv(h, bn)), (k, e, h, i), tail2,
-            dict(**stages, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=b2 is not None, num_warps=cfg["DOWN_WARPS"]))
-    return up, down, (s, i), None, (None, None, None)
+    if not grouped:
+        tail1 = (x.stride(0), x.stride(1), *ids_s, *s1, bias1.stride(0), bias1.stride(-1), i, 1)
+        return (((s, cdiv(i, bn1)), (k, e, i, h), tail1, opts1), ((t, cdiv(h, bn2)), (k, e, h, i), tail2, opts2),
+                (s, i), None)
+    scan = dict(BLOCK_M=_DOT_MIN, BLOCK_E=next_pow2(e), BLOCK_P=next_pow2(s),
+                DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    if scan["BLOCK_E"] * scan["BLOCK_P"] > GROUPED_MAX_SCAN:
+        raise ValueError(f"moe_experts' grouped decode kernels: {s} pairs x {e} experts is past what one "
+                         f"program scans (GROUPED_MAX_SCAN = {GROUPED_MAX_SCAN}): pin GROUPED 0 (the per-pair "
+                         "kernels) or fewer tokens")
+    used = min(e, s)  # programs along dim 0: the used experts at most (the rest return at once)
+    tail1 = (x.stride(0), x.stride(1), *ids_s, *rw_s, *s1, bias1.stride(0), bias1.stride(-1), i, 1)
+    up = ((used, _columns_programs(cfg, used, cdiv(i, bn1), x.device)), (s, k, e, i, h), tail1,
+          dict(opts1, **scan, UP=True))
+    down = ((used, _columns_programs(cfg, used, cdiv(h, bn2), x.device)), (s, k, e, h, i), tail2,
+            dict(opts2, **scan, UP=False, GATED=False, INTERLEAVED=False, ACT=0, HAS_LIMIT=False))
+    cc = pick_config("combine", 0.0, h, k, x.dtype)
+    bh = min(cc["BLOCK_H"], next_pow2(h))
+    # _combine_kernel's arguments after (pairs, ids, out, rows): a fresh (S, H) pairs and (T, H) out
+    combine_launch = ((s, h), (t, cdiv(h, bh)), (h, k, e, h, 1, *ids_s, h, 1),
+                      dict(BLOCK_H=bh, MAPPED=False, num_warps=cc["num_warps"]))
+    return up, down, (s, i), combine_launch
 
 
 def _columns_programs(cfg: dict[str, int], experts: int, tiles: int, device: torch.device) -> int:

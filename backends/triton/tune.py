@@ -86,18 +86,18 @@ DGRAD1 = [(128, 64, 8, 8, 4), (256, 64, 8, 8, 3), (128, 64, 8, 4, 4), (128, 128,
 DECODE_UP = [(16, 128, 4), (32, 128, 8), (64, 128, 8), (8, 256, 4), (16, 256, 4)]
 DECODE_DOWN = [(8, 256, 4), (16, 128, 4), (4, 512, 4), (8, 512, 8), (32, 128, 8)]
 # The grouped decode kernels' (``--decode``, at GROUPED_TOKENS: the table's "decode_grouped",
-# 2 to DECODE_MAX_TOKENS tokens): both GEMMs grouped (GROUPED 2), the columns and reduction
+# 2 to DECODE_MAX_TOKENS tokens): both GEMMs grouped (GROUPED), the columns and reduction
 # step of each, warps, stages and WAVES (moe_experts.decode_forward). On the H200 at T = 1-16
 # (bench/moe_decode.py, 2026-12-03) the first of the first three was the fastest at 10 of 15
 # (shape, T) points, 0.4-3.1 µs behind at the others: the table's default.
 DECODE_GROUPED = [
-    dict(GROUPED=2, UP_BLOCK_N=64, UP_BLOCK_K=64, UP_WARPS=4, DOWN_BLOCK_N=64, DOWN_BLOCK_K=128, DOWN_WARPS=4,
+    dict(GROUPED=1, UP_BLOCK_N=64, UP_BLOCK_K=64, UP_WARPS=4, DOWN_BLOCK_N=64, DOWN_BLOCK_K=128, DOWN_WARPS=4,
          num_stages=4, WAVES=4),
-    dict(GROUPED=2, UP_BLOCK_N=128, UP_BLOCK_K=64, UP_WARPS=4, DOWN_BLOCK_N=128, DOWN_BLOCK_K=64, DOWN_WARPS=4,
+    dict(GROUPED=1, UP_BLOCK_N=128, UP_BLOCK_K=64, UP_WARPS=4, DOWN_BLOCK_N=128, DOWN_BLOCK_K=64, DOWN_WARPS=4,
          num_stages=3, WAVES=2),
-    dict(GROUPED=2, UP_BLOCK_N=64, UP_BLOCK_K=64, UP_WARPS=4, DOWN_BLOCK_N=32, DOWN_BLOCK_K=128, DOWN_WARPS=4,
+    dict(GROUPED=1, UP_BLOCK_N=64, UP_BLOCK_K=64, UP_WARPS=4, DOWN_BLOCK_N=32, DOWN_BLOCK_K=128, DOWN_WARPS=4,
          num_stages=4, WAVES=0),
-    dict(GROUPED=2, UP_BLOCK_N=64, UP_BLOCK_K=128, UP_WARPS=4, DOWN_BLOCK_N=64, DOWN_BLOCK_K=128, DOWN_WARPS=4,
+    dict(GROUPED=1, UP_BLOCK_N=64, UP_BLOCK_K=128, UP_WARPS=4, DOWN_BLOCK_N=64, DOWN_BLOCK_K=128, DOWN_WARPS=4,
          num_stages=3, WAVES=4),
 ]
 GROUPED_TOKENS = 4
