@@ -10,7 +10,8 @@ Replayed from a graph, a call costs its kernels. Per config and T, bf16, µs per
   (``configs={"decode": the table's}``); a ``*`` marks the T where the forward takes decode
   kernels by default (``moe_experts.decodes``: 1 <= T <= ``DECODE_MAX_TOKENS``);
 * ``g<n>``: the decode kernels grouped by expert (``GROUPED``: each weight tile read once per
-  call, then the combine; three launches), pinned with each of ``GROUPED_CANDIDATES``;
+  call, then the combine; three launches), pinned with each of ``GROUPED_CANDIDATES``
+  (``--block-m 16,32``: each of them with each number of pairs per step);
   ``--kernels``: each kernel's time in the fastest of them;
 * ``GEMM path``: the routing, the two routed GEMMs and the combine (four launches), the path
   the decode kernels replace;
@@ -131,13 +132,17 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--block", action="store_true", help="also the eager block with the decode bound at 1 and at T")
     p.add_argument("--rounds", type=int, default=7, help="--block's interleaved rounds")
+    p.add_argument("--block-m", default="16",
+                   help="the grouped candidates' pairs per step (BLOCK_M), comma-separated: each candidate "
+                        "is timed with each (16 is the kernels' default)")
     p.add_argument("--kernels", action="store_true",
                    help="also each kernel's device time (torch.profiler) of the fastest grouped config per row")
     a = p.parse_args()
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, µs per call from a CUDA graph "
           f"(median of {a.reps} replays of 20 calls)")
-    cands = GROUPED_CANDIDATES
-    print("grouped candidates:", "; ".join(f"g{n}={c}" for n, c in enumerate(GROUPED_CANDIDATES)))
+    cands = [c if m == 16 else dict(c, BLOCK_M=m) for m in (int(v) for v in a.block_m.split(","))
+             for c in GROUPED_CANDIDATES]
+    print("grouped candidates:", "; ".join(f"g{n}={c}" for n, c in enumerate(cands)))
     print("| config | T | decode | GEMM path | grouped | " + " | ".join(f"g{n}" for n in range(len(cands)))
           + " | weight bytes floor |")
     print("|---|---|---|---|---|" + "---|" * len(cands) + "---|")

@@ -132,6 +132,12 @@ CASES: dict[str, dict] = {
         activation=M.GPT_OSS, transposed=True, interleaved=True, bias=True, alpha=1.702, limit=1.0, gain=3.0)),
     "grouped decode, two row steps, relu2 ungated": dict(dims=(20, 2, 40, 24, 2), configs=GROUPED_SMALL,
                                                          opts=dict(activation="relu2", gated=False, bias=True)),
+    "grouped decode, 32 pairs per step, two steps": dict(dims=(40, 2, 24, 16, 2), opts=dict(bias=True),
+                                                         configs={"decode": dict(GROUPED_SMALL["decode"], BLOCK_M=32)},
+                                                         dtypes=["float32"]),
+    # the pairs per step from the routing's shape (_grouped_rows): 70 pairs per expert, 64 a step
+    "grouped decode, 64 pairs per step, two steps": dict(dims=(70, 2, 24, 16, 2), opts=dict(sentinels=3),
+                                                         configs=GROUPED_SMALL, dtypes=["float32"]),
     "grouped decode, int32 ids, strided inputs": dict(dims=(5, 4, 24, 16, 8), configs=GROUPED_SMALL,
                                                       opts=dict(idx_dtype=torch.int32), special="strided"),
     "grouped decode, sentinel NaN weight, negative id": dict(dims=(4, 3, 24, 16, 4), opts=dict(sentinels=2),
@@ -521,12 +527,19 @@ def test_config_table() -> None:
 @needs_triton
 def test_which_forward_decodes() -> None:
     """The decode kernels take a forward of 1 to DECODE_MAX_TOKENS tokens that saves nothing
-    for a backward (which reads the GEMM path's routing tables); a caller's configs pin the
-    path (a "decode" entry: the decode kernels at any T; GEMM configs only: the GEMM path)."""
+    for a backward (which reads the GEMM path's routing tables), where the grouped kernels
+    take its pairs and experts, else up to PER_PAIR_MAX_TOKENS (the per-pair kernels); a
+    caller's configs pin the path (a "decode" entry: the decode kernels at any T; GEMM
+    configs only: the GEMM path)."""
     assert TM.decodes(1, False, None) and TM.decodes(1, False, {"decode": {}})
     assert not TM.decodes(1, True, None) and not TM.decodes(0, False, None)
     assert TM.decodes(TM.DECODE_MAX_TOKENS, False, None) and not TM.decodes(TM.DECODE_MAX_TOKENS + 1, False, None)
-    assert not TM.decodes(64, False, None)
+    assert not TM.decodes(4096, False, None)
+    assert TM.decodes(64, False, None, 64 * 8, 128)  # Qwen3-MoE's 128 experts, top-8: the grouped kernels' reach
+    # 256 experts, top-8: past GROUPED_MAX_SCAN from 64 pairs, so the per-pair kernels, then the GEMM path
+    assert TM.decodes(TM.PER_PAIR_MAX_TOKENS, False, None, 8 * TM.PER_PAIR_MAX_TOKENS, 4096)
+    assert not TM.decodes(TM.PER_PAIR_MAX_TOKENS + 1, False, None, 8 * (TM.PER_PAIR_MAX_TOKENS + 1), 4096)
+    assert not TM.decodes(64, False, None, 64 * 8, 256) and TM.decodes(8, False, None, 64, 256)
     assert not TM.decodes(1, False, {"gemm1": {}, "gemm2": {}, "combine": {}})
     assert TM.decodes(8, False, {"decode": {}}) and not TM.decodes(8, True, {"decode": {}})  # pinned: any T
 
@@ -546,6 +559,9 @@ def test_which_decode_kernels() -> None:
     big = make(8, 16, 16, 8, 1024, torch.float32, "cpu")
     with pytest.raises(ValueError, match="GROUPED_MAX_SCAN"):
         TM.fused_experts_forward(*big, configs=GROUPED_SMALL)
+    small = make(4, 2, 16, 8, 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="BLOCK_M .* must be one of"):
+        TM.fused_experts_forward(*small, configs={"decode": dict(GROUPED_SMALL["decode"], BLOCK_M=24)})
 
 
 @needs_triton

@@ -473,16 +473,20 @@ def _expert_pairs(ids_ptr, i, num_pairs, top_k, num_experts, stride_it, stride_i
                   BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
     """The grouped decode kernels' work item: of the experts some pair is routed to, the
     ``i``-th in ascending id (-1 past the last), with the pairs' ids (BLOCK_P,: -1 past the
-    S = T*k pairs) and which of them go to it. Found from the ids alone (a (BLOCK_E,
-    BLOCK_P) comparison per program), so no routing kernel runs first; ids outside [0, E)
-    belong to no expert."""
+    S = T*k pairs) and which of them go to it. Found from the ids alone, so no routing
+    kernel runs first; ids outside [0, E) belong to no expert. Which experts are used is a
+    histogram of the ids (~P log E work per program; the (E, P) comparison it replaces cost
+    each program of Qwen3-MoE's T = 64 65536 compares, and left the grouped kernels 7.5 %
+    behind the GEMM path on the H200); the pairs of no expert fall in bin BLOCK_E, past every
+    expert (the bins must hold every input: a mask is not on every Triton this runs on)."""
     ps = tl.arange(0, BLOCK_P)
     ids = tl.load(ids_ptr + (ps // top_k) * stride_it + (ps % top_k) * stride_ik, mask=ps < num_pairs, other=-1)
     ids = tl.where((ids >= 0) & (ids < num_experts), ids, -1).to(tl.int32)  # int32 compares, no wrap-around
-    es = tl.arange(0, BLOCK_E)
-    used = tl.max((ids[None, :] == es[:, None]).to(tl.int32), axis=1)
+    counts = tl.histogram(tl.where(ids >= 0, ids, BLOCK_E), 2 * BLOCK_E)
+    es = tl.arange(0, 2 * BLOCK_E)
+    used = ((counts > 0) & (es < num_experts)).to(tl.int32)
     mine = (used > 0) & (tl.cumsum(used, axis=0) - 1 == i)
-    e = tl.sum(tl.where(mine, es, 0), axis=0) - (1 - tl.max(mine.to(tl.int32), axis=0)) * (BLOCK_E + 1)
+    e = tl.sum(tl.where(mine, es, 0), axis=0) - (1 - tl.max(mine.to(tl.int32), axis=0)) * (2 * BLOCK_E + 1)
     return tl.maximum(e, -1), ids, ids == e
 
 
@@ -1190,22 +1194,33 @@ def combine(pairs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_exper
 
 
 # The most tokens whose forward takes the decode kernels by default (see decodes). H200,
-# bf16, 2026-12-03 (`bench/moe_decode.py --tokens 1,2,4,8,16 --block`), the grouped decode
-# kernels (_decode_config) against the GEMM path from CUDA graphs, µs (Mixtral / Qwen3-MoE /
-# OLMoE): T = 4 83.0 / 89.9, 81.1 / 85.3, 95.0 / 95.1; T = 8 98.9 / 102.8, 135.2 / 131.2,
-# 147.4 / 148.5; T = 16 109.2 / 110.2, 223.3 / 202.9, 197.9 / 189.0. The eager block (host
-# included, where decode sizes wait) at T = 8 ran 1.25-1.31x faster than with the GEMM path
-# (1.22-1.31x in a second run). 8: the GPU alone never more than 3 % slower (Qwen3-MoE at
-# T = 8; the per-pair kernels alone were 26-60 % slower there), the eager block a quarter
-# faster; at 16 the GPU alone is up to 10 % slower.
-DECODE_MAX_TOKENS = 8
+# bf16, 2026-12-03, twenty-seventh session (`bench/moe_decode.py --tokens 8,16,32,64
+# --block`): the grouped decode kernels (_decode_config; the expert search a histogram, the
+# pairs per step from _grouped_rows) against the GEMM path from CUDA graphs, µs, table
+# default / GEMM path (Mixtral, Qwen3-MoE, OLMoE): T = 8 101.0 / 100.1, 132.4 / 134.5,
+# 147.0 / 142.9; T = 16 108.8 / 108.8, 211.9 / 197.2, 196.8 / 186.6; T = 32 111.0 / 109.2,
+# 282.3 / 274.6, 215.3 / 207.9; T = 64 118.9 / 118.6, 308.8 / 304.4, 216.8 / 215.5. The GPU
+# alone is at most 7.5 % slower (Qwen3-MoE at T = 16, where ~1.3 pairs share an expert and
+# the GEMM path's routing packs them better), within 4 % elsewhere; the eager block, which
+# waits on its host at these sizes (H200: 290-620 µs a call against 100-310 of kernels), ran
+# 1.11-1.32x faster with them at every T and config: three launches and ~a third of the
+# GEMM path's Python. Past 64 the rows per expert reach the GEMM path's tiles.
+DECODE_MAX_TOKENS = 64
+# The most tokens for the per-pair decode kernels (two launches, each pair reading its
+# expert's weights) where the grouped ones can't take the call (GROUPED_MAX_SCAN): their
+# measured win over the GEMM path (H200, twenty-second session); at T = 8 they were 26-60 %
+# slower on the GPU, so past this the GEMM path runs instead.
+PER_PAIR_MAX_TOKENS = 2
 
 
-def decodes(t: int, save: bool, configs: Optional[dict[str, dict[str, int]]]) -> bool:
+def decodes(t: int, save: bool, configs: Optional[dict[str, dict[str, int]]], pairs: Optional[int] = None,
+            experts: Optional[int] = None) -> bool:
     """Does a forward of ``t`` tokens run :func:`decode_forward`? Without ``save`` (the
     backward reads the routing tables that only the GEMM path builds), for 1 <= T <=
-    :data:`DECODE_MAX_TOKENS`; ``configs`` pins the path for tests and tuning: with a
-    "decode" entry the decode kernels at any T, without one the GEMM path.
+    :data:`DECODE_MAX_TOKENS` where the grouped kernels take ``pairs`` (T*k) x ``experts``
+    (:func:`grouped_fits`; not given: they do), else for T <= :data:`PER_PAIR_MAX_TOKENS`;
+    ``configs`` pins the path for tests and tuning: with a "decode" entry the decode kernels
+    at any T, without one the GEMM path.
     Why: at decode sizes the block is host-bound (H200: 300-650 µs against 30-150 µs of
     weight reads), and the decode kernels are 2-3 launches against the GEMM path's 4-5
     (routing, GEMM1, GEMM2, combine) with a third of the Python; from two tokens they read
@@ -1216,7 +1231,15 @@ def decodes(t: int, save: bool, configs: Optional[dict[str, dict[str, int]]]) ->
         return False
     if configs is not None:
         return "decode" in configs
-    return t <= DECODE_MAX_TOKENS
+    if t <= PER_PAIR_MAX_TOKENS:
+        return True
+    return t <= DECODE_MAX_TOKENS and (pairs is None or experts is None or grouped_fits(pairs, experts))
+
+
+def grouped_fits(pairs: int, experts: int) -> bool:
+    """Do the grouped decode kernels take ``pairs`` (T*k) pairs over ``experts`` experts
+    (:data:`GROUPED_MAX_SCAN`)?"""
+    return next_pow2(max(1, experts)) * next_pow2(max(1, pairs)) <= GROUPED_MAX_SCAN
 
 
 def decode_forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: torch.Tensor,
@@ -1232,7 +1255,8 @@ def decode_forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: tor
     results as :func:`fused_experts_forward`'s GEMM path but for the order of each dot
     product's fp32 sums. ``cfg``: each kernel's columns and reduction step per program and
     warps (UP_BLOCK_N, UP_BLOCK_K, UP_WARPS, DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS),
-    num_stages, GROUPED and WAVES (:func:`_columns_programs`) (default:
+    num_stages, GROUPED, WAVES (:func:`_columns_programs`) and, grouped, BLOCK_M (pairs
+    per step; :func:`_grouped_rows` unless given) (default:
     :func:`_decode_config`). ``spec``: as :func:`launch_gemm`'s."""
     static = _DECODE_STATIC.get(spec) if spec is not None else None
     if static is None:
@@ -1272,21 +1296,26 @@ def _decode_config(x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, transpo
     "decode" (the per-pair kernels) at one token, whose k pairs are k distinct experts: the
     same weight bytes in two launches instead of three (the eager block, host-bound there,
     ran 6-38 % slower grouped in three runs), and where the pairs and experts are too many
-    for a grouped program's search (:data:`GROUPED_MAX_SCAN`)."""
+    for a grouped program (:data:`GROUPED_MAX_SCAN`; by default only up to
+    :data:`PER_PAIR_MAX_TOKENS` there, :func:`decodes`)."""
     n1, e = (w1.shape[2] if transposed else w1.shape[1]), w1.shape[0]
-    if x.shape[0] > 1 and next_pow2(e) * next_pow2(ids.numel()) <= GROUPED_MAX_SCAN:
+    if x.shape[0] > 1 and grouped_fits(ids.numel(), e):
         return pick_config("decode_grouped", 0.0, n1, x.shape[1], x.dtype)
     return pick_config("decode", 0.0, n1, x.shape[1], x.dtype)
 
 
-# The grouped decode kernels find their expert by comparing every pair's id with every
-# expert id, in each program: past this many comparisons (E x T*k, both rounded up to
-# powers of two) the default decode config is the per-pair one, and a pinned grouped config
-# is refused.
+# The grouped decode kernels' reach, E x T*k (both rounded up to powers of two): each program
+# holds all T*k pair ids, a histogram of them over 2 E bins and, per step, a (BLOCK_M, T*k)
+# selection of its expert's pairs. Measured up to here (Qwen3-MoE at T = 64: 128 x 512);
+# past it the per-pair kernels run up to PER_PAIR_MAX_TOKENS, then the GEMM path, and a
+# pinned grouped config is refused.
 GROUPED_MAX_SCAN = 1 << 16
-# tl.dot's smallest tile side: the grouped kernels' rows (pairs) per step, and their
-# narrowest column and reduction blocks.
+# tl.dot's smallest tile side: the grouped kernels' default rows (pairs) per step, and
+# their narrowest column and reduction blocks.
 _DOT_MIN = 16
+# The grouped kernels' pairs per step a config may ask (BLOCK_M): each step runs the whole
+# K loop, so an expert with more pairs than BLOCK_M reads its weight tiles once per step.
+_GROUPED_ROWS = (16, 32, 64)
 
 
 def _decode_static(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: torch.Tensor,
@@ -1320,7 +1349,11 @@ def _decode_static(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: tor
         tail1 = (x.stride(0), x.stride(1), *ids_s, *s1, bias1.stride(0), bias1.stride(-1), i, 1)
         return (((s, cdiv(i, bn1)), (k, e, i, h), tail1, opts1), ((t, cdiv(h, bn2)), (k, e, h, i), tail2, opts2),
                 (s, i), None)
-    scan = dict(BLOCK_M=_DOT_MIN, BLOCK_E=next_pow2(e), BLOCK_P=next_pow2(s),
+    bm = cfg.get("BLOCK_M") or _grouped_rows(s, e)
+    if bm not in _GROUPED_ROWS:
+        raise ValueError(f"moe_experts' grouped decode kernels: BLOCK_M (pairs per step) must be one of "
+                         f"{_GROUPED_ROWS}, got {bm!r}")
+    scan = dict(BLOCK_M=bm, BLOCK_E=next_pow2(e), BLOCK_P=next_pow2(s),
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     if scan["BLOCK_E"] * scan["BLOCK_P"] > GROUPED_MAX_SCAN:
         raise ValueError(f"moe_experts' grouped decode kernels: {s} pairs x {e} experts is past what one "
@@ -1338,6 +1371,19 @@ def _decode_static(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: tor
     combine_launch = ((s, h), (t, cdiv(h, bh)), (h, k, e, h, 1, *ids_s, h, 1),
                       dict(BLOCK_H=bh, MAPPED=False, num_warps=cc["num_warps"]))
     return up, down, (s, i), combine_launch
+
+
+def _grouped_rows(pairs: int, experts: int) -> int:
+    """The grouped kernels' pairs per step where the config does not say: the fewest of
+    :data:`_GROUPED_ROWS` that hold the busiest expert's pairs in one step, by uniform
+    routing (mean m = S / min(E, S) pairs per used expert, the busiest ~m + 2 sqrt(m)): a
+    second step reads the expert's weight tiles again, a larger step wastes tensor-core rows.
+    H200, bf16, from CUDA graphs (``bench/moe_decode.py --block-m 16,32``, 2026-12-03):
+    Mixtral at T = 64 (m = 16) 160.8 µs with 16 pairs a step, 113.5 with 32; at T = 16 and 32
+    (m = 4, 8) and OLMoE at T = 64 (m = 8) 16 was the faster by 4-17 %."""
+    m = pairs / max(1, min(experts, pairs))
+    busiest = m + 2.0 * math.sqrt(m)
+    return next((r for r in _GROUPED_ROWS if busiest <= r), _GROUPED_ROWS[-1])
 
 
 def _columns_programs(cfg: dict[str, int], experts: int, tiles: int, device: torch.device) -> int:
@@ -1436,7 +1482,7 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     else:
         spec = (spec or spec_of(x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed,
                                 interleaved, alpha, limit), save, keep_rows)
-    if decodes(t, save, configs):
+    if decodes(t, save, configs, s, e):
         return decode_forward(x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed,
                               interleaved, alpha, limit, configs["decode"] if configs is not None else None, spec)
     picked = _CONFIGS.get(spec) if spec is not None else None
