@@ -767,7 +767,8 @@ def test_cuda_launch_cache() -> None:
 
     from opreg.backends.triton import launch as L
     TM._moe_gemm._opreg_launch_cache = {}  # this test's entries only (a JITFunction's attribute)
-    args = make(64, 2, 256, 128, 8, torch.bfloat16, "cuda")
+    # past the decode bound: the GEMM path (64 tokens, until the grouped decode kernels took them)
+    args = make(2 * TM.DECODE_MAX_TOKENS, 2, 256, 128, 8, torch.bfloat16, "cuda")
 
     def ref(a: tuple) -> torch.Tensor:
         return M.reference(*[v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in a])
