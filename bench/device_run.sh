@@ -13,9 +13,9 @@
 #   STAGE=decode bash bench/device_run.sh  the MoE layer at decode: the decode kernels tuned per shape
 #                                          (one token and grouped; from CUDA graphs, into
 #                                          $OUT/moe_experts_configs.json, then used by what follows), their
-#                                          own time against the GEMM path at T = 1-8 and the eager block
+#                                          own time against the GEMM path at T = 1-64 and the eager block
 #                                          with them and without (moe_decode.py), the block at
-#                                          T = 1, 4, 8 and 64 beside HF's eager and compiled
+#                                          T = 1, 4, 16 and 64 beside HF's eager and compiled
 #                                          grouped_mm, the eager block's host side (moe_profile --host-profile)
 #   STAGE=table bash bench/device_run.sh   issue 18's block table: every variant but HF's eager loop at
 #                                          TOKENS_TABLE (default 1,64,512; the large T in a second call,
@@ -123,8 +123,9 @@ if [ "$STAGE" = decode ]; then
   # the kernels' own time, from a CUDA graph (an eager call at T = 1 is all host there)
   # (--block: the eager block with the decode kernels' token bound at 1 and at T, interleaved)
   # (its grouped candidates at each T: ~170 s for T = 1-16 with --kernels, 2026-12-03)
-  timeout 200 python3 bench/moe_decode.py --tokens 1,2,4,8 --block --rounds 5 2>&1 | tee "$OUT/moe_decode.log" | grep "^|"
-  timeout 200 python3 bench/bench_moe_block.py --tokens 1,4,8,64 --rounds 7 \
+  # (T = 8-64 with --block, 4 candidates: ~170 s, 2026-12-03)
+  timeout 200 python3 bench/moe_decode.py --tokens 1,4,16,64 --block --rounds 5 2>&1 | tee "$OUT/moe_decode.log" | grep "^|"
+  timeout 200 python3 bench/bench_moe_block.py --tokens 1,4,16,64 --rounds 7 \
     --variants hf_grouped_mm hf_grouped_mm_inductor opreg opreg_inductor 2>&1 | tee "$OUT/moe_block_decode.log" | grep "^|"
   (cd bench && timeout 150 python3 moe_profile.py --tokens 4096 --configs qwen3_moe mixtral --host-profile \
     > "$OUT/moe_profile_host.log" 2>&1; grep -E "^[a-z].*T=|  (op|block)" "$OUT/moe_profile_host.log")
