@@ -89,7 +89,9 @@ DECODE_DOWN = [(8, 256, 4), (16, 128, 4), (4, 512, 4), (8, 512, 8), (32, 128, 8)
 # 2 to DECODE_MAX_TOKENS tokens): both GEMMs grouped (GROUPED), the columns and reduction
 # step of each, warps, stages and WAVES (moe_experts.decode_forward). On the H200 at T = 1-16
 # (bench/moe_decode.py, 2026-12-03) the first of the first three was the fastest at 10 of 15
-# (shape, T) points, 0.4-3.1 µs behind at the others: the table's default.
+# (shape, T) points, 0.4-3.1 µs behind at the others: the table's default. At T = 16-64 (the
+# twenty-seventh session) the fourth was the fastest or within 1 % at all 9 points, up to 5 %
+# ahead of the first.
 DECODE_GROUPED = [
     dict(GROUPED=1, UP_BLOCK_N=64, UP_BLOCK_K=64, UP_WARPS=4, DOWN_BLOCK_N=64, DOWN_BLOCK_K=128, DOWN_WARPS=4,
          num_stages=4, WAVES=4),
@@ -100,7 +102,10 @@ DECODE_GROUPED = [
     dict(GROUPED=1, UP_BLOCK_N=64, UP_BLOCK_K=128, UP_WARPS=4, DOWN_BLOCK_N=64, DOWN_BLOCK_K=128, DOWN_WARPS=4,
          num_stages=3, WAVES=4),
 ]
-GROUPED_TOKENS = 4
+# The grouped decode kernels run 2 to DECODE_MAX_TOKENS (64) tokens with one config per
+# shape: a candidate is timed as one call at each of these, back to back in one graph (their
+# sum: the larger T weighs more, as it takes longer).
+GROUPED_TOKENS = (4, 32)
 NOISE = 0.02
 # Normwise error of the winner against the grouped path (same inputs, same dtype): both
 # round to the dtype, so about its epsilon times a small factor.
@@ -317,29 +322,35 @@ def tune_decode(e: int, h: int, i: int, k: int, dtype: torch.dtype, device: str,
     kernel, then GEMM2's with the first's best); see :func:`_tune_decode_at`."""
     steps = [(lambda best, p=prefix, c=c: {**best, f"{p}_BLOCK_N": c[0], f"{p}_BLOCK_K": c[1], f"{p}_WARPS": c[2]})
              for prefix, cands in (("UP", up), ("DOWN", down)) for c in cands]
-    return _tune_decode_at("decode", 1, e, h, i, k, dtype, device, reps, deadline, steps)
+    return _tune_decode_at("decode", (1,), e, h, i, k, dtype, device, reps, deadline, steps)
 
 
 def tune_decode_grouped(e: int, h: int, i: int, k: int, dtype: torch.dtype, device: str, reps: int,
                         deadline: float, cands: list[dict[str, int]] = DECODE_GROUPED) -> dict[str, Any]:
-    """The grouped decode kernels' config for one shape at GROUPED_TOKENS tokens, for the
-    table's "decode_grouped"; see :func:`_tune_decode_at`."""
+    """The grouped decode kernels' config for one shape at GROUPED_TOKENS tokens (one call at
+    each), for the table's "decode_grouped"; see :func:`_tune_decode_at`."""
     steps = [(lambda best, c=c: dict(c)) for c in cands]
     return _tune_decode_at("decode_grouped", GROUPED_TOKENS, e, h, i, k, dtype, device, reps, deadline, steps)
 
 
-def _tune_decode_at(entry: str, t: int, e: int, h: int, i: int, k: int, dtype: torch.dtype, device: str, reps: int,
-                    deadline: float, steps: list[Callable[[dict[str, int]], dict[str, int]]]) -> dict[str, Any]:
-    """The table's ``entry`` config for one shape at ``t`` tokens: each step makes a
-    candidate from the best so far, timed side by side with it, from a CUDA graph: an eager
+def _tokens(tokens: tuple[int, ...]) -> str:
+    return ",".join(str(t) for t in tokens)
+
+
+def _tune_decode_at(entry: str, tokens: tuple[int, ...], e: int, h: int, i: int, k: int, dtype: torch.dtype,
+                    device: str, reps: int, deadline: float,
+                    steps: list[Callable[[dict[str, int]], dict[str, int]]]) -> dict[str, Any]:
+    """The table's ``entry`` config for one shape, timed as one forward at each of
+    ``tokens`` tokens: each step makes a candidate from the best so far, timed side by side
+    with it, from a CUDA graph: an eager
     decode call is all host on the H200 box (the first run, timed with events, read
     75.8-78.2 µs for all three shapes and every candidate, 2026-12-03); returns
     {"default_us", "best_us", "decode" (the winner), "error", "tried", "of"}."""
-    args = inputs(e, h, i, k, t, dtype, device)
+    calls = [inputs(e, h, i, k, t, dtype, device) for t in tokens]
     default_cfg = fused.pick_config(entry, 0.0, 2 * i, h, dtype)
 
     def run(cfg: dict[str, int]) -> Optional[Callable[[], Any]]:
-        return _compiled(lambda: fused.fused_experts_forward(*args, configs={"decode": cfg}))
+        return _compiled(lambda: [fused.fused_experts_forward(*args, configs={"decode": cfg}) for args in calls])
 
     default = run(default_cfg)
     if default is None:
@@ -356,9 +367,11 @@ def _tune_decode_at(entry: str, t: int, e: int, h: int, i: int, k: int, dtype: t
         if _beats(fn, best_run, reps, device, graph=True):
             best, best_run = cand, fn
     default_us, best_us = _versus(default, best_run, reps, device, graph=True)
-    got = fused.fused_experts_forward(*args, configs={"decode": best}).double()
-    want = fused.M.grouped(*args).double()
-    error = float((got - want).norm() / want.norm().clamp_min(1e-30))
+    error = 0.0
+    for args in calls:
+        got = fused.fused_experts_forward(*args, configs={"decode": best}).double()
+        want = fused.M.grouped(*args).double()
+        error = max(error, float((got - want).norm() / want.norm().clamp_min(1e-30)))
     return {"default_us": default_us, "best_us": best_us, "decode": best, "error": error, "tried": tried,
             "of": len(steps)}
 
@@ -440,7 +453,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "this run's winners)")
     p.add_argument("--decode", action="store_true",
                    help="instead, the decode kernels' configs per shape (a forward of one token, and the "
-                        f"grouped kernels' at {GROUPED_TOKENS} tokens; --tokens and --backward do not apply)")
+                        f"grouped kernels' at {_tokens(GROUPED_TOKENS)} tokens; --tokens and --backward do not "
+                        "apply)")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not fused.interpreting() else "cpu"
     if device == "cpu" and not fused.interpreting():
@@ -463,8 +477,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.decode:
         print(f"tuning moe_experts' decode kernels ({a.dtype}) on "
               f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, {len(DECODE_UP)} + {len(DECODE_DOWN)} "
-              f"candidates per shape at T = 1 and {len(DECODE_GROUPED)} grouped at T = {GROUPED_TOKENS}, budget "
-              f"{a.budget_s:.0f} s", flush=True)
+              f"candidates per shape at T = 1 and {len(DECODE_GROUPED)} grouped at T = {_tokens(GROUPED_TOKENS)}, "
+              f"budget {a.budget_s:.0f} s", flush=True)
         for n, (e, h, i, k) in enumerate(shapes):
             left = a.budget_s - (time.monotonic() - start)
             deadline = time.monotonic() + max(left, 0.0) / (len(shapes) - n)
@@ -480,7 +494,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             found = tune_decode_grouped(e, h, i, k, dtype, device, a.reps, max(deadline, time.monotonic() + 1.0),
                                         DECODE_GROUPED[:a.max_candidates])
             kept = record_decode(table, e, h, i, dtype, found, "decode_grouped")
-            print(f"E={e} H={h} I={i} k={k} T={GROUPED_TOKENS} (grouped decode): default "
+            print(f"E={e} H={h} I={i} k={k} T={_tokens(GROUPED_TOKENS)} (grouped decode): default "
                   f"{found['default_us']:.1f} us, best {found['best_us']:.1f} us "
                   f"({found['default_us'] / found['best_us']:.2f}x) error {found['error']:.1e}, {found['tried']} of "
                   f"{found['of']} candidates tried; decode_grouped={found['decode']}: "
