@@ -559,6 +559,10 @@ def test_which_decode_kernels() -> None:
     big = make(8, 16, 16, 8, 1024, torch.float32, "cpu")
     with pytest.raises(ValueError, match="GROUPED_MAX_SCAN"):
         TM.fused_experts_forward(*big, configs=GROUPED_SMALL)
+    # pairs per step: the busiest expert's in one step by uniform routing, within GROUPED_MAX_SCAN
+    assert TM._grouped_rows(64 * 8, 128) == 16 and TM._grouped_rows(32 * 2, 8) == 16  # Qwen3-MoE T=64, Mixtral T=32
+    assert TM._grouped_rows(64 * 2, 8) == 32 and TM._grouped_rows(70 * 2, 2) == 64  # Mixtral T=64; 70 pairs each
+    assert TM._grouped_rows(2048, 32) == 32  # 64 a step would hold a (64, 2048) selection: past the bound
     small = make(4, 2, 16, 8, 4, torch.float32, "cpu")
     with pytest.raises(ValueError, match="BLOCK_M .* must be one of"):
         TM.fused_experts_forward(*small, configs={"decode": dict(GROUPED_SMALL["decode"], BLOCK_M=24)})

@@ -1383,7 +1383,10 @@ def _grouped_rows(pairs: int, experts: int) -> int:
     (m = 4, 8) and OLMoE at T = 64 (m = 8) 16 was the faster by 4-17 %."""
     m = pairs / max(1, min(experts, pairs))
     busiest = m + 2.0 * math.sqrt(m)
-    return next((r for r in _GROUPED_ROWS if busiest <= r), _GROUPED_ROWS[-1])
+    # a step selects its pairs from all of them, (BLOCK_M, T*k) in registers: within what was
+    # measured (GROUPED_MAX_SCAN), never below tl.dot's 16
+    fit = [r for r in _GROUPED_ROWS if r == _DOT_MIN or r * next_pow2(max(1, pairs)) <= GROUPED_MAX_SCAN]
+    return next((r for r in fit if busiest <= r), fit[-1])
 
 
 def _columns_programs(cfg: dict[str, int], experts: int, tiles: int, device: torch.device) -> int:
