@@ -16,7 +16,7 @@ Rows, µs per call, min over rounds of back-to-back calls:
 * the fused forward (T tokens), as the op runs it (no save), and with ``save=True`` (the
   training forward);
 * the fused backward (``fused_experts_backward``) on that forward's saved tensors;
-* at T = 1 and 4: the decode path (``decode_forward``: per pair, grouped by expert) against the
+* at T = 1, 4 and 64: the decode path (``decode_forward``: per pair, grouped by expert) against the
   GEMM path it replaces;
 * ``--blocks``: a whole transformers block's training step at T = 64 (router, integration,
   the fused training path, autograd), eager and under ``torch.compile``, beside HF's
@@ -92,7 +92,7 @@ def op_rows(name: str, t: int) -> None:
     g = torch.randn(t, HIDDEN, dtype=args[0].dtype)
     bwd = min_us(lambda: B.fused_experts_backward(g, *args, saved, fwd_spec=spec))
     print(f"{name:9s} T={t:<5d} forward {fwd:6.1f}   forward, save {fwd_save:6.1f}   backward {bwd:6.1f} us")
-    for t_dec, launches in ((1, 2), (4, 3)):  # the per-pair decode kernels; the grouped ones
+    for t_dec, launches in ((1, 2), (4, 3), (64, 3)):  # the per-pair decode kernels; the grouped ones
         few = op_args(e, k, t_dec)
         spec1 = F.spec_of(*few)
         dec = min_us(lambda: F.fused_experts_forward(*few, spec=spec1))
