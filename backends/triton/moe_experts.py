@@ -1355,7 +1355,7 @@ def _decode_static(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: tor
                          f"{_GROUPED_ROWS}, got {bm!r}")
     scan = dict(BLOCK_M=bm, BLOCK_E=next_pow2(e), BLOCK_P=next_pow2(s),
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    if scan["BLOCK_E"] * scan["BLOCK_P"] > GROUPED_MAX_SCAN:
+    if not grouped_fits(s, e):
         raise ValueError(f"moe_experts' grouped decode kernels: {s} pairs x {e} experts is past what one "
                          f"program scans (GROUPED_MAX_SCAN = {GROUPED_MAX_SCAN}): pin GROUPED 0 (the per-pair "
                          "kernels) or fewer tokens")
@@ -1380,7 +1380,7 @@ def _grouped_rows(pairs: int, experts: int) -> int:
     second step reads the expert's weight tiles again, a larger step wastes tensor-core rows.
     H200, bf16, from CUDA graphs (``bench/moe_decode.py --block-m 16,32``, 2026-12-03):
     Mixtral at T = 64 (m = 16) 160.8 µs with 16 pairs a step, 113.5 with 32; at T = 16 and 32
-    (m = 4, 8) and OLMoE at T = 64 (m = 8) 16 was the faster by 4-17 %."""
+    (m = 4, 8) and OLMoE at T = 64 (m = 8) 16 was the faster, by 1-17 % (best of each)."""
     m = pairs / max(1, min(experts, pairs))
     busiest = m + 2.0 * math.sqrt(m)
     # a step selects its pairs from all of them, (BLOCK_M, T*k) in registers: within what was
