@@ -19,12 +19,12 @@ current stream (Triton launches on torch's current stream of the current device)
    of the pair rows whose id is in [0, E) (a NaN weight in a sentinel slot adds nothing).
    Same bits every run.
 
-Up to eight tokens without a backward to feed (decode, :func:`decodes`) take the decode
+Up to 64 tokens without a backward to feed (decode, :func:`decodes`) take the decode
 kernels instead (:func:`decode_forward`), with no routing kernels and no padded rows. One
 token: two kernels, GEMM1 and the gate per (token, slot) pair as a matrix-vector product,
 then GEMM2, the routing weights and the combine per token in one (its pairs are k distinct
 experts: the same weight bytes in half the launches). From two tokens on, pairs may share
-experts: each program takes one used expert (found from the ids) and all of its pairs
+experts: each program takes one used expert (found from a histogram of the ids) and all of its pairs
 through tensor cores, for GEMM1 and the gate, then GEMM2 and the routing weights into pair
 rows, then the combine: each expert's weights read once.
 
@@ -1357,7 +1357,7 @@ def _decode_static(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: tor
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     if not grouped_fits(s, e):
         raise ValueError(f"moe_experts' grouped decode kernels: {s} pairs x {e} experts is past what one "
-                         f"program scans (GROUPED_MAX_SCAN = {GROUPED_MAX_SCAN}): pin GROUPED 0 (the per-pair "
+                         f"program holds (GROUPED_MAX_SCAN = {GROUPED_MAX_SCAN}): pin GROUPED 0 (the per-pair "
                          "kernels) or fewer tokens")
     used = min(e, s)  # programs along dim 0: the used experts at most (the rest return at once)
     tail1 = (x.stride(0), x.stride(1), *ids_s, *rw_s, *s1, bias1.stride(0), bias1.stride(-1), i, 1)

@@ -337,15 +337,25 @@ def _tokens(tokens: tuple[int, ...]) -> str:
     return ",".join(str(t) for t in tokens)
 
 
+def _report_decode(shape: tuple[int, int, int, int], tokens: str, entry: str, found: dict[str, Any],
+                   kept: bool) -> None:
+    e, h, i, k = shape
+    label = "decode" if entry == "decode" else "grouped decode"
+    print(f"E={e} H={h} I={i} k={k} T={tokens} ({label}): default {found['default_us']:.1f} us, best "
+          f"{found['best_us']:.1f} us ({found['default_us'] / found['best_us']:.2f}x) error {found['error']:.1e}, "
+          f"{found['tried']} of {found['of']} candidates tried; {entry}={found['decode']}: "
+          f"{'written' if kept else 'default kept'}", flush=True)
+
+
 def _tune_decode_at(entry: str, tokens: tuple[int, ...], e: int, h: int, i: int, k: int, dtype: torch.dtype,
                     device: str, reps: int, deadline: float,
                     steps: list[Callable[[dict[str, int]], dict[str, int]]]) -> dict[str, Any]:
     """The table's ``entry`` config for one shape, timed as one forward at each of
     ``tokens`` tokens: each step makes a candidate from the best so far, timed side by side
-    with it, from a CUDA graph: an eager
-    decode call is all host on the H200 box (the first run, timed with events, read
-    75.8-78.2 µs for all three shapes and every candidate, 2026-12-03); returns
-    {"default_us", "best_us", "decode" (the winner), "error", "tried", "of"}."""
+    with it, from a CUDA graph: an eager decode call is all host on the H200 box (the first
+    run, timed with events, read 75.8-78.2 µs for all three shapes and every candidate,
+    2026-12-03); returns {"default_us", "best_us", "decode" (the winner), "error", "tried",
+    "of"}."""
     calls = [inputs(e, h, i, k, t, dtype, device) for t in tokens]
     default_cfg = fused.pick_config(entry, 0.0, 2 * i, h, dtype)
 
@@ -485,20 +495,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             half = time.monotonic() + (deadline - time.monotonic()) / 2  # T = 1's share; the grouped, the rest
             found = tune_decode(e, h, i, k, dtype, device, a.reps, half, DECODE_UP[:a.max_candidates],
                                 DECODE_DOWN[:a.max_candidates])
-            kept = record_decode(table, e, h, i, dtype, found)
-            print(f"E={e} H={h} I={i} k={k} T=1 (decode): default {found['default_us']:.1f} us, best "
-                  f"{found['best_us']:.1f} us ({found['default_us'] / found['best_us']:.2f}x) error "
-                  f"{found['error']:.1e}, {found['tried']} of {found['of']} candidates tried; "
-                  f"decode={found['decode']}: {'written' if kept else 'default kept'}", flush=True)
+            _report_decode((e, h, i, k), "1", "decode", found, record_decode(table, e, h, i, dtype, found))
             # the grouped kernels (2 to DECODE_MAX_TOKENS tokens) with what is left of this shape's share
             found = tune_decode_grouped(e, h, i, k, dtype, device, a.reps, max(deadline, time.monotonic() + 1.0),
                                         DECODE_GROUPED[:a.max_candidates])
-            kept = record_decode(table, e, h, i, dtype, found, "decode_grouped")
-            print(f"E={e} H={h} I={i} k={k} T={_tokens(GROUPED_TOKENS)} (grouped decode): default "
-                  f"{found['default_us']:.1f} us, best {found['best_us']:.1f} us "
-                  f"({found['default_us'] / found['best_us']:.2f}x) error {found['error']:.1e}, {found['tried']} of "
-                  f"{found['of']} candidates tried; decode_grouped={found['decode']}: "
-                  f"{'written' if kept else 'default kept'}", flush=True)
+            _report_decode((e, h, i, k), _tokens(GROUPED_TOKENS), "decode_grouped", found,
+                           record_decode(table, e, h, i, dtype, found, "decode_grouped"))
         return _write(table, a.out, device, argv)
     jobs = [(shape, t) for shape in shapes for t in (int(v) for v in a.tokens.split(","))]
     print(f"tuning moe_experts ({a.dtype}) on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
