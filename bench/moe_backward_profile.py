@@ -22,7 +22,7 @@ import opreg  # noqa: F401
 from opreg.backends.triton import moe_experts as fused
 from opreg.backends.triton import moe_experts_backward as B
 from opreg.backends.triton import tune
-from opreg.ops import moe_experts as M
+from opreg.ops import moe_experts_grouped as G
 from opreg.testing.timing import median_us
 
 SHAPES = tune.SHAPES
@@ -65,7 +65,7 @@ def main() -> None:
 
             fwd_only = median_us(lambda: fused.fused_experts_forward(*[x.detach() if isinstance(x, torch.Tensor)
                                                                         else x for x in args]), a.reps, True)
-            grouped = median_us(step(M.grouped), a.reps, True)
+            grouped = median_us(step(G.grouped), a.reps, True)
             base = median_us(step(lambda *x: B.FusedExperts.apply(*x)), a.reps, True)
             print(f"\n{name} T={t}: grouped fwd+bwd {grouped:.0f} us; fused fwd {fwd_only:.0f} us, "
                   f"fused fwd+bwd {base:.0f} us", flush=True)

@@ -34,6 +34,7 @@ import torch
 
 from opreg.backends.triton import moe_experts as F
 from opreg.backends.triton import tune
+from opreg.ops import moe_experts_grouped as G
 from opreg.testing.timing import graph_us
 
 import _timing as tm
@@ -151,12 +152,12 @@ def main() -> None:
         e, h, i, k = tune.SHAPES[name]
         for t in (int(v) for v in a.tokens.split(",")):
             args = tune.inputs(e, h, i, k, t, torch.bfloat16, "cuda")
-            want = F.M.grouped(*args).double()
+            want = G.grouped(*args).double()
             rows = {}
             pinned = {"decode": F.pick_config("decode", 0.0, 2 * i, h, torch.bfloat16)}
             runs = [("decode", lambda: F.fused_experts_forward(*args, configs=pinned)),
                     ("GEMM path", lambda: gemm_path(args)),
-                    ("grouped", lambda: F.M.grouped(*args))]
+                    ("grouped", lambda: G.grouped(*args))]
             runs += [(f"g{n}", (lambda c: lambda: F.fused_experts_forward(*args, configs={"decode": c}))(c))
                      for n, c in enumerate(cands)]
             for label, fn in runs:

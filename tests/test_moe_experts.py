@@ -11,6 +11,7 @@ import torch
 
 import opreg
 from opreg.ops import moe_experts as M
+from opreg.ops import moe_experts_grouped as G
 from opreg.testing import OpTestSuite, Sample
 
 from _util import assert_matches, set_requires_grad
@@ -119,11 +120,11 @@ def test_grouped_path_gradients(family, dtype):
     args = set_requires_grad(make(*dims, dtype, "cpu", **opts), True)
     args64 = set_requires_grad(tuple(a.detach().double() if isinstance(a, torch.Tensor) and
                                      a.is_floating_point() else a for a in args), True)
-    out = M.grouped(*args)
+    out = G.grouped(*args)
     want = M.reference(*args64)
     assert_matches(out, want, dtype)
     cot = torch.randn_like(want)
-    for got, ref in zip(_grads(M.grouped, args, cot.to(dtype)), _grads(M.reference, args64, cot)):
+    for got, ref in zip(_grads(G.grouped, args, cot.to(dtype)), _grads(M.reference, args64, cot)):
         assert_matches(got, ref, dtype)
 
 
@@ -148,8 +149,8 @@ def test_listed_with_its_implementations():
 
 def test_grouped_impl_is_what_runs(monkeypatch):
     calls = []
-    real = M.grouped
-    monkeypatch.setattr(M, "grouped", lambda *a: calls.append(1) or real(*a))
+    real = G.grouped
+    monkeypatch.setattr(G, "grouped", lambda *a: calls.append(1) or real(*a))
     OP(*make(4, 2, 8, 4, 3, torch.float32, "cpu"))
     assert calls == [1]
 
@@ -170,7 +171,7 @@ BF16_FAMILIES = ["mixtral silu", "gpt_oss biases", "relu2 ungated", "sentinels",
 def test_cuda_bf16_grouped_mm(family):
     dims, opts = FAMILIES[family]
     args = make(*dims, torch.bfloat16, "cuda", **opts)
-    assert M.uses_grouped_mm(args[0], args[3])
+    assert G.uses_grouped_mm(args[0], args[3])
     args64 = tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
     out = OP(*args)
     assert_matches(out, M.reference(*args64), torch.bfloat16)
@@ -182,7 +183,7 @@ def test_cuda_bf16_grouped_mm(family):
 def test_cuda_bf16_grouped_path_gradients_deterministic():
     args = set_requires_grad(make(64, 2, 32, 16, 8, torch.bfloat16, "cuda", bias=True), True)
     cot = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
-    first, again = _grads(M.grouped, args, cot), _grads(M.grouped, args, cot)
+    first, again = _grads(G.grouped, args, cot), _grads(G.grouped, args, cot)
     assert all(torch.equal(a, b) for a, b in zip(first, again)), "gradients differ between runs"
     args64 = set_requires_grad(tuple(a.detach().double() if isinstance(a, torch.Tensor) and
                                      a.is_floating_point() else a for a in args), True)

@@ -20,6 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import opreg
 from opreg.ops import moe_experts as M
+from opreg.ops import moe_experts_grouped as G
 from opreg.testing import TOL, assert_matches
 
 OP = torch.ops.opreg.moe_experts.default
@@ -168,7 +169,7 @@ def test_unused_expert_that_overflows_changes_nothing_with_or_without_grad():
     want = eager64(*a)
     plain = OP(*a)                               # no grad: the grouped kernel
     out, grads = grads_of(OP, a)                 # with grad: the op's autograd (its reference)
-    for got in (plain, out, M.reference(*a), M.grouped(*a)):
+    for got in (plain, out, M.reference(*a), G.grouped(*a)):
         assert_matches(got, want, torch.float16)
     assert all(bool(torch.isfinite(g).all()) for g in grads)
     # grads: hidden_states, top_k_weights, gate_up_proj, down_proj
@@ -183,12 +184,12 @@ def test_nan_weight_in_a_sentinel_slot_contributes_nothing_on_every_path():
     a[2][::2, 1] = float("nan")                   # ... whose routing weight is NaN
     want = eager64(*a)
     assert bool(torch.isfinite(want).all())
-    runs = {"op": OP(*a), "reference": M.reference(*a), "grouped": M.grouped(*a),
-            "op with grad": grads_of(OP, a)[0], "grouped with grad": grads_of(M.grouped, a)[0]}
+    runs = {"op": OP(*a), "reference": M.reference(*a), "grouped": G.grouped(*a),
+            "op with grad": grads_of(OP, a)[0], "grouped with grad": grads_of(G.grouped, a)[0]}
     for name, got in runs.items():
         assert bool(torch.isfinite(got).all()), name
         assert_matches(got, want, torch.float32)
-    for fn in (OP, M.grouped):
+    for fn in (OP, G.grouped):
         _, g = grads_of(fn, a)
         assert all(bool(torch.isfinite(x).all()) for x in g), fn
 
@@ -199,7 +200,7 @@ def test_sentinel_row_with_an_overflowing_last_expert_is_not_nan_on_the_grouped_
     a[3] = a[3].clone()
     a[3][2] = 300.0                               # expert E-1: overflows, chosen by no token
     want = eager64(*a)
-    for fn in (OP, M.grouped, M.reference):
+    for fn in (OP, G.grouped, M.reference):
         assert_matches(fn(*a), want, torch.float16)
         out, g = grads_of(fn, a)
         assert_matches(out, want, torch.float16)
@@ -212,7 +213,7 @@ def test_reference_computes_only_the_chosen_rows():
     with FlopCounterMode(display=False) as ref:
         M.reference(*a)
     with FlopCounterMode(display=False) as grp:
-        M.grouped(*a)
+        G.grouped(*a)
     assert ref.get_total_flops() <= 1.25 * grp.get_total_flops(), (ref.get_total_flops(), grp.get_total_flops())
 
 
@@ -239,7 +240,7 @@ def test_negative_id_raises_index_error_compiled(grad):
 def test_negative_id_raises_index_error_in_compiled_training_through_grouped():
     a = leaves(_negative(moe_args(5, 2, 8, 4, 3)))
     torch._dynamo.reset()
-    fn = torch.compile(lambda *x: M.grouped(*x).sum(), backend="aot_eager", fullgraph=True)
+    fn = torch.compile(lambda *x: G.grouped(*x).sum(), backend="aot_eager", fullgraph=True)
     with pytest.raises(IndexError, match=r"top_k_index\[2, 1\] = -1"):
         fn(*a)
 
@@ -251,7 +252,7 @@ def test_none_for_a_required_tensor_is_a_type_error_naming_it(pos, name):
     a[pos] = None
     reason = M.unsupported(*a)
     assert reason is not None and reason.exc is TypeError and name in reason
-    for fn in (OP, M.reference, M.grouped):
+    for fn in (OP, M.reference, G.grouped):
         with pytest.raises(TypeError, match=name):
             fn(*a)
 
@@ -262,9 +263,9 @@ def test_zero_experts_is_zeros_on_every_path():
     a[1] = torch.zeros(5, 2, dtype=torch.long)
     zeros = torch.zeros(5, 8)
     assert torch.equal(M.reference(*a), zeros)
-    assert torch.equal(M.grouped(*a), zeros)
+    assert torch.equal(G.grouped(*a), zeros)
     assert torch.equal(OP(*a), zeros)
-    for fn in (OP, M.grouped):
+    for fn in (OP, G.grouped):
         assert fn(*leaves(a)).requires_grad, "zeros detached from the graph"
         out, g = grads_of(fn, a)
         assert torch.equal(out, zeros) and all(bool((x == 0).all()) for x in g)
@@ -302,7 +303,7 @@ def test_func_grad_through_grouped():
         b[0], b[2], b[3], b[5] = x, rw, w1, w2
         return fn(*b).square().sum()
 
-    got = torch.func.grad(lambda *p: loss(M.grouped, *p), argnums=(0, 1, 2, 3))(a[0], a[3], a[5], a[2])
+    got = torch.func.grad(lambda *p: loss(G.grouped, *p), argnums=(0, 1, 2, 3))(a[0], a[3], a[5], a[2])
     want = torch.func.grad(lambda *p: loss(M.reference, *p), argnums=(0, 1, 2, 3))(a[0], a[3], a[5], a[2])
     for g, w in zip(got, want):
         assert_matches(g, w, torch.float64)
@@ -318,11 +319,11 @@ def test_func_vmap_and_jvp_over_hidden_states_through_grouped():
         return fn(*b)
 
     xs = torch.randn(3, *a[0].shape, dtype=torch.float64)
-    got = torch.func.vmap(lambda x: run(M.grouped, x))(xs)
+    got = torch.func.vmap(lambda x: run(G.grouped, x))(xs)
     want = torch.stack([run(M.reference, x) for x in xs])
     assert_matches(got, want.detach(), torch.float64)
     tangent = torch.randn_like(a[0])
-    out, jt = torch.func.jvp(lambda x: run(M.grouped, x), (a[0],), (tangent,))
+    out, jt = torch.func.jvp(lambda x: run(G.grouped, x), (a[0],), (tangent,))
     out_r, jt_r = torch.func.jvp(lambda x: run(M.reference, x), (a[0],), (tangent,))
     assert_matches(out, out_r.detach(), torch.float64)
     assert_matches(jt, jt_r.detach(), torch.float64)
@@ -336,9 +337,9 @@ def test_compiled_training_through_grouped(backend):
     a[1] = a[1].clone()
     a[1][0, 1] = 4                                 # a sentinel
     cot = torch.randn(9, 16)
-    want, want_g = grads_of(M.grouped, a, cot)
+    want, want_g = grads_of(G.grouped, a, cot)
     torch._dynamo.reset()
-    got, got_g = grads_of(torch.compile(M.grouped, backend=backend, fullgraph=True), a, cot)
+    got, got_g = grads_of(torch.compile(G.grouped, backend=backend, fullgraph=True), a, cot)
     assert_matches(got, want.double(), torch.float32)
     for g, w in zip(got_g, want_g):
         assert_matches(g, w.double(), torch.float32)
@@ -461,7 +462,7 @@ def test_property_every_path_agrees_with_float64(a):
     bound = rounding_bound(*a, dtype=dtype) if half else None
     close = (lambda got: assert_within(got, want, bound, dtype)) if half else (  # noqa: E731
         lambda got: assert_matches(got, want, dtype))
-    for name, fn in (("reference", M.reference), ("grouped", M.grouped), ("op", OP)):
+    for name, fn in (("reference", M.reference), ("grouped", G.grouped), ("op", OP)):
         try:
             close(fn(*a))
         except AssertionError as err:
@@ -471,7 +472,7 @@ def test_property_every_path_agrees_with_float64(a):
     cot = torch.randn(want.shape, dtype=torch.float64).to(dtype).double()
     a64 = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in a]
     _, g64 = grads_of(lambda *b: eager64(*b, rounding=rounding), a64, cot)
-    for name, fn in (("op autograd", OP), ("grouped autograd", M.grouped)):
+    for name, fn in (("op autograd", OP), ("grouped autograd", G.grouped)):
         out, g = grads_of(fn, a, cot.to(dtype))
         close(out)
         for j, (x, r) in enumerate(zip(g, g64)):

@@ -32,6 +32,7 @@ from test_moe_experts import FAMILIES, make, sub  # noqa: E402
 import opreg  # noqa: E402
 from opreg import registry  # noqa: E402
 from opreg.ops import moe_experts as M  # noqa: E402
+from opreg.ops import moe_experts_grouped as G  # noqa: E402
 from opreg.testing import OpTestSuite, Sample, assert_matches  # noqa: E402
 
 try:
@@ -594,7 +595,7 @@ def test_float64_runs_grouped(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO", logger="opreg"):
         got = TM.moe_experts_triton(*args)
         TM.moe_experts_triton(*args)
-    assert torch.equal(got, M.grouped(*args))
+    assert torch.equal(got, G.grouped(*args))
     assert sum("grouped path" in r.getMessage() for r in caplog.records) <= 1  # once per process
 
 
@@ -828,7 +829,7 @@ def test_cuda_listed_and_bound() -> None:
 @needs_cuda
 def test_cuda_float64_falls_back() -> None:
     args = make(6, 2, 16, 8, 4, torch.float64, "cuda")
-    assert torch.equal(TM.moe_experts_triton(*args), M.grouped(*args))
+    assert torch.equal(TM.moe_experts_triton(*args), G.grouped(*args))
 
 
 if __name__ == "__main__":

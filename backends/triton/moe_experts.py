@@ -70,6 +70,7 @@ import torch
 from opreg import registry
 from opreg._log import log_once
 from opreg.ops import moe_experts as M
+from opreg.ops import moe_experts_grouped as G
 
 from .launch import DESCRIPTORS, LazyDescriptor, descriptor, launch, launch_args
 
@@ -1559,8 +1560,8 @@ def moe_experts_triton(*args: Any) -> torch.Tensor:
         log_once((M.NAME, "triton", why), logging.INFO, "opreg: moe_experts/triton runs the grouped path: %s", why)
     if torch.is_grad_enabled():  # the op's autograd is its own (the reference's): record nothing
         with torch.no_grad():
-            return M.grouped(*args) if why is not None else fused_experts_forward(*args, spec=spec)
-    return M.grouped(*args) if why is not None else fused_experts_forward(*args, spec=spec)  # no context: ~3 us
+            return G.grouped(*args) if why is not None else fused_experts_forward(*args, spec=spec)
+    return G.grouped(*args) if why is not None else fused_experts_forward(*args, spec=spec)  # no context: ~3 us
 
 
 def moe_experts_triton_train(*args: Any) -> Optional[torch.Tensor]:

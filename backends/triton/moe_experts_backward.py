@@ -77,6 +77,7 @@ from opreg.backends.triton import moe_experts as F
 from opreg.backends.triton.launch import LazyDescriptor, launch_args
 from opreg.backends.triton.moe_experts import _IDENTITY, _act, _halves, _jit, _mma, _tile, tl
 from opreg.ops import moe_experts as M
+from opreg.ops import moe_experts_grouped as G
 
 __all__ = ["FusedExperts", "clamp_ties", "fused_experts", "fused_experts_backward", "grouped_mm_dgrad1_default",
            "grouped_mm_unfit", "grouped_mm_wgrad_default", "keeps_rows"]
@@ -410,7 +411,7 @@ def grouped_mm_unfit(x: torch.Tensor, n1: int, i: int, w: torch.Tensor | None = 
     can't run on ``torch._grouped_mm`` for these inputs, or None. It takes bfloat16
     only here (fp16 and fp32 keep the Triton kernels: fp16 grouped_mm needs cuBLASLt's, and
     fp32 GEMMs stay IEEE), and rows 16-byte aligned: H, the gate_up width N1 and I multiples
-    of 8, as :func:`opreg.ops.moe_experts.uses_grouped_mm` asks; ``w`` with one of its last
+    of 8, as :func:`opreg.ops.moe_experts_grouped.uses_grouped_mm` asks; ``w`` with one of its last
     two dims contiguous, the other's stride and its address 16-byte aligned."""
     if not hasattr(torch, "_grouped_mm"):
         return "this torch has no _grouped_mm"
@@ -802,7 +803,7 @@ def fused_experts(*args: Any, configs: dict[str, dict[str, int]] | None = None) 
     if M.checks_ids_here(args[1]):
         M.check_ids(args[1])
     if F.why_not_fused(*args) is not None:
-        return M.grouped(*args)
+        return G.grouped(*args)
     if not (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
         return F.fused_experts_forward(*args, configs=configs)  # nothing to save: the forward alone
     return FusedExperts.apply(*args, configs)

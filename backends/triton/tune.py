@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from opreg.ops import moe_experts_grouped as G
 from opreg.testing.timing import graph_us, median_us
 
 from . import moe_experts as fused
@@ -244,7 +245,7 @@ def tune_shape(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, devic
             best2, best_run = c2, cand
     default_us, best_us = _versus(default, best_run, reps, device)
     got = fused.fused_experts_forward(*args, configs={"gemm1": best1, "gemm2": best2}).double()
-    want = fused.M.grouped(*args).double()
+    want = G.grouped(*args).double()
     error = float((got - want).norm() / want.norm().clamp_min(1e-30))
     best2 = {key: v for key, v in best2.items() if key != "BLOCK_M"}  # gemm2 runs with gemm1's
     return {"default_us": default_us, "best_us": best_us, "gemm1": best1, "gemm2": best2, "rows_per_expert": rpe,
@@ -308,7 +309,7 @@ def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, de
                 best, best_run = {**best, gemm: cand}, fn
     default_us, best_us = _versus(default, best_run, reps, device)
     got = grads(best)
-    want = torch.autograd.grad(fused.M.grouped(*args), leaves, cot)
+    want = torch.autograd.grad(G.grouped(*args), leaves, cot)
     error = max(float((g.double() - w.double()).norm() / w.double().norm().clamp_min(1e-30))
                 for g, w in zip(got, want))
     return {"default_us": default_us, "best_us": best_us, "dgrad2": best.get("dgrad2"),
@@ -380,7 +381,7 @@ def _tune_decode_at(entry: str, tokens: tuple[int, ...], e: int, h: int, i: int,
     error = 0.0
     for args in calls:
         got = fused.fused_experts_forward(*args, configs={"decode": best}).double()
-        want = fused.M.grouped(*args).double()
+        want = G.grouped(*args).double()
         error = max(error, float((got - want).norm() / want.norm().clamp_min(1e-30)))
     return {"default_us": default_us, "best_us": best_us, "decode": best, "error": error, "tried": tried,
             "of": len(steps)}
@@ -482,7 +483,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with open(a.out if os.path.exists(a.out) else fused.CONFIG_FILE) as f:  # update it, or start from ours
         table = json.load(f)
     # The first op call may build opreg's kernel libraries (~40 s): not out of the budget.
-    fused.M.grouped(*inputs(2, 8, 8, 1, 4, dtype, device))
+    G.grouped(*inputs(2, 8, 8, 1, 4, dtype, device))
     start = time.monotonic()
     if a.decode:
         print(f"tuning moe_experts' decode kernels ({a.dtype}) on "

@@ -25,7 +25,7 @@ Training: when gradients are needed and the op runs its ``triton`` implementatio
 the fused kernels forward and backward (:mod:`opreg.backends.triton.moe_experts_train`),
 but under ``torch.compile`` where the step's GEMMs are too small to hide the fused ops' host
 work (``moe_experts_train.traced_host_bound``, logged once per size); otherwise
-:func:`opreg.ops.moe_experts.grouped`, the same grouped computation differentiated by torch
+:func:`opreg.ops.moe_experts_grouped.grouped`, the same grouped computation differentiated by torch
 autograd (scatter_combine's own backward for the combine), compiled by Inductor where traced.
 Never the op's reference gradients.
 """
@@ -48,6 +48,7 @@ from .._log import log_once
 from ..loops import LoopFinding, ModuleRewrite, find_loops, register_module_rewrite, rewrap
 from ..loops.wrappers import wrapped
 from ..ops import moe_experts as spec
+from ..ops import moe_experts_grouped as grouped_impl
 from .transformers_gate import Plan, decision, plan_for
 
 try:  # the fused kernels' training path (needs triton; without it, training takes the grouped path)
@@ -198,9 +199,9 @@ def _experts(op_args: tuple[Any, ...], needs_grad: bool) -> torch.Tensor:
     if _trains_fused(op_args, compiling):
         return _fused_train.train(*op_args)
     x, w1, w2, transposed = op_args[0], op_args[3], op_args[5], op_args[9]
-    if compiling and not spec.grouped_traces_whole(x, w1, w2, transposed):
+    if compiling and not grouped_impl.grouped_traces_whole(x, w1, w2, transposed):
         return torch.ops.opreg.moe_experts(*op_args)
-    return spec.grouped(*op_args)
+    return grouped_impl.grouped(*op_args)
 
 
 def _trains_fused(op_args: tuple[Any, ...], compiling: bool) -> bool:
@@ -211,7 +212,7 @@ def _trains_fused(op_args: tuple[Any, ...], compiling: bool) -> bool:
     if _fused_train is None or not _fused_train.fused_trains(op_args):
         return False
     x, w1, w2, transposed = op_args[0], op_args[3], op_args[5], op_args[9]
-    return not (compiling and spec.grouped_traces_whole(x, w1, w2, transposed)
+    return not (compiling and grouped_impl.grouped_traces_whole(x, w1, w2, transposed)
                 and _fused_train.traced_host_bound(op_args))
 
 

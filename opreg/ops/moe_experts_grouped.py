@@ -1,0 +1,190 @@
+"""``moe_experts``' ``grouped`` implementation (CPU and CUDA), from torch's own ops; the op's
+meaning, checks and reference are in :mod:`opreg.ops.moe_experts`.
+
+Rows grouped by expert on the device (stable sort, offsets by ``searchsorted``: no host
+sync), grouped GEMMs (``torch._grouped_mm`` for bf16 on sm90+, which is CUDA-graph
+capturable; elsewhere one GEMM per expert after one host read of the offsets), the gate, and
+``scatter_combine`` for the weighted combine (deterministic, fp32 accumulation); sentinel
+rows are zero going in and zeroed coming out. As the op's kernel it records no autograd
+(the op's gradients are its reference's); :func:`grouped` itself is differentiable (torch
+autograd, scatter_combine's own; under ``torch.func`` transforms torch's ``index_add``
+instead, and under ``torch.compile`` one GEMM per expert of unbacked size), which the
+transformers integration trains through where the fused kernels don't run, and the
+``triton`` implementation falls back to for inputs its kernels don't take.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .moe_experts import NAME, accumulate_dtype, apply_gate, check, checked_ids, checks_ids_here
+
+__all__ = ["gather_rows", "grouped", "grouped_linear", "grouped_traces_whole", "register", "uses_grouped_mm"]
+
+
+def _in_functorch() -> bool:
+    """Inside a torch.func transform (grad, vjp, vmap, jvp), where scatter_combine's C++
+    autograd refuses to run ("cannot use C++ torch::autograd::Function with functorch")."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
+def _scatter_add_rows(rows: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, n: int) -> torch.Tensor:
+    """``out[idx[r]] += gates[r] * rows[r]``, (n, C), in rows' dtype, accumulated in float32
+    (float64): scatter_combine (deterministic), or inside torch.func transforms the same
+    sum from torch's own ops (``index_add``), which every transform differentiates."""
+    if not _in_functorch():
+        return torch.ops.opreg.scatter_combine(rows.contiguous(), idx, gates, n)
+    acc = accumulate_dtype(rows.dtype)
+    out = rows.new_zeros((n, rows.shape[-1]), dtype=acc)
+    return out.index_add(0, idx, rows.to(acc) * gates.to(acc).unsqueeze(-1)).to(rows.dtype)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x.index_select(0, idx)`` whose backward is scatter_combine (deterministic, fp32
+    accumulation) rather than index_select's ``index_add_`` (atomics on CUDA). Written in
+    torch.func's form (``setup_context``, a generated vmap rule); :class:`_Gather` adds
+    forward mode. This one is what ``torch.compile`` traces: Dynamo refuses an
+    autograd.Function with a custom ``jvp``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return x.index_select(0, idx)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
+        x, idx = inputs
+        ctx.save_for_backward(idx)
+        ctx.rows = x.shape[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None]:
+        (idx,) = ctx.saved_tensors
+        return _scatter_add_rows(grad, idx, grad.new_ones(idx.shape[0]), ctx.rows), None
+
+
+class _Gather(_GatherRows):
+    """:class:`_GatherRows` with forward mode (``torch.func.jvp``, ``forward_ad``)."""
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
+        _GatherRows.setup_context(ctx, inputs, output)
+        ctx.save_for_forward(inputs[1])
+
+    @staticmethod
+    def jvp(ctx: Any, x_t: Optional[torch.Tensor], _idx_t: Any) -> Optional[torch.Tensor]:
+        (idx,) = ctx.saved_tensors
+        return None if x_t is None else x_t.index_select(0, idx)
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[idx]`` for (R, C) ``x``, deterministic in backward."""
+    return (_GatherRows if torch.compiler.is_compiling() else _Gather).apply(x, idx)
+
+
+_SM90_OR_NEWER: dict[int, bool] = {}
+
+
+@torch.compiler.assume_constant_result
+def _sm90_or_newer(device_index: int) -> bool:
+    # A constant to Dynamo, which calls it once while tracing (an lru_cache here made Dynamo
+    # warn on every compiled model that reached it: it traces through such caches).
+    if device_index not in _SM90_OR_NEWER:
+        _SM90_OR_NEWER[device_index] = torch.cuda.get_device_capability(device_index) >= (9, 0)
+    return _SM90_OR_NEWER[device_index]
+
+
+def uses_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Does ``torch._grouped_mm`` run this (S, K) x (E, K, N) product without a host sync?
+    bf16 on sm90+ (CUTLASS), rows 16-byte aligned (K, N multiples of 8). Elsewhere torch
+    2.11 falls back to a loop that reads the offsets on the host, and CPU has no benefit."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+            and hasattr(torch, "_grouped_mm") and x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0
+            and _sm90_or_newer(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+def grouped_traces_whole(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                         transposed: bool) -> bool:
+    """Do both of :func:`grouped`'s projections run on ``torch._grouped_mm``? Then it has no
+    host read and traces with no data-dependent size; else each projection reads the group
+    sizes on the host (one GEMM per expert)."""
+    w1 = gate_up_proj if transposed else gate_up_proj.transpose(-2, -1)  # (E, H, N)
+    w2 = down_proj if transposed else down_proj.transpose(-2, -1)        # (E, I, H)
+    return uses_grouped_mm(x, w1) and uses_grouped_mm(x.new_empty(0, w2.shape[-2]), w2)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, b: Optional[torch.Tensor],
+                   expert_of_row: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """Rows of ``x`` (S, K) sorted by expert, group e = rows [offs[e-1], offs[e]), times
+    expert e's weight (and + its bias). ``w`` is (E, N, K), or (E, K, N) if ``transposed``."""
+    wk = w if transposed else w.transpose(-2, -1)  # (E, K, N), as grouped_mm takes it
+    if uses_grouped_mm(x, wk):
+        y = torch._grouped_mm(x, wk, offs=offs)
+        return y if b is None else y + gather_rows(b, expert_of_row)
+    # One GEMM per expert after one host read of the offsets. split/unbind (not slicing in
+    # a loop) so that backward assembles each gradient once, not once per expert.
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+    biases = b.unbind(0) if b is not None else [None] * len(sizes)
+    if torch.compiler.is_compiling():
+        # Traced, the sizes are unbacked symbols: tell the tracer what the sort guarantees
+        # (each >= 0, together S) and make every GEMM, empty or not (no branch on a size).
+        for size in sizes:
+            torch._check(size >= 0)
+        torch._check(sum(sizes) == x.shape[0])
+        pieces = [xe @ we if be is None else torch.addmm(be, xe, we)
+                  for xe, we, be in zip(x.split(sizes), wk.unbind(0), biases)]
+    else:
+        pieces = [xe @ we if be is None else torch.addmm(be, xe, we)
+                  for xe, we, be in zip(x.split(sizes), wk.unbind(0), biases) if xe.shape[0] > 0]
+    return torch.cat(pieces) if pieces else x.new_zeros(0, wk.shape[-1])
+
+
+def grouped(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            gate_up_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor], down_proj: torch.Tensor,
+            down_bias: Optional[torch.Tensor], activation: str, gated: bool, transposed: bool,
+            interleaved: bool, alpha: float, limit: float) -> torch.Tensor:
+    """The op from grouped GEMMs and scatter_combine; differentiable (module docstring)."""
+    check(hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias,
+          activation, gated, transposed, interleaved, alpha, limit)
+    if checks_ids_here(top_k_index):
+        top_k_index = checked_ids(top_k_index)
+    (t, k), e = top_k_index.shape, gate_up_proj.shape[0]
+    # Half-precision rows are weighted in fp32, as transformers' fp32 routing weights are.
+    half = hidden_states.dtype in (torch.float16, torch.bfloat16)
+    gate_dtype = torch.float32 if half else hidden_states.dtype
+    if e == 0:  # every slot a sentinel: zeros, attached to the graph like any output
+        none = top_k_index.new_zeros(0, dtype=torch.long)
+        return _scatter_add_rows(hidden_states[:0], none, hidden_states.new_zeros(0, dtype=gate_dtype), t)
+    ids = top_k_index.reshape(-1).long()
+    # A sentinel (or, unchecked, negative) slot: a row of expert E-1 that is zero going in
+    # and zeroed coming out (torch.where: an inf or NaN of that expert's can't leak, in
+    # forward or backward), with weight 0 (a NaN weight there is never read).
+    valid = (ids >= 0) & (ids < e)
+    ids = torch.where(valid, ids, e - 1)
+    weights = torch.where(valid, top_k_weights.reshape(-1), 0)
+    expert_of_row, perm = torch.sort(ids, stable=True)
+    offs = torch.searchsorted(expert_of_row, torch.arange(e, device=ids.device), right=True).int()
+    token_of_row = perm // k
+    real = valid[perm].unsqueeze(-1)
+    x = torch.where(real, gather_rows(hidden_states, token_of_row), 0)
+    up = grouped_linear(x, gate_up_proj, offs, gate_up_bias, expert_of_row, transposed)
+    act = apply_gate(up, activation, gated, interleaved, alpha, limit)
+    down = grouped_linear(act, down_proj, offs, down_bias, expert_of_row, transposed)
+    down = torch.where(real, down, 0)
+    return _scatter_add_rows(down, token_of_row, weights[perm].to(gate_dtype), t)
+
+
+def _kernel(*args: Any) -> torch.Tensor:
+    # The op's kernel: its autograd is the op's (the reference's), so record nothing here.
+    with torch.no_grad():
+        return grouped(*args)
+
+
+def register() -> None:
+    """Add ``grouped`` to the op's implementations (``moe_experts``' own module calls this
+    once it has defined the op)."""
+    from .. import registry
+
+    registry.add_impl(NAME, registry.Impl("grouped", NAME, ("cpu", "cuda"), priority=100, fn=_kernel))
