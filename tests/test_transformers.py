@@ -304,7 +304,7 @@ def test_compiled_training_takes_the_grouped_path_where_host_bound(monkeypatch):
     monkeypatch.setattr(oi, "_fused_train", train)
     monkeypatch.setattr(train, "fused_trains", lambda args: True)  # as on an H200
     whole = [True]
-    monkeypatch.setattr(oi.spec, "grouped_traces_whole", lambda *a: whole[0])
+    monkeypatch.setattr(oi.grouped_impl, "grouped_traces_whole", lambda *a: whole[0])
     small, large = _op_args(512, 8, 2, 2048, 4096), _op_args(16384, 8, 2, 2048, 4096)
     flops = lambda t: 6.0 * t * 2 * 2048 * (8192 + 4096)  # noqa: E731
     assert flops(512) < train.TRACED_MIN_FLOPS <= flops(16384)
