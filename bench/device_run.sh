@@ -22,8 +22,9 @@
 #                                          TOKENS_TABLE=4096,16384), forward and training, 5 rounds
 #   STAGE=compiled bash bench/device_run.sh  the compiled training step's path (moe_experts_train.TRACED_MIN_FLOPS):
 #                                          the block's training step at TOKENS_COMPILED (default 64,512,4096)
-#                                          as shipped, then with the fused ops forced (--traced-min-flops 0),
-#                                          each beside HF's compiled grouped_mm and eager opreg
+#                                          on the grouped path (--traced-min-flops 1e30), then on the fused
+#                                          ops (--traced-min-flops 0), whichever the bound picks: each
+#                                          process beside HF's compiled grouped_mm and eager opreg
 #   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
 # TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
 # 16 cores) runs it with xdist; FIRST_CALL=0 skips the first-call timing.
@@ -133,11 +134,11 @@ fi
 
 if [ "$STAGE" = compiled ]; then
   python3 -m opreg build >/dev/null 2>&1
-  for bound in default 0; do
-    extra=""
-    [ "$bound" = 0 ] && extra="--traced-min-flops 0"
+  # both paths at every T (the shipped bound picks one of them per T); two processes, since
+  # the bound is read when Dynamo traces
+  for bound in 1e30 0; do
     timeout ${COMPILED_S:-240} python3 bench/bench_moe_block.py --tokens "${TOKENS_COMPILED:-64,512,4096}" --modes fwd+bwd \
-      --rounds 5 --variants hf_grouped_mm_inductor opreg opreg_inductor $extra 2>&1 \
+      --rounds 5 --variants hf_grouped_mm_inductor opreg opreg_inductor --traced-min-flops "$bound" 2>&1 \
       | tee "$OUT/moe_compiled_$bound.log" | grep -E "^\||TRACED"
   done
 fi

@@ -259,7 +259,9 @@ def fused_trains(args: tuple[Any, ...]) -> bool:
 # T = 64 (0.015-0.02 TFLOP) 2033 / 2905, 2531 / 3035, 2111 / 2107; T = 512 (0.12-0.16
 # TFLOP) 2449 / 3174, 3185 / 2936, 2788 / 2535: no clear winner there, so the bound stays
 # above it; T = 4096 Qwen3-MoE (0.93 TFLOP, grouped under the former bound of 1e12) 4200 /
-# 3708, so the fused ops there now. Not seen from here: a step replayed from CUDA graphs
+# 3708, so the fused ops there now. At T = 4096 again (twenty-ninth session, HF's step in the
+# same process as each): grouped / fused 1.02x / 1.01x of HF's (Mixtral), 1.07x / 1.10x
+# (Qwen3-MoE), 1.08x / 1.16x (OLMoE). Not seen from here: a step replayed from CUDA graphs
 # (mode="reduce-overhead") has no such host cost, but the choice is made while Dynamo
 # traces, before the backend applies its mode, so such a step takes the grouped path too,
 # whose GEMMs are HF's compiled grouped_mm step's: at T = 64 that step's kernels took ~7 %
