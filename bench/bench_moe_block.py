@@ -217,6 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--traced-min-flops", type=float, default=None,
                    help="moe_experts_train.TRACED_MIN_FLOPS for this process (0: a compiled training step "
                         "always takes the fused ops; the default: the grouped path below 5e11 GEMM FLOPs)")
+    p.add_argument("--inline-kernels", type=int, choices=(0, 1), default=None,
+                   help="moe_experts_train.INLINE_KERNELS for this process (1: under torch.compile the fused "
+                        "kernels are nodes of the graph, launched by Inductor's wrapper; 0: the custom ops)")
     p.add_argument("--decode-max-tokens", type=int, default=DECODE_TRY,
                    help="opreg_decode's bound: its forward takes the decode kernels up to this many tokens")
     p.add_argument("--variants", nargs="*", default=[v for v in VARIANTS if v != "hf_eager"],
@@ -227,6 +230,10 @@ def main(argv: list[str] | None = None) -> None:
         from opreg.backends.triton import moe_experts_train
         moe_experts_train.TRACED_MIN_FLOPS = a.traced_min_flops
         print(f"moe_experts_train.TRACED_MIN_FLOPS = {a.traced_min_flops:g}")
+    if a.inline_kernels is not None:
+        from opreg.backends.triton import moe_experts_train
+        moe_experts_train.INLINE_KERNELS = bool(a.inline_kernels)
+        print(f"moe_experts_train.INLINE_KERNELS = {bool(a.inline_kernels)}")
     DECODE_TRY = a.decode_max_tokens
     variants = [v for v in VARIANTS + EXTRA_VARIANTS if v in a.variants]
     if "hf_grouped_mm_inductor" not in variants:

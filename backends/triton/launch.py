@@ -44,9 +44,12 @@ try:
 except ImportError:
     _TensorDescriptor = None
 
-__all__ = ["LazyDescriptor", "descriptor", "launch", "launch_args"]
+__all__ = ["LazyDescriptor", "descriptor", "launch", "launch_args", "traced_launch"]
 
 _I32 = 2 ** 31
+# True only where Dynamo traces the caller (it folds the call); eager, one plain call (the
+# module attribute lookups of ``torch.compiler.`` saved: launches are per-µs host work)
+_dynamo_tracing = torch.compiler.is_dynamo_compiling
 _CACHE_LIMIT = 4096  # entries per kernel
 _direct_ok: bool | None = None  # None: not tried yet; False: this Triton's kernel call differs
 
@@ -102,6 +105,9 @@ def launch_args(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], spec_key:
     """:func:`launch` with the arguments and options as a tuple and a dict, for a caller
     that keeps them (no re-packing of ~20 options per call)."""
     global _direct_ok
+    if _dynamo_tracing():  # Dynamo traces this call: a node of its graph
+        traced_launch(fn, grid, args, kwargs)
+        return
     cache = getattr(fn, "_opreg_launch_cache", None)
     if cache is None or _direct_ok is False or _hooks():
         if cache is None and type(fn).__name__ == "JITFunction":
@@ -145,6 +151,16 @@ def launch_args(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], spec_key:
                  "opreg: triton %s: compiled kernels called through Triton's launcher (%s)",
                  getattr(triton, "__version__", "?"), e)
         fn[grid](*args, **kwargs)
+
+
+def traced_launch(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The launch as Dynamo traces it: a ``wrap_triton`` call, which becomes a node of the
+    graph that Inductor's generated wrapper launches (no Python of ours per call), each
+    descriptor made by ``TensorDescriptor.from_tensor``, the form Dynamo records (its box;
+    the shape and strides are the tensor's, as :func:`descriptor`'s)."""
+    built = tuple(_TensorDescriptor.from_tensor(a.tensor, a.box) if isinstance(a, LazyDescriptor) else a
+                  for a in args)
+    torch.library.wrap_triton(fn)[grid](*built, **kwargs)
 
 
 class LazyDescriptor:

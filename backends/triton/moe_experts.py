@@ -72,7 +72,7 @@ from opreg._log import log_once
 from opreg.ops import moe_experts as M
 from opreg.ops import moe_experts_grouped as G
 
-from .launch import DESCRIPTORS, LazyDescriptor, descriptor, launch, launch_args
+from .launch import DESCRIPTORS, LazyDescriptor, _dynamo_tracing, descriptor, launch, launch_args
 
 try:
     import triton
@@ -91,6 +91,16 @@ except ImportError as _e:  # the op still imports; the implementation lists itse
         constexpr = object
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
+
+
+def traced_constant(fn: Any) -> Any:
+    """``fn`` (a cached function of plain values) as Dynamo sees it: a constant it calls when
+    it traces, instead of tracing through ``fn``'s cache wrapper (which it warns about, and
+    through which it would trace torch calls into the graph). Eager: one call more."""
+    def call(*args: Any) -> Any:
+        return fn(*args)
+    call.__name__, call.__qualname__, call.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+    return torch.compiler.assume_constant_result(call)
 
 CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_experts_configs.json")
 
@@ -838,6 +848,9 @@ def _route_layout(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, 
             next_pow2(num_experts))
 
 
+_route_layout = traced_constant(_route_layout)
+
+
 def _route_flat(top_k_index: torch.Tensor, num_experts: int, block_m: int, spec: Any = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_route` with the tables as one (4 E,) view (each view is ~3 us of host on the
@@ -922,10 +935,24 @@ def pick_config(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.
     entry for (dtype, N, K) if any, else its default for the bucket. ``block_m`` forces
     BLOCK_M (gemm2 walks gemm1's padded rows)."""
     if table is None:  # the package's table: cached per bucket (it runs on every op call)
-        t = _config_table()
-        bucket = "-" if gemm in _UNBUCKETED else _bucket(rows_per_expert, list(t["default"][gemm]))
-        return dict(_pick_cached(gemm, bucket, n, k, dtype, block_m))
+        if torch.compiler.is_dynamo_compiling():  # a constant to Dynamo, which need not read the file
+            return dict(_picked(gemm, float(rows_per_expert), n, k, str(dtype).split(".")[-1], block_m))
+        return _pick_package(gemm, rows_per_expert, n, k, dtype, block_m)
     return _pick(gemm, rows_per_expert, n, k, dtype, block_m, table)
+
+
+def _pick_package(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.dtype,
+                  block_m: Optional[int]) -> dict[str, int]:
+    t = _config_table()
+    bucket = "-" if gemm in _UNBUCKETED else _bucket(rows_per_expert, list(t["default"][gemm]))
+    return dict(_pick_cached(gemm, bucket, n, k, dtype, block_m))
+
+
+@torch.compiler.assume_constant_result
+def _picked(gemm: str, rows_per_expert: float, n: int, k: int, dtype: str, block_m: Optional[int]
+            ) -> tuple[tuple[str, int], ...]:
+    """:func:`pick_config`'s package-table pick as a constant for Dynamo: (key, value) pairs."""
+    return tuple(_pick_package(gemm, rows_per_expert, n, k, getattr(torch, dtype), block_m).items())
 
 
 @functools.lru_cache(maxsize=1024)
@@ -1037,8 +1064,12 @@ PRE_DTYPE = torch.float32
 def _tma_ok(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
     """Whether a tensor descriptor can walk ``t`` (its last dim contiguous, base and other
     strides 16-byte aligned) with a box of ``dims``. TMA needs sm90+; the interpreter
-    emulates it."""
-    if _TensorDescriptor is None or t.stride(-1) != 1 or t.data_ptr() % 16:
+    emulates it. Traced by Dynamo, the base's address is not known: Inductor's buffers are
+    aligned, and it copies an input found misaligned at run time where it was aligned when
+    compiled."""
+    if _TensorDescriptor is None or t.stride(-1) != 1:
+        return False
+    if not torch.compiler.is_dynamo_compiling() and t.data_ptr() % 16:
         return False
     if any(s * t.element_size() % 16 for s in t.stride()[:-1]) or any(d > 256 for d in dims):
         return False
@@ -1050,6 +1081,9 @@ def _tma_ok(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
 @functools.lru_cache(maxsize=None)
 def _has_tma(device_index: int) -> bool:
     return torch.version.cuda is not None and torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+_has_tma = traced_constant(_has_tma)
 
 
 _descriptor = descriptor  # a tensor descriptor from a validated template (see .launch)
@@ -1099,6 +1133,9 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_num_sms = traced_constant(_num_sms)
 
 
 def _gemm_static(cfg: dict[str, int], a: torch.Tensor, w_nk: torch.Tensor, b: torch.Tensor, rw: torch.Tensor,
@@ -1409,13 +1446,16 @@ def _meta(a: Any) -> Any:
     return (a.device, a.dtype, a.shape, a.stride(), a.data_ptr() % 16 == 0)
 
 
-def spec_of(*args: Any) -> int:
+def spec_of(*args: Any) -> Optional[int]:
     """The op's arguments' metadata, what the checks and every launch of one forward follow
     from: each tensor's device, dtype, shape, strides and 16-byte alignment, the other
     arguments by value (the buffers the forward allocates are aligned, and their views'
     offsets follow from the shapes); as an int interned per distinct metadata (never 0,
     never reused), so the memos and the launcher each hash an int instead of the nested
-    tuple (~0.8 us a hash on the 2-core box, about ten per forward)."""
+    tuple (~0.8 us a hash on the 2-core box, about ten per forward). None under
+    Dynamo: the traced launches keep no memo (:func:`.launch.traced_launch`)."""
+    if _dynamo_tracing():
+        return None
     full = tuple(map(_meta, args))
     got = _SPEC_IDS.get(full)
     if got is None:
@@ -1481,7 +1521,7 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     # for the host-side work of every launch (configs, grids, descriptor checks, launcher
     # keys). Given configs (tests, tuning) take the full path.
     keep_rows = keep_rows and save
-    if configs is not None:
+    if configs is not None or _dynamo_tracing():  # traced: no memo (.launch.traced_launch)
         spec = None
     else:
         spec = (spec or spec_of(x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed,

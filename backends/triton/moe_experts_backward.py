@@ -384,6 +384,9 @@ def clamp_ties() -> tuple[bool, bool, bool]:
     return bool(dg == 1), bool(du[0] == 1), bool(du[1] == 1)
 
 
+clamp_ties = F.traced_constant(clamp_ties)
+
+
 def _oi_strides(w: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
     """(expert, out, in) strides of a weight stored (E, out, in), or (E, in, out) when
     ``transposed``: where the weight gradient's [e][m = out, n = in] goes."""
@@ -421,7 +424,8 @@ def grouped_mm_unfit(x: torch.Tensor, n1: int, i: int, w: torch.Tensor | None = 
         return f"H = {x.shape[1]}, N1 = {n1}, I = {i}: not all multiples of 8 (16-byte rows)"
     if w is not None:
         s0, s1, s2 = w.stride()
-        if not ((s2 == 1 and s1 % 8 == 0) or (s1 == 1 and s2 % 8 == 0)) or s0 % 8 or w.data_ptr() % 16:
+        misaligned = not torch.compiler.is_dynamo_compiling() and w.data_ptr() % 16  # traced: see F._tma_ok
+        if not ((s2 == 1 and s1 % 8 == 0) or (s1 == 1 and s2 % 8 == 0)) or s0 % 8 or misaligned:
             return f"the weight's strides {w.stride()}: neither of its last two dims contiguous and 16-byte aligned"
     return None
 
@@ -429,6 +433,9 @@ def grouped_mm_unfit(x: torch.Tensor, n1: int, i: int, w: torch.Tensor | None = 
 @functools.cache
 def _sm90(device_index: int) -> bool:
     return torch.version.cuda is not None and torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+_sm90 = F.traced_constant(_sm90)
 
 
 def grouped_mm_wgrad_default(x: torch.Tensor, n1: int, i: int) -> bool:
@@ -553,8 +560,10 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     # tuning run passes configs. (The backward's host work was 162 us a call on the 2-core
     # box with every launch stubbed, ~40 of them picking configs; an eager MoE training step
     # at T <= 4096 waits on its host on the H200.)
-    spec = None if configs else (fwd_spec or F.spec_of(x, ids, rw, w1, b1, w2, b2, activation, gated, transposed,
-                                                       interleaved, alpha, limit), F.spec_of(dout), tuple(want))
+    traced = F._dynamo_tracing()  # no memo: see .launch.traced_launch
+    spec = None if configs or traced else (fwd_spec or F.spec_of(x, ids, rw, w1, b1, w2, b2, activation, gated,
+                                                                  transposed, interleaved, alpha, limit),
+                                           F.spec_of(dout), tuple(want))
     plan = _PLANS.get(spec) if spec is not None else None
     if plan is None:
         cfg = _configs(s / e, x.dtype, bm, n1, h, i, configs or {})

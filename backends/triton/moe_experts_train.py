@@ -16,6 +16,10 @@ custom ops when traced, in eager :class:`.moe_experts_backward.FusedExperts` (an
 ``autograd.Function`` over the same two functions, cheaper on the host; it also takes
 block configs, for tests and tuning).
 
+With :data:`INLINE_KERNELS` (off until measured on a GPU), a compiled call does not reach the
+custom ops: Dynamo traces ``FusedExperts`` (and the no-grad forward, :func:`inline_forward`),
+so Inductor's wrapper launches the kernels itself.
+
 No forward mode (``forward_ad``, ``torch.func.jvp``) or ``torch.func`` transforms here:
 :func:`fused_trains` sends those to the op's differentiable grouped path. A double backward
 (``create_graph``) in eager differentiates the op's reference inside ``FusedExperts``'
@@ -39,7 +43,7 @@ from opreg.ops import moe_experts as M
 from . import moe_experts as F
 from . import moe_experts_backward as B
 
-__all__ = ["TRACED_MIN_FLOPS", "fused_trains", "traced_host_bound", "train"]
+__all__ = ["INLINE_KERNELS", "TRACED_MIN_FLOPS", "fused_trains", "inline_forward", "traced_host_bound", "train"]
 
 
 def _layout(x: Tensor, ids: Tensor, w1: Tensor, gated: bool, transposed: bool
@@ -293,10 +297,48 @@ def _host_bound(t: int, k: int, h: int, n1: int, i: int) -> bool:
     return bound
 
 
+# True: under torch.compile, Dynamo traces the fused kernels' Python (:class:`.moe_experts_
+# backward.FusedExperts`, the no-grad forward: :func:`inline_forward`), each launch through
+# ``wrap_triton`` (.launch.traced_launch), so each launch is a node of the graph that
+# Inductor's generated wrapper makes, with none of our Python per call. False: the two custom
+# ops above, one node each, whose Python runs on every call. Why: a compiled training step
+# through the custom ops waited on their host work (H200, T = 4096: its host 3.2-3.5 ms
+# against ~2.5 for HF's compiled step, bench/RESULTS.md, twenty-eighth session), and Dynamo
+# records our tensor descriptors where a custom op's decomposition does not
+# (bench/probe_inductor_tma.py). Off until it has run on a GPU: the CPU traces it
+# (tests/test_moe_inline.py), the H200 has not compiled or timed it yet.
+INLINE_KERNELS = False
+
+
+def _inlines() -> bool:
+    """:data:`INLINE_KERNELS`, where Dynamo can trace the launches: not under Triton's
+    interpreter (its kernels are no ``JITFunction``: the custom ops run them there)."""
+    return INLINE_KERNELS and not F.interpreting()
+
+
+def inline_forward(*args: Any) -> Optional[Tensor]:
+    """Under ``torch.compile`` without gradients: the op (its positional arguments) as the
+    fused forward's kernels in the graph (:data:`INLINE_KERNELS`), where the op would run its
+    ``triton`` implementation on these inputs with static sizes; else None (the caller puts
+    the op in the graph, one node)."""
+    if not (torch.compiler.is_dynamo_compiling() and _inlines()):
+        return None
+    x = args[0]
+    if any(isinstance(d, torch.SymInt) for t in (x, args[1]) for d in t.shape):
+        return None  # dynamic sizes: the configs and grids are picked per size
+    if F.why_not_fused(*args) is not None or _bound(x.device.type) != "triton":
+        return None
+    M.check(*args)
+    if M.checks_ids_here(args[1]):
+        args = (args[0], M.checked_ids(args[1]), *args[2:])
+    return F.fused_experts_forward(*args)
+
+
 def train(*args: Any) -> Tensor:
     """The op (its positional arguments) with the fused kernels forward and backward; the
     caller has checked :func:`fused_trains`. Arguments are checked as the op checks them.
-    Traced: the custom ops. Eager: the same kernels through :class:`FusedExperts`, an
+    Traced: the custom ops, or with :data:`INLINE_KERNELS` :class:`FusedExperts` traced by
+    Dynamo (its launches become graph nodes). Eager: the same kernels through :class:`FusedExperts`, an
     ``autograd.Function``: a custom op's Python dispatch (argument defaults, redispatch,
     its generated Function) cost ~0.35 ms of host per forward + backward on the 2-core box
     (0.88 vs 0.53 ms with the launches stubbed), and an eager MoE step at T <= 4096 waits
@@ -309,6 +351,8 @@ def train(*args: Any) -> Tensor:
         spec = F.checked(args)[0]  # the same checks, once per input metadata
     if M.checks_ids_here(args[1]):  # as the op's other paths: traced, the graph checks
         args = (args[0], M.checked_ids(args[1]), *args[2:])
+    if traced and _inlines():
+        return B.FusedExperts.apply(*args, None, None)
     if traced:
         x, w1, gated, transposed = args[0], args[3], args[8], args[9]
         keep = w1.requires_grad and torch.is_grad_enabled() and _keeps_rows(

@@ -192,8 +192,9 @@ def _experts(op_args: tuple[Any, ...], needs_grad: bool) -> torch.Tensor:
     (GuardOnDataDependentSymNode) and Dynamo without fullgraph splits at every projection:
     there the op itself, one node whose backward is an op of its own."""
     if not needs_grad:
-        if torch.compiler.is_compiling():  # the op, one node (and Dynamo warns of lru_cache)
-            return torch.ops.opreg.moe_experts(*op_args)
+        if torch.compiler.is_compiling():  # the fused kernels in the graph, else the op, one node
+            out = _fused_train.inline_forward(*op_args) if _fused_train is not None else None
+            return torch.ops.opreg.moe_experts(*op_args) if out is None else out
         return _op_call()(*op_args)
     compiling = torch.compiler.is_compiling()
     if _trains_fused(op_args, compiling):

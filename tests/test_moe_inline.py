@@ -1,0 +1,113 @@
+"""The fused MoE kernels inline under ``torch.compile`` (``moe_experts_train.INLINE_KERNELS``):
+Dynamo traces their Python, so each launch is a node of the graph that Inductor's wrapper
+launches, with no Python of ours per call.
+
+CPU: ``tests/_inline_trace.py`` (a fresh process) traces the training step, forward and
+backward through AOT autograd, and the no-grad forward, fullgraph, and reports the kernels
+in each graph; the custom ops must not be there. GPU: compiled with Inductor, the same
+gradients and output as eager, bit for bit, and none of our Python runs per call.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+import zlib
+from typing import Any
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import _fresh as fresh  # noqa: E402
+from test_moe_experts import FAMILIES, make  # noqa: E402
+
+try:
+    from opreg.backends.triton import launch as L
+    from opreg.backends.triton import moe_experts as TM
+    from opreg.backends.triton import moe_experts_backward as B
+    from opreg.backends.triton import moe_experts_train as TR
+except ImportError:  # pragma: no cover - the package itself imports without triton
+    L = TM = B = TR = None
+
+HAVE_TRITON = TM is not None and TM.triton is not None
+FORWARD = ["_route_count_kernel", "_route_scan_kernel", "_route_place_kernel", "_moe_gemm", "_moe_gemm",
+           "_combine_kernel"]
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(not hasattr(torch.library, "wrap_triton"), reason="this torch has no torch.library.wrap_triton")
+def test_traced_graphs_hold_the_kernels() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = fresh.run([os.path.join(HERE, "_inline_trace.py")], env=env, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("GRAPHS ")]
+    assert proc.returncode == 0 and lines, f"rc {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    graphs = json.loads(lines[-1][len("GRAPHS "):])
+    assert set(graphs) == {"forward", "backward", "no-grad forward"}, sorted(graphs)
+    assert graphs["forward"]["kernels"] == FORWARD, graphs["forward"]
+    assert graphs["no-grad forward"]["kernels"] == FORWARD, graphs["no-grad forward"]
+    # the backward at these sizes on the CPU's choices (Triton weight gradients, split dgrad2)
+    assert sorted(graphs["backward"]["kernels"]) == sorted(
+        ["_moe_gemm", "_gate_grad_kernel", "_route_grad_kernel", "_moe_gemm", "_combine_kernel", "_moe_wgrad",
+         "_moe_wgrad"]), graphs["backward"]
+    for name, g in graphs.items():
+        assert not [op for op in g["other"] if "moe_experts_fused" in op], f"{name}: a custom op is in the graph"
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available() or not HAVE_TRITON, reason="needs CUDA and triton")
+
+
+def _grads(fn: Any, args: tuple, seed: int) -> list[torch.Tensor]:
+    leaves = [args[j] for j in (0, 2, 3, 4, 5, 6) if isinstance(args[j], torch.Tensor)]
+    args = tuple(a.detach().requires_grad_() if any(a is leaf for leaf in leaves) else a for a in args)
+    out = fn(*args)
+    gen = torch.Generator(device=out.device).manual_seed(seed)
+    cot = torch.randn(out.shape, generator=gen, device=out.device).to(out.dtype)
+    got = torch.autograd.grad(out, [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad], cot)
+    return [out.detach(), *got]
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("family", ["mixtral silu", "gpt_oss biases"])
+def test_cuda_inline_equals_eager(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor over the inlined kernels: the training step's output and every gradient, and
+    the no-grad forward, equal eager's bit for bit; after compiling, a call runs none of the
+    fused forward's or backward's Python."""
+    monkeypatch.setattr(TR, "INLINE_KERNELS", True)
+    dims, opts = FAMILIES[family]
+    seed = zlib.crc32(family.encode())
+    torch.manual_seed(seed)
+    args = make(*dims, torch.bfloat16, "cuda", **opts)
+    assert TR.fused_trains(args)
+    eager = _grads(lambda *a: B.FusedExperts.apply(*a), args, seed)
+    with torch.no_grad():
+        eager_fwd = TM.fused_experts_forward(*args)
+    torch._dynamo.reset()
+    step = torch.compile(TR.train, fullgraph=True)
+    forward = torch.compile(TR.inline_forward, fullgraph=True)
+    compiled = _grads(step, args, seed)  # compiles
+    with torch.no_grad():
+        forward(*args)  # compiles
+    ours = {f.__code__ for mod in (TM, B, TR, L) for f in vars(mod).values() if inspect.isfunction(f)}
+    calls: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code in ours:
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        again = _grads(step, args, seed)
+        with torch.no_grad():
+            got_fwd = forward(*args)
+    finally:
+        sys.setprofile(None)
+    assert calls == [], f"our Python ran per call: {sorted(set(calls))}"
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), "compiled training step differs from eager"
+    assert all(torch.equal(a, b) for a, b in zip(compiled, again)), "two compiled runs differ"
+    assert torch.equal(got_fwd, eager_fwd), "compiled no-grad forward differs from eager"
