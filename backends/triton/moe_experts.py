@@ -102,6 +102,7 @@ def traced_constant(fn: Any) -> Any:
     call.__name__, call.__qualname__, call.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
     return torch.compiler.assume_constant_result(call)
 
+
 CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_experts_configs.json")
 
 # Activation ids shared by the kernels and the launcher (tl.constexpr ACT).
