@@ -24,7 +24,8 @@
 #                                          the block's training step at TOKENS_COMPILED (default 64,512,4096)
 #                                          on the grouped path (--traced-min-flops 1e30), then on the fused
 #                                          ops (--traced-min-flops 0), whichever the bound picks: each
-#                                          process beside HF's compiled grouped_mm and eager opreg
+#                                          process beside HF's compiled grouped_mm and eager opreg;
+#                                          INLINE=0/1: moe_experts_train.INLINE_KERNELS for both
 #   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
 # TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
 # 16 cores) runs it with xdist; FIRST_CALL=0 skips the first-call timing.
@@ -138,7 +139,8 @@ if [ "$STAGE" = compiled ]; then
   # the bound is read when Dynamo traces
   for bound in 1e30 0; do
     timeout ${COMPILED_S:-240} python3 bench/bench_moe_block.py --tokens "${TOKENS_COMPILED:-64,512,4096}" --modes fwd+bwd \
-      --rounds 5 --variants hf_grouped_mm_inductor opreg opreg_inductor --traced-min-flops "$bound" 2>&1 \
+      --rounds 5 --variants hf_grouped_mm_inductor opreg opreg_inductor --traced-min-flops "$bound" \
+      ${INLINE:+--inline-kernels "$INLINE"} 2>&1 \
       | tee "$OUT/moe_compiled_$bound.log" | grep -E "^\||TRACED"
   done
 fi
