@@ -12,6 +12,7 @@ the no-grad forward's, the kernels' names in graph order and the other ops' name
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from typing import Any, Callable
@@ -87,7 +88,11 @@ def main() -> None:
         args[j].requires_grad_()
     step = torch.compile(lambda *a: T.train(*a).float().sum(), fullgraph=True,
                          backend=aot_autograd(fw_compiler=_record("forward"), bw_compiler=_record("backward")))
-    with functorch_config.patch(force_non_lazy_backward_lowering=True):  # the backward compiled now
+    # the backward compiled with the forward (torch without the option: at the first
+    # backward, which never comes here: the forward graph is not run)
+    eager_bw = (functorch_config.patch(force_non_lazy_backward_lowering=True)
+                if hasattr(functorch_config, "force_non_lazy_backward_lowering") else contextlib.nullcontext())
+    with eager_bw:
         try:
             step(*args)
         except SystemExit:

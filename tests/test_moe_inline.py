@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch._functorch.config as functorch_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -47,15 +48,20 @@ def test_traced_graphs_hold_the_kernels() -> None:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("GRAPHS ")]
     assert proc.returncode == 0 and lines, f"rc {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     graphs = json.loads(lines[-1][len("GRAPHS "):])
-    assert set(graphs) == {"forward", "backward", "no-grad forward"}, sorted(graphs)
+    # the backward graph is compiled (and so recorded) before a run only where torch can be
+    # told to (force_non_lazy_backward_lowering); the GPU test below runs it elsewhere
+    eager_bw = hasattr(functorch_config, "force_non_lazy_backward_lowering")
+    assert set(graphs) == {"forward", "no-grad forward"} | ({"backward"} if eager_bw else set()), sorted(graphs)
     assert graphs["forward"]["kernels"] == FORWARD, graphs["forward"]
     assert graphs["no-grad forward"]["kernels"] == FORWARD, graphs["no-grad forward"]
+    for name, g in graphs.items():
+        assert not [op for op in g["other"] if "moe_experts_fused" in op], f"{name}: a custom op is in the graph"
+    if not eager_bw:
+        return
     # the backward at these sizes on the CPU's choices (Triton weight gradients, split dgrad2)
     assert sorted(graphs["backward"]["kernels"]) == sorted(
         ["_moe_gemm", "_gate_grad_kernel", "_route_grad_kernel", "_moe_gemm", "_combine_kernel", "_moe_wgrad",
          "_moe_wgrad"]), graphs["backward"]
-    for name, g in graphs.items():
-        assert not [op for op in g["other"] if "moe_experts_fused" in op], f"{name}: a custom op is in the graph"
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or not HAVE_TRITON, reason="needs CUDA and triton")
