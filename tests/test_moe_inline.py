@@ -56,6 +56,9 @@ def test_traced_graphs_hold_the_kernels() -> None:
     assert graphs["no-grad forward"]["kernels"] == FORWARD, graphs["no-grad forward"]
     for name, g in graphs.items():
         assert not [op for op in g["other"] if "moe_experts_fused" in op], f"{name}: a custom op is in the graph"
+        # a kernel's write into a view, functionalized, would copy the view's base
+        copies = [op for op in g["other"] if op.split(".")[1] in ("slice_scatter", "clone", "copy_", "copy")]
+        assert not copies, f"{name}: {copies}"
     if not eager_bw:
         return
     # the backward at these sizes on the CPU's choices (Triton weight gradients, split dgrad2)

@@ -853,9 +853,11 @@ _route_layout = traced_constant(_route_layout)
 
 
 def _route_flat(top_k_index: torch.Tensor, num_experts: int, block_m: int, spec: Any = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_route` with the tables as one (4 E,) view (each view is ~3 us of host on the
-    2-core box, and the forward alone reads no table)."""
+    2-core box, and the forward alone reads no table). Traced by Dynamo: four buffers of
+    their own and no common one (None): functionalized, a kernel's write into a view of one
+    buffer becomes a copy of that buffer with the view's part replaced."""
     t, k = top_k_index.shape
     s = t * k
     nb, cap, length, nc, bins = _route_layout(s, num_experts, block_m)
@@ -863,14 +865,20 @@ def _route_flat(top_k_index: torch.Tensor, num_experts: int, block_m: int, spec:
     if nb == 0:  # no real pair can be routed: empty lists, zero tables
         buf = torch.zeros((4 * num_experts,), dtype=torch.int32, device=dev)
         return buf, buf[:0], buf[:0], buf
-    buf = torch.empty((length,), dtype=torch.int32, device=dev)
     t0 = cap + nb
-    sorted_pair_ids, block_expert, tables = buf[:cap], buf[cap:t0], buf[t0:t0 + 4 * num_experts]
+    if _dynamo_tracing():
+        buf = None
+        sorted_pair_ids, block_expert, tables, counts = (
+            torch.empty((n,), dtype=torch.int32, device=dev) for n in (cap, nb, 4 * num_experts,
+                                                                         length - t0 - 4 * num_experts))
+    else:
+        buf = torch.empty((length,), dtype=torch.int32, device=dev)
+        sorted_pair_ids, block_expert, tables = buf[:cap], buf[cap:t0], buf[t0:t0 + 4 * num_experts]
+        counts = buf[t0 + 4 * num_experts:]  # per (expert, chunk); one program's scratch (E entries)
     st, sk = top_k_index.stride()
     # decode-sized (T*k <= ROUTE_ONE_PROGRAM_CHUNKS * ROUTE_CHUNK): one launch instead of
     # three (each ~15-25 us of host on the H200 box), one program walking the chunks
     one = nc <= ROUTE_ONE_PROGRAM_CHUNKS
-    counts = buf[t0 + 4 * num_experts:]  # per (expert, chunk); one program's scratch (E entries)
     if not one:
         launch(_route_count_kernel, (nc,), top_k_index, counts, s, k, st, sk, num_experts, nc, spec_key=spec,
                CHUNK=ROUTE_CHUNK, BINS=bins, num_warps=4)
