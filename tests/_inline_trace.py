@@ -7,8 +7,9 @@ anything imports torch's compile stack: torch is told that Triton and host tenso
 descriptors are there, Triton's active driver is one that names an sm90 target (no launch
 ever reaches it: the backend below records the graphs and runs nothing of them), and the
 fused path, its implementation binding and the kernels' TMA choice are as on an sm90 GPU.
-Prints one line, ``GRAPHS <json>``: for the training step's forward and backward graphs and
-the no-grad forward's, the kernels' names in graph order and the other ops' names.
+Prints one line, ``GRAPHS <json>``: for the training step's forward and backward graphs (on
+the CPU's choices, then on the H200's: "(grouped_mm)") and the no-grad forward's, the
+kernels' names in graph order and the other ops' names.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class _Sm90:
 triton.runtime.driver.set_active(_Sm90())
 
 from opreg.backends.triton import moe_experts as F  # noqa: E402
+from opreg.backends.triton import moe_experts_backward as B  # noqa: E402
 from opreg.backends.triton import moe_experts_train as T  # noqa: E402
 from opreg.backends.triton import tune  # noqa: E402
 
@@ -86,17 +88,29 @@ def main() -> None:
     args = list(tune.inputs(e, h, i, k, t, torch.bfloat16, "cpu"))
     for j in (0, 2, 3, 5):  # hidden_states, top_k_weights, gate_up_proj, down_proj
         args[j].requires_grad_()
-    step = torch.compile(lambda *a: T.train(*a).float().sum(), fullgraph=True,
-                         backend=aot_autograd(fw_compiler=_record("forward"), bw_compiler=_record("backward")))
-    # the backward compiled with the forward (torch without the option: at the first
-    # backward, which never comes here: the forward graph is not run)
-    eager_bw = (functorch_config.patch(force_non_lazy_backward_lowering=True)
-                if hasattr(functorch_config, "force_non_lazy_backward_lowering") else contextlib.nullcontext())
-    with eager_bw:
-        try:
-            step(*args)
-        except SystemExit:
-            pass
+    def training_step(tag: str) -> None:
+        torch._dynamo.reset()
+        step = torch.compile(lambda *a: T.train(*a).float().sum(), fullgraph=True,
+                             backend=aot_autograd(fw_compiler=_record("forward" + tag),
+                                                  bw_compiler=_record("backward" + tag)))
+        # the backward compiled with the forward (torch without the option: at the first
+        # backward, which never comes here: the forward graph is not run)
+        eager_bw = (functorch_config.patch(force_non_lazy_backward_lowering=True)
+                    if hasattr(functorch_config, "force_non_lazy_backward_lowering") else contextlib.nullcontext())
+        with eager_bw:
+            try:
+                step(*args)
+            except SystemExit:
+                pass
+
+    training_step("")
+    # the H200's choices (sm90, bf16): GEMM1 on the sorted rows kept for dW1, the weight
+    # gradients and GEMM1's dgrad on torch._grouped_mm
+    wgrad, dgrad1 = B.grouped_mm_wgrad_default, B.grouped_mm_dgrad1_default
+    B.grouped_mm_wgrad_default = lambda *a: True
+    B.grouped_mm_dgrad1_default = lambda *a: True
+    training_step(" (grouped_mm)")
+    B.grouped_mm_wgrad_default, B.grouped_mm_dgrad1_default = wgrad, dgrad1
 
     def no_grad(*a: Any) -> torch.Tensor:
         out = T.inline_forward(*a)

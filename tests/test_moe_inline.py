@@ -51,20 +51,27 @@ def test_traced_graphs_hold_the_kernels() -> None:
     # the backward graph is compiled (and so recorded) before a run only where torch can be
     # told to (force_non_lazy_backward_lowering); the GPU test below runs it elsewhere
     eager_bw = hasattr(functorch_config, "force_non_lazy_backward_lowering")
-    assert set(graphs) == {"forward", "no-grad forward"} | ({"backward"} if eager_bw else set()), sorted(graphs)
+    want = {"forward", "forward (grouped_mm)", "no-grad forward"}
+    assert set(graphs) == want | ({"backward", "backward (grouped_mm)"} if eager_bw else set()), sorted(graphs)
     assert graphs["forward"]["kernels"] == FORWARD, graphs["forward"]
+    # the H200's choices: GEMM1 on the sorted copy of the rows, which the forward keeps for dW1
+    assert graphs["forward (grouped_mm)"]["kernels"] == FORWARD[:3] + ["_sorted_rows_kernel"] + FORWARD[3:], \
+        graphs["forward (grouped_mm)"]
     assert graphs["no-grad forward"]["kernels"] == FORWARD, graphs["no-grad forward"]
     for name, g in graphs.items():
         assert not [op for op in g["other"] if "moe_experts_fused" in op], f"{name}: a custom op is in the graph"
         # a kernel's write into a view, functionalized, would copy the view's base
-        copies = [op for op in g["other"] if op.split(".")[1] in ("slice_scatter", "clone", "copy_", "copy")]
+        copies = [op for op in g["other"] if op.split(".")[1:2] in (["slice_scatter"], ["clone"], ["copy_"], ["copy"])]
         assert not copies, f"{name}: {copies}"
     if not eager_bw:
         return
-    # the backward at these sizes on the CPU's choices (Triton weight gradients, split dgrad2)
+    # the backward at these sizes on the CPU's choices (Triton weight gradients, split dgrad2) ...
     assert sorted(graphs["backward"]["kernels"]) == sorted(
         ["_moe_gemm", "_gate_grad_kernel", "_route_grad_kernel", "_moe_gemm", "_combine_kernel", "_moe_wgrad",
          "_moe_wgrad"]), graphs["backward"]
+    # ... and on the H200's: GEMM1's dgrad and the weight gradients on torch._grouped_mm
+    grouped = graphs["backward (grouped_mm)"]
+    assert "aten._grouped_mm.default" in grouped["other"] and "_moe_wgrad" not in grouped["kernels"], grouped
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or not HAVE_TRITON, reason="needs CUDA and triton")
