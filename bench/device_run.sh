@@ -26,6 +26,12 @@
 #                                          ops (--traced-min-flops 0), whichever the bound picks: each
 #                                          process beside HF's compiled grouped_mm and eager opreg;
 #                                          INLINE=0/1: moe_experts_train.INLINE_KERNELS for both
+#   STAGE=inline bash bench/device_run.sh    the fused kernels inline under torch.compile (moe_experts_train.
+#                                          INLINE_KERNELS): tests/test_moe_inline.py, then the compiled
+#                                          block at TOKENS_INLINE (default 64,4096), forward and training,
+#                                          with the kernels inline (--inline-kernels 1) and through the custom
+#                                          ops (0), both on the fused path (--traced-min-flops 0), each process
+#                                          beside HF's compiled grouped_mm and eager opreg
 #   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
 # TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
 # 16 cores) runs it with xdist; FIRST_CALL=0 skips the first-call timing.
@@ -131,6 +137,16 @@ if [ "$STAGE" = decode ]; then
     --variants hf_grouped_mm hf_grouped_mm_inductor opreg opreg_inductor 2>&1 | tee "$OUT/moe_block_decode.log" | grep "^|"
   (cd bench && timeout 150 python3 moe_profile.py --tokens 4096 --configs qwen3_moe mixtral --host-profile \
     > "$OUT/moe_profile_host.log" 2>&1; grep -E "^[a-z].*T=|  (op|block)" "$OUT/moe_profile_host.log")
+fi
+
+if [ "$STAGE" = inline ]; then
+  python3 -m opreg build >/dev/null 2>&1
+  timeout ${INLINE_TEST_S:-240} python3 -m pytest -q -n 0 tests/test_moe_inline.py 2>&1 | tee "$OUT/inline_tests.log" | tail -3
+  for inline in 1 0; do
+    timeout ${INLINE_S:-200} python3 bench/bench_moe_block.py --tokens "${TOKENS_INLINE:-64,4096}" --modes fwd fwd+bwd \
+      --rounds 5 --variants hf_grouped_mm_inductor opreg opreg_inductor --traced-min-flops 0 --inline-kernels "$inline" \
+      2>&1 | tee "$OUT/moe_inline_$inline.log" | grep -E "^\||INLINE"
+  done
 fi
 
 if [ "$STAGE" = compiled ]; then
