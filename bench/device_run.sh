@@ -141,7 +141,7 @@ fi
 
 if [ "$STAGE" = inline ]; then
   python3 -m opreg build >/dev/null 2>&1
-  timeout ${INLINE_TEST_S:-240} python3 -m pytest -q -n 0 tests/test_moe_inline.py 2>&1 | tee "$OUT/inline_tests.log" | tail -3
+  timeout ${INLINE_TEST_S:-300} python3 -m pytest -q -n 0 tests/test_moe_inline.py 2>&1 | tee "$OUT/inline_tests.log" | tail -3
   for inline in 1 0; do
     timeout ${INLINE_S:-200} python3 bench/bench_moe_block.py --tokens "${TOKENS_INLINE:-64,4096}" --modes fwd fwd+bwd \
       --rounds 5 --variants hf_grouped_mm_inductor opreg opreg_inductor --traced-min-flops 0 --inline-kernels "$inline" \
