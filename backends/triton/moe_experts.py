@@ -944,7 +944,7 @@ def pick_config(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.
     entry for (dtype, N, K) if any, else its default for the bucket. ``block_m`` forces
     BLOCK_M (gemm2 walks gemm1's padded rows)."""
     if table is None:  # the package's table: cached per bucket (it runs on every op call)
-        if torch.compiler.is_dynamo_compiling():  # a constant to Dynamo, which need not read the file
+        if _dynamo_tracing():  # a constant to Dynamo, which need not read the file
             return dict(_picked(gemm, float(rows_per_expert), n, k, str(dtype).split(".")[-1], block_m))
         return _pick_package(gemm, rows_per_expert, n, k, dtype, block_m)
     return _pick(gemm, rows_per_expert, n, k, dtype, block_m, table)
@@ -1070,15 +1070,18 @@ class Saved(NamedTuple):
 PRE_DTYPE = torch.float32
 
 
+def misaligned(t: torch.Tensor) -> bool:
+    """Is ``t``'s base off a 16-byte boundary? Traced by Dynamo the address is not known
+    (False): Inductor's buffers are aligned, and it copies an input found misaligned at run
+    time where it was aligned when compiled."""
+    return not _dynamo_tracing() and t.data_ptr() % 16 != 0
+
+
 def _tma_ok(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
     """Whether a tensor descriptor can walk ``t`` (its last dim contiguous, base and other
     strides 16-byte aligned) with a box of ``dims``. TMA needs sm90+; the interpreter
-    emulates it. Traced by Dynamo, the base's address is not known: Inductor's buffers are
-    aligned, and it copies an input found misaligned at run time where it was aligned when
-    compiled."""
-    if _TensorDescriptor is None or t.stride(-1) != 1:
-        return False
-    if not torch.compiler.is_dynamo_compiling() and t.data_ptr() % 16:
+    emulates it."""
+    if _TensorDescriptor is None or t.stride(-1) != 1 or misaligned(t):
         return False
     if any(s * t.element_size() % 16 for s in t.stride()[:-1]) or any(d > 256 for d in dims):
         return False

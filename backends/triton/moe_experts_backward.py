@@ -424,8 +424,7 @@ def grouped_mm_unfit(x: torch.Tensor, n1: int, i: int, w: torch.Tensor | None = 
         return f"H = {x.shape[1]}, N1 = {n1}, I = {i}: not all multiples of 8 (16-byte rows)"
     if w is not None:
         s0, s1, s2 = w.stride()
-        misaligned = not torch.compiler.is_dynamo_compiling() and w.data_ptr() % 16  # traced: see F._tma_ok
-        if not ((s2 == 1 and s1 % 8 == 0) or (s1 == 1 and s2 % 8 == 0)) or s0 % 8 or misaligned:
+        if not ((s2 == 1 and s1 % 8 == 0) or (s1 == 1 and s2 % 8 == 0)) or s0 % 8 or F.misaligned(w):
             return f"the weight's strides {w.stride()}: neither of its last two dims contiguous and 16-byte aligned"
     return None
 

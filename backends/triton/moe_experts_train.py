@@ -321,7 +321,7 @@ def inline_forward(*args: Any) -> Optional[Tensor]:
     fused forward's kernels in the graph (:data:`INLINE_KERNELS`), where the op would run its
     ``triton`` implementation on these inputs with static sizes; else None (the caller puts
     the op in the graph, one node)."""
-    if not (torch.compiler.is_dynamo_compiling() and _inlines()):
+    if not (F._dynamo_tracing() and _inlines()):
         return None
     x = args[0]
     if any(isinstance(d, torch.SymInt) for t in (x, args[1]) for d in t.shape):
