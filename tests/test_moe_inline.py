@@ -112,10 +112,10 @@ def test_cuda_inline_equals_eager(family: str, monkeypatch: pytest.MonkeyPatch) 
     # functions defined in these modules' files (not torch's wrappers a module imports, whose
     # code torch.compile's own wrapper shares: on torch 2.11 that put its `_fn` here)
     files = {os.path.realpath(mod.__file__) for mod in (TM, B, TR, L)}
-    defined = [f for mod in (TM, B, TR, L) for v in vars(mod).values()
-               for f in ([v] if not inspect.isclass(v) else [inspect.unwrap(m) for m in vars(v).values()
-                                                            if isinstance(m, (staticmethod, classmethod))]
-                         + [m for m in vars(v).values() if inspect.isfunction(m)])]
+    defined = []
+    for v in (v for mod in (TM, B, TR, L) for v in vars(mod).values()):
+        members = vars(v).values() if inspect.isclass(v) else [v]  # a class: its methods
+        defined += [m.__func__ if isinstance(m, (staticmethod, classmethod)) else m for m in members]
     ours = {f.__code__ for f in defined if inspect.isfunction(f)
             and os.path.realpath(f.__code__.co_filename) in files}
     assert {TR.train.__code__, B.FusedExperts.forward.__code__, B.FusedExperts.backward.__code__} <= ours
