@@ -1066,7 +1066,10 @@ class Saved(NamedTuple):
 # and (b) carry the rounding into d top_k_weights = dout . expert(x), a dot over H that can
 # cancel: in the float16 interpreter tests, 1 seed in 40 of the T=1 case missed the float16
 # tolerance that way (0 of 40 with float32). Cost: 4 bytes per padded row and gate_up column,
-# twice a half-precision copy's.
+# twice a half-precision copy's: on the H200 the gate's backward pass reads it at the copy
+# bound (137 µs of Mixtral's T = 4096 step). A bf16 `pre` rounded before the forward's gate
+# too is HF's precision or better (bench/pre_dtype_numerics.py, bench/RESULTS.md, thirtieth
+# session): the way to those µs, where the tests measure d top_k_weights against its terms.
 PRE_DTYPE = torch.float32
 
 
