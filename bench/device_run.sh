@@ -32,6 +32,10 @@
 #                                          with the kernels inline (--inline-kernels 1) and through the custom
 #                                          ops (0), both on the fused path (--traced-min-flops 0), each process
 #                                          beside HF's compiled grouped_mm and eager opreg
+#   STAGE=pre bash bench/device_run.sh       what a bf16 saved pre-activation would save (a timing experiment,
+#                                          bench_moe_block.py --pre-dtype): the training step at TOKENS_PRE
+#                                          (default 4096) with moe_experts.PRE_DTYPE float32, then bfloat16,
+#                                          each process beside HF's compiled grouped_mm
 #   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
 # TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
 # 16 cores) runs it with xdist; FIRST_CALL=0 skips the first-call timing.
@@ -146,6 +150,15 @@ if [ "$STAGE" = inline ]; then
     timeout ${INLINE_S:-200} python3 bench/bench_moe_block.py --tokens "${TOKENS_INLINE:-64,4096}" --modes fwd fwd+bwd \
       --rounds 5 --variants hf_grouped_mm_inductor opreg opreg_inductor --traced-min-flops 0 --inline-kernels "$inline" \
       2>&1 | tee "$OUT/moe_inline_$inline.log" | grep -E "^\||INLINE"
+  done
+fi
+
+if [ "$STAGE" = pre ]; then
+  python3 -m opreg build >/dev/null 2>&1
+  for dtype in float32 bfloat16; do
+    timeout ${PRE_S:-150} python3 bench/bench_moe_block.py --tokens "${TOKENS_PRE:-4096}" --modes fwd+bwd --rounds 5 \
+      --variants hf_grouped_mm_inductor opreg opreg_inductor --pre-dtype "$dtype" 2>&1 \
+      | tee "$OUT/moe_pre_$dtype.log" | grep -E "^\||PRE_DTYPE"
   done
 fi
 
