@@ -220,10 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--inline-kernels", type=int, choices=(0, 1), default=None,
                    help="moe_experts_train.INLINE_KERNELS for this process (1: under torch.compile the fused "
                         "kernels are nodes of the graph, launched by Inductor's wrapper; 0: the custom ops)")
-    p.add_argument("--pre-dtype", choices=("float32", "bfloat16"), default=None,
-                   help="timing experiment: moe_experts.PRE_DTYPE (the saved pre-activation) for this process. "
-                        "bfloat16 times the traffic a bf16 pre would save, but the forward's gate still sees "
-                        "fp32 values, so its gradients are not the shipped numerics (bench/pre_dtype_numerics.py)")
+    p.add_argument("--pre-bf16", type=int, choices=(0, 1), default=None,
+                   help="moe_experts.PRE_BF16 for this process (1: a bf16 training step whose gate has no clamp "
+                        "saves its pre-activation in bf16, rounded before the forward's gate)")
     p.add_argument("--decode-max-tokens", type=int, default=DECODE_TRY,
                    help="opreg_decode's bound: its forward takes the decode kernels up to this many tokens")
     p.add_argument("--variants", nargs="*", default=[v for v in VARIANTS if v != "hf_eager"],
@@ -238,10 +237,10 @@ def main(argv: list[str] | None = None) -> None:
         from opreg.backends.triton import moe_experts_train
         moe_experts_train.INLINE_KERNELS = bool(a.inline_kernels)
         print(f"moe_experts_train.INLINE_KERNELS = {bool(a.inline_kernels)}")
-    if a.pre_dtype is not None:
+    if a.pre_bf16 is not None:
         from opreg.backends.triton import moe_experts
-        moe_experts.PRE_DTYPE = getattr(torch, a.pre_dtype)
-        print(f"moe_experts.PRE_DTYPE = {moe_experts.PRE_DTYPE} (a timing experiment)")
+        moe_experts.PRE_BF16 = bool(a.pre_bf16)
+        print(f"moe_experts.PRE_BF16 = {moe_experts.PRE_BF16}")
     DECODE_TRY = a.decode_max_tokens
     variants = [v for v in VARIANTS + EXTRA_VARIANTS if v in a.variants]
     if "hf_grouped_mm_inductor" not in variants:

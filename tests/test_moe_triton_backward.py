@@ -195,6 +195,22 @@ CASES: dict[str, dict] = {
         "dims": (9, 3, 40, 24, 5), "opts": {"bias": True, "sentinels": 2}, "special": "nan",
         "configs": {**SMALL_BWD, "dgrad2": {**SPLIT_BWD["dgrad2"], "GATE_R": 16, "GATE_N": 16, "GATE_WARPS": 2}},
         "forbid": ("TB._dgrad_act_kernel",)},
+    # moe_experts.PRE_BF16: bf16 inputs whose gate has no clamp save pre in bf16, rounded
+    # before the forward's gate; d top_k_weights measured against its terms (it cancels at
+    # T = 1: bench/pre_dtype_numerics.py); with a clamp, pre stays float32
+    "pre_bf16 fused dgrad2": {"dims": (30, 2, 24, 16, 3), "opts": {"bias": True}, "configs": SMALL_BWD,
+                              "dtypes": ["bfloat16"], "pre_bf16": True, "pre": torch.bfloat16},
+    "pre_bf16 split dgrad2, gelu_tanh transposed interleaved": {
+        "dims": (30, 2, 24, 16, 3), "opts": {"activation": "gelu_tanh", "transposed": True, "interleaved": True},
+        "configs": SPLIT_BWD, "dtypes": ["bfloat16"], "pre_bf16": True, "pre": torch.bfloat16,
+        "forbid": ("TB._dgrad_act_kernel",)},
+    "pre_bf16 relu2 ungated, sentinels, T=1": {
+        "dims": (1, 3, 24, 16, 4), "opts": {"activation": "relu2", "gated": False, "bias": True, "sentinels": 1},
+        "special": "nan", "dtypes": ["bfloat16"], "pre_bf16": True, "pre": torch.bfloat16},
+    "pre_bf16 gpt_oss with a limit: float32": {
+        "dims": (21, 2, 50, 18, 3), "configs": SPLIT_BWD, "clamps": True, "dtypes": ["bfloat16"],
+        "pre_bf16": True, "pre": torch.float32, "opts": dict(activation=M.GPT_OSS, transposed=True, interleaved=True,
+                                                           bias=True, alpha=1.702, limit=1.0, gain=3.0)},
     "grouped_mm wgrad, down_proj only, a full block": {
         "dims": (16, 2, 24, 16, 3), "opts": {"bias": True}, "special": "full_block", "configs": GROUPED_BWD,
         "dtypes": ["bfloat16"], "grouped": True, "requires": ("down_proj", "down_bias"),
@@ -345,9 +361,43 @@ def _check_wgrad_path(grouped: bool, grouped1: bool, names: tuple[str, ...], arg
         assert [kw["SCALED"] for kw in fwd_rows_log] == [False], fwd_rows_log
 
 
+def _route_grad_terms(args: tuple, cot: torch.Tensor) -> torch.Tensor:
+    """(T, k) float64: the magnitude of the terms each d top_k_weights sums, for a pair of
+    expert e: sum over I of |g| |gate(pre)| with g = cot[t] @ down[e], plus sum over H of
+    |cot[t]| |down_bias[e]| (0 at a sentinel slot). Rounding error grows with these, not
+    with their sum, which cancels (``assert_matches``' ``scale``)."""
+    x, ids, _, w1, b1, w2, b2, act, gated, transposed, interleaved, alpha, limit = args
+    e, k = w1.shape[0], ids.shape[1]
+    terms = torch.zeros(ids.numel(), dtype=torch.float64, device=ids.device)
+    for p, ex in enumerate(ids.reshape(-1).tolist()):  # values only: no graph
+        if 0 <= ex < e:
+            t = p // k
+            pre = M._linear(x[t].detach().double(), w1[ex].detach().double(),
+                            None if b1 is None else b1[ex].detach().double(), transposed)
+            y = M.apply_gate(pre[None], act, gated, interleaved, alpha, limit)[0]
+            d, c = w2[ex].detach().double(), cot[t].detach().double()
+            g = d @ c if transposed else c @ d
+            bias = 0 if b2 is None else (c.abs() * b2[ex].detach().double().abs()).sum()
+            terms[p] = (g.abs() * y.abs()).sum() + bias
+    return terms.view(ids.shape)
+
+
 def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     """One case: every gradient vs the float64 reference's, inputs untouched; on a device,
-    a second backward bit-identical."""
+    a second backward bit-identical. A case with ``pre_bf16`` runs with
+    ``moe_experts.PRE_BF16`` so set."""
+    c = CASES[case_id.rsplit("/", 1)[0]]
+    if "pre_bf16" not in c:
+        return _run_case(case_id, seed, device)
+    old = TM.PRE_BF16
+    TM.PRE_BF16 = c["pre_bf16"]
+    try:
+        return _run_case(case_id, seed, device)
+    finally:
+        TM.PRE_BF16 = old
+
+
+def _run_case(case_id: str, seed: int, device: str) -> None:
     name, dname = case_id.rsplit("/", 1)
     c = CASES[name]
     dtype = getattr(torch, dname)
@@ -421,10 +471,17 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     # cot alone moved d top_k_weights' dot over H by > 0.002 of its size where it cancels
     # (T = 1, float16: 3 of 200 seeds, with or without TMA loads).
     ref = torch.autograd.grad(want, leaves64, cot.to(dtype).double())
+    if "pre" in c:  # the saved pre-activation's dtype, as moe_experts.pre_dtype picks it
+        _, saved = TM.fused_experts_forward(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+                                            configs=configs, save=True)
+        assert saved.pre.dtype == c["pre"], saved.pre.dtype
     for n, g, r, a in zip([n for n, a in zip(ARGS, args) if n in names and a is not None], got, ref, leaves):
         try:
             assert g.shape == a.shape
-            assert_matches(g, r, a.dtype)
+            scale = None
+            if n == "top_k_weights" and c.get("pre_bf16") and c.get("pre") == torch.bfloat16:
+                scale = _route_grad_terms(args64, cot.to(dtype))
+            assert_matches(g, r, a.dtype, scale)
         except AssertionError as err:
             raise AssertionError(f"d {n}: {err}") from None
     if "skip_expert" in specials:  # never run: exact zeros
@@ -643,9 +700,40 @@ def test_cuda_gradients(shape: str, family: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("family", [f for f in BIG_FAMILIES if f != "gpt_oss biases"])
+@pytest.mark.parametrize("shape", list(BIGGER))
+def test_cuda_pre_bf16_gradients(shape: str, family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``moe_experts.PRE_BF16`` at moderate shapes, bf16, default configs: pre saved in bf16,
+    every gradient vs float64 (d top_k_weights against its terms, :func:`_route_grad_terms`)."""
+    monkeypatch.setattr(TM, "PRE_BF16", True)
+    dtype = torch.bfloat16
+    args = _big_args(shape, family, dtype)
+    args64 = _requires(tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                             for a in args), GRAD_ARGS)
+    names = [n for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
+    leaves = [a for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
+    leaves64 = [a for n, a in zip(ARGS, args64) if n in GRAD_ARGS and a is not None]
+    monkeypatch.setattr(TM, "_new_buffer", _nan_buffer)
+    out = TB.FusedExperts.apply(*args)
+    want = M.reference(*args64)
+    cot = torch.randn_like(want).to(dtype)
+    got = torch.autograd.grad(out, leaves, cot)
+    _, saved = TM.fused_experts_forward(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args), save=True)
+    assert saved.pre.dtype == torch.bfloat16
+    assert_matches(out, want, dtype)
+    for n, g, r, a in zip(names, got, torch.autograd.grad(want, leaves64, cot.double()), leaves):
+        scale = _route_grad_terms(args64, cot) if n == "top_k_weights" else None
+        try:
+            assert_matches(g, r, a.dtype, scale)
+        except AssertionError as err:
+            raise AssertionError(f"d {n}: {err}") from None
+
+
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.parametrize("case_id", [c.replace("float32", "bfloat16") for c in CASE_IDS if c.endswith("float32")]
                          + [c for c in CASE_IDS if CASES[c.rsplit("/", 1)[0]].get("grouped")
-                            or CASES[c.rsplit("/", 1)[0]].get("grouped1")])
+                            or CASES[c.rsplit("/", 1)[0]].get("grouped1") or "pre_bf16" in c])
 def test_cuda_cases(case_id: str) -> None:
     """The interpreted cases, compiled, in bfloat16, and a second backward bit-identical
     (the weight gradients on torch._grouped_mm where that is the default, sm90, or forced)."""

@@ -337,6 +337,11 @@ def _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_pt
         if GATED:
             acc1 += tl.load(b_base + wcol1 * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if SAVE_PRE:  # the backward's input to the gate's derivative: no recompute of this GEMM
+        if pre_ptr.dtype.element_ty != tl.float32:
+            # a narrower pre (pre_dtype) is the gate's input here too, so the backward
+            # differentiates at the values this gate saw (a clamp's side included)
+            acc0 = acc0.to(pre_ptr.dtype.element_ty).to(tl.float32)
+            acc1 = acc1.to(pre_ptr.dtype.element_ty).to(tl.float32)
         pre_mask = row_ok[:, None] & col_ok[None, :]
         pre_rows = pre_ptr + rows.to(tl.int64)[:, None] * stride_pm
         tl.store(pre_rows + wcol0[None, :] * stride_pn, acc0.to(pre_ptr.dtype.element_ty), mask=pre_mask)
@@ -1041,7 +1046,7 @@ class Saved(NamedTuple):
     """What :func:`fused_experts_forward` keeps for the backward (``save=True``): the
     routing (``sorted_pair_ids`` (R,), ``block_expert`` (R / BLOCK_M,), ``tables`` (4, E):
     run start, padded start, count, padded end; int32), GEMM1's output ``act`` (R, I) in hidden_states'
-    dtype and its pre-activation ``pre`` (R, N) float32 (:data:`PRE_DTYPE`) in
+    dtype and its pre-activation ``pre`` (R, N) float32, or bf16 (:func:`pre_dtype`) in
     gate_up_proj's column order (R = the padded rows; a padding row of a block in use is 0
     in ``act`` and unwritten in ``pre``; blocks past the work list unwritten in both), the
     block configs used, ``routing``, the one buffer the three routing tables view
@@ -1067,10 +1072,25 @@ class Saved(NamedTuple):
 # cancel: in the float16 interpreter tests, 1 seed in 40 of the T=1 case missed the float16
 # tolerance that way (0 of 40 with float32). Cost: 4 bytes per padded row and gate_up column,
 # twice a half-precision copy's: on the H200 the gate's backward pass reads it at the copy
-# bound (137 µs of Mixtral's T = 4096 step). A bf16 `pre` rounded before the forward's gate
-# too is HF's precision or better (bench/pre_dtype_numerics.py, bench/RESULTS.md, thirtieth
-# session): the way to those µs, where the tests measure d top_k_weights against its terms.
+# bound (137 µs of Mixtral's T = 4096 step).
 PRE_DTYPE = torch.float32
+
+# True: a bfloat16 call whose gate has no clamp saves ``pre`` in bfloat16 (:func:`pre_dtype`),
+# and the training forward's gate then runs on those rounded values (GEMM1's epilogue), as
+# HF's bf16 autograd does: no clamp side to flip (the reason above), and the backward
+# differentiates exactly what the forward computed. Accuracy, emulated
+# (bench/pre_dtype_numerics.py, bench/RESULTS.md, thirtieth session): HF's or better in
+# every gradient, d top_k_weights measured against its terms (at T = 1 it cancels, and
+# against its own size it reads 4-138x the bf16 tolerance, HF's 5-100x). Off until the H200
+# has timed it (`STAGE=pre bash bench/device_run.sh`) and run its tests.
+PRE_BF16 = False
+
+
+def pre_dtype(dtype: torch.dtype, gated: bool, limit: float) -> torch.dtype:
+    """The saved pre-activation's dtype for inputs of ``dtype`` (:data:`PRE_BF16`)."""
+    if PRE_BF16 and dtype == torch.bfloat16 and not (gated and math.isfinite(limit)):
+        return torch.bfloat16
+    return PRE_DTYPE
 
 
 def misaligned(t: torch.Tensor) -> bool:
@@ -1532,7 +1552,8 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     if s == 0 or h == 0:
         out0 = x.new_zeros((t, h))  # no slot: an empty sum
         return (out0, None) if save else out0
-    # The launches' specialisation follows from the inputs' metadata (and ``save``): one key
+    # The launches' specialisation follows from the inputs' metadata (and ``save``, with the
+    # saved pre-activation's dtype, which PRE_BF16 can change in a process): one key
     # for the host-side work of every launch (configs, grids, descriptor checks, launcher
     # keys). Given configs (tests, tuning) take the full path.
     keep_rows = keep_rows and save
@@ -1540,7 +1561,7 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         spec = None
     else:
         spec = (spec or spec_of(x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed,
-                                interleaved, alpha, limit), save, keep_rows)
+                                interleaved, alpha, limit), save, keep_rows, save and pre_dtype(x.dtype, gated, limit))
     if decodes(t, save, configs, s, e):
         return decode_forward(x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed,
                               interleaved, alpha, limit, configs["decode"] if configs is not None else None, spec)
@@ -1557,7 +1578,7 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         route_buf, sorted_pair_ids, block_expert, tables = _route_flat(ids, e, bm, spec and (spec, "routing"))
         nb = block_expert.shape[0]
         act = _new_buffer((nb * bm, i), x.dtype, x.device)
-        pre = _new_buffer((nb * bm, n1), PRE_DTYPE, x.device) if save else None
+        pre = _new_buffer((nb * bm, n1), pre_dtype(x.dtype, gated, limit), x.device) if save else None
         pairs = _new_buffer((s, h), x.dtype, x.device)
         out = _new_buffer((t, h), x.dtype, x.device)
         routing = dict(rw=rw, sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k,

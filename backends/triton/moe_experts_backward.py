@@ -553,8 +553,9 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     # then read one element per load. One (T, H) copy instead.
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    # Every launch's metadata follows from the inputs', the upstream gradient's and what is
-    # asked (the saved tensors are the forward's, of the same inputs): one launcher key for
+    # Every launch's metadata follows from the inputs', the upstream gradient's, what is
+    # asked and the saved pre-activation's dtype (F.pre_dtype; the saved tensors are
+    # otherwise the forward's, of the same inputs): one launcher key for
     # each launch (see F.launch_gemm), and the configs picked once per key, unless a test or
     # tuning run passes configs. (The backward's host work was 162 us a call on the 2-core
     # box with every launch stubbed, ~40 of them picking configs; an eager MoE training step
@@ -562,7 +563,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     traced = F._dynamo_tracing()  # no memo: see .launch.traced_launch
     spec = None if configs or traced else (fwd_spec or F.spec_of(x, ids, rw, w1, b1, w2, b2, activation, gated,
                                                                   transposed, interleaved, alpha, limit),
-                                           F.spec_of(dout), tuple(want))
+                                           F.spec_of(dout), tuple(want), saved.pre.dtype)
     plan = _PLANS.get(spec) if spec is not None else None
     if plan is None:
         cfg = _configs(s / e, x.dtype, bm, n1, h, i, configs or {})

@@ -87,23 +87,24 @@ def _fused(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, ga
            gate_up_bias: Optional[Tensor], down_proj: Tensor, down_bias: Optional[Tensor], activation: str,
            gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float, keep_rows: bool = False
            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out (T, H), routing (int32), act (R, I), pre (R, N1) float32, rows (R, H) or (0, H)):
+    """(out (T, H), routing (int32), act (R, I), pre (R, N1) (``pre_dtype``), rows (R, H) or (0, H)):
     the fused forward and what its backward reads (empty where it saves nothing; ``rows``
     where ``keep_rows``)."""
     args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias,
             activation, gated, transposed, interleaved, alpha, limit)
     out, saved = F.fused_experts_forward(*args, save=True, keep_rows=keep_rows)
     if saved is None:
-        return (out, *_nothing_saved(hidden_states, gate_up_proj, gated, transposed))
+        return (out, *_nothing_saved(hidden_states, gate_up_proj, gated, transposed, limit))
     rows = saved.rows if saved.rows is not None else hidden_states.new_empty((0, hidden_states.shape[1]))
     return out, saved.routing, saved.act, saved.pre, rows
 
 
-def _nothing_saved(x: Tensor, w1: Tensor, gated: bool, transposed: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _nothing_saved(x: Tensor, w1: Tensor, gated: bool, transposed: bool,
+                   limit: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     n1 = w1.shape[2] if transposed else w1.shape[1]
     i = n1 // 2 if gated else n1
     return (x.new_empty((0,), dtype=torch.int32), x.new_empty((0, i)),
-            x.new_empty((0, n1), dtype=F.PRE_DTYPE), x.new_empty((0, x.shape[1])))
+            x.new_empty((0, n1), dtype=F.pre_dtype(x.dtype, gated, limit)), x.new_empty((0, x.shape[1])))
 
 
 @torch.library.register_fake("opreg::moe_experts_fused", lib=_LIB)
@@ -114,11 +115,12 @@ def _(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up
     out = hidden_states.new_empty(hidden_states.shape)
     lay = _layout(hidden_states, top_k_index, gate_up_proj, gated, transposed)
     if lay is None:
-        return (out, *_nothing_saved(hidden_states, gate_up_proj, gated, transposed))
+        return (out, *_nothing_saved(hidden_states, gate_up_proj, gated, transposed, limit))
     rows, length, i, n1 = lay
     x = hidden_states
     return (out, x.new_empty((length,), dtype=torch.int32), x.new_empty((rows, i)),
-            x.new_empty((rows, n1), dtype=F.PRE_DTYPE), x.new_empty((rows if keep_rows else 0, x.shape[1])))
+            x.new_empty((rows, n1), dtype=F.pre_dtype(x.dtype, gated, limit)),
+            x.new_empty((rows if keep_rows else 0, x.shape[1])))
 
 
 _GRAD_INPUTS = (0, 2, 3, 4, 5, 6)  # hidden_states, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias
