@@ -341,7 +341,8 @@ def _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_pt
             # a narrower pre (pre_dtype) is the gate's input here too, so the backward
             # differentiates at the values this gate saw (a clamp's side included)
             acc0 = acc0.to(pre_ptr.dtype.element_ty).to(tl.float32)
-            acc1 = acc1.to(pre_ptr.dtype.element_ty).to(tl.float32)
+            if GATED:
+                acc1 = acc1.to(pre_ptr.dtype.element_ty).to(tl.float32)
         pre_mask = row_ok[:, None] & col_ok[None, :]
         pre_rows = pre_ptr + rows.to(tl.int64)[:, None] * stride_pm
         tl.store(pre_rows + wcol0[None, :] * stride_pn, acc0.to(pre_ptr.dtype.element_ty), mask=pre_mask)
