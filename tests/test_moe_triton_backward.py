@@ -733,7 +733,7 @@ def test_cuda_pre_bf16_gradients(shape: str, family: str, monkeypatch: pytest.Mo
 @needs_cuda
 @pytest.mark.parametrize("case_id", [c.replace("float32", "bfloat16") for c in CASE_IDS if c.endswith("float32")]
                          + [c for c in CASE_IDS if CASES[c.rsplit("/", 1)[0]].get("grouped")
-                            or CASES[c.rsplit("/", 1)[0]].get("grouped1") or "pre_bf16" in c])
+                            or CASES[c.rsplit("/", 1)[0]].get("grouped1") or "pre_bf16" in CASES[c.rsplit("/", 1)[0]]])
 def test_cuda_cases(case_id: str) -> None:
     """The interpreted cases, compiled, in bfloat16, and a second backward bit-identical
     (the weight gradients on torch._grouped_mm where that is the default, sm90, or forced)."""
