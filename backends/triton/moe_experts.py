@@ -1559,11 +1559,12 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     # for the host-side work of every launch (configs, grids, descriptor checks, launcher
     # keys). Given configs (tests, tuning) take the full path.
     keep_rows = keep_rows and save
+    pre_dt = pre_dtype(x.dtype, gated, limit) if save else None
     if configs is not None or _dynamo_tracing():  # traced: no memo (.launch.traced_launch)
         spec = None
     else:
         spec = (spec or spec_of(x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed,
-                                interleaved, alpha, limit), save, keep_rows, save and pre_dtype(x.dtype, gated, limit))
+                                interleaved, alpha, limit), save, keep_rows, pre_dt)
     if decodes(t, save, configs, s, e):
         return decode_forward(x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed,
                               interleaved, alpha, limit, configs["decode"] if configs is not None else None, spec)
@@ -1580,7 +1581,7 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         route_buf, sorted_pair_ids, block_expert, tables = _route_flat(ids, e, bm, spec and (spec, "routing"))
         nb = block_expert.shape[0]
         act = _new_buffer((nb * bm, i), x.dtype, x.device)
-        pre = _new_buffer((nb * bm, n1), pre_dtype(x.dtype, gated, limit), x.device) if save else None
+        pre = _new_buffer((nb * bm, n1), pre_dt, x.device) if save else None
         pairs = _new_buffer((s, h), x.dtype, x.device)
         out = _new_buffer((t, h), x.dtype, x.device)
         routing = dict(rw=rw, sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k,
