@@ -23,7 +23,7 @@ import opreg  # noqa: F401
 import opreg.integrations.transformers  # noqa: F401
 from opreg.backends.triton import moe_experts as fused
 from opreg.backends.triton import tune
-from opreg.testing.timing import host_us, median_us
+from opreg.testing.timing import host_once_us, host_us, median_us
 
 import bench_moe_block as bb
 
@@ -90,13 +90,20 @@ def main() -> None:
                    help="with --inductor: the steps profiled (fwd+bwd: the block's training step, "
                         "beside HF's grouped_mm + Inductor)")
     p.add_argument("--skip-op", action="store_true", help="only the compiled blocks (--inductor)")
+    p.add_argument("--variants", nargs="*", default=list(COMPILED_VARIANTS), choices=COMPILED_VARIANTS,
+                   help="with --inductor: the blocks compared")
+    p.add_argument("--pre-bf16", type=int, choices=(0, 1), default=None,
+                   help="moe_experts.PRE_BF16 for this process (see bench_moe_block.py --pre-bf16)")
     a = p.parse_args()
+    if a.pre_bf16 is not None:
+        fused.PRE_BF16 = bool(a.pre_bf16)
+        print(f"moe_experts.PRE_BF16 = {fused.PRE_BF16}")
     for config in a.configs:
         _, _, h, ffn, e, k = bb.CONFIGS[config]
         for t in (int(v) for v in a.tokens.split(",")):
             block, x = bb.inputs(config, t, False)
             if a.skip_op:
-                compiled_block(block, x, a.reps, a.modes, a.host_profile)
+                compiled_block(block, x, a.reps, a.modes, a.host_profile, a.variants)
                 continue
             args = tune.inputs(e, h, ffn, k, t, torch.bfloat16, "cuda")
             block.experts.config._experts_implementation = "opreg"
@@ -127,7 +134,7 @@ def main() -> None:
                     torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
             if a.inductor:
-                compiled_block(block, x, a.reps, a.modes, a.host_profile)
+                compiled_block(block, x, a.reps, a.modes, a.host_profile, a.variants)
 
 
 def syncs(call) -> str:
@@ -152,27 +159,32 @@ def syncs(call) -> str:
     return f"{len(hits)} (first: {str(first.message)[:80]!r} at {first.filename}:{first.lineno})"
 
 
+COMPILED_VARIANTS = ("hf_grouped_mm_inductor", "opreg", "opreg_inductor")
+
+
 def compiled_block(block: torch.nn.Module, x: torch.Tensor, reps: int, modes: list[str],
-                   host: bool = False) -> None:
+                   host: bool = False, names: tuple[str, ...] | list[str] = COMPILED_VARIANTS) -> None:
     """The block eager and under torch.compile: same kernels (their GPU sums match), so a
     gap between the two GPU times (events, back to back) is the GPU waiting on the host.
     fwd+bwd: the training step (``bench_moe_block.step``: the gradients set to None, then
-    the sum's backward). HF's grouped_mm + Inductor beside both. ``host``: also
-    cProfile each step's host path."""
+    the sum's backward). HF's grouped_mm + Inductor beside both (``names``: which). The
+    host time twice: a batch of steps (:func:`host_us`, which waits on a GPU-bound step's
+    queue and then reads the GPU's time) and one step on an idle GPU (:func:`host_once_us`).
+    ``host``: also cProfile each step's host path."""
     from torch.profiler import ProfilerActivity, profile
 
     for mode in modes:
-        names = ("hf_grouped_mm_inductor", "opreg", "opreg_inductor")
         for name in names:
             torch._dynamo.reset()
             fn = bb.variant(block, name)
             call = bb.step(fn, x, mode)
-            gpu, host_time = median_us(call, reps, True), host_us(call)
+            gpu, host_time, once = median_us(call, reps, True), host_us(call), host_once_us(call)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 call()
                 torch.cuda.synchronize()
             kernels = sum(e.self_device_time_total for e in prof.key_averages())
-            print(f"  block {mode}, {name:22s} GPU {gpu:8.0f} us   host {host_time:8.0f} us   kernels {kernels:8.0f} us"
+            print(f"  block {mode}, {name:22s} GPU {gpu:8.0f} us   host {host_time:8.0f} us (one step on an idle GPU "
+                  f"{once:6.0f})   kernels {kernels:8.0f} us"
                   f"   host syncs {syncs(call)}")
             if host:
                 host_profile(call, reps)

@@ -73,3 +73,20 @@ def host_us(call: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     return (t1 - t0) / reps * 1e6
+
+
+def host_once_us(call: Callable[[], Any], reps: int = 10, warmup: int = 3) -> float:
+    """Host time to enqueue one call on an idle GPU, in µs: the median over ``reps`` of the
+    wall clock of a single call, each after a sync. Unlike :func:`host_us`, whose batch can
+    fill the launch queue of a GPU-bound call and then wait on the GPU (its figure tends to
+    the GPU time), no call here waits on queued work, unless it syncs by itself."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
