@@ -32,10 +32,13 @@
 #                                          with the kernels inline (--inline-kernels 1) and through the custom
 #                                          ops (0), both on the fused path (--traced-min-flops 0), each process
 #                                          beside HF's compiled grouped_mm and eager opreg
-#   STAGE=pre bash bench/device_run.sh       a bf16 saved pre-activation (moe_experts.PRE_BF16): its tests
-#                                          (tests/test_moe_triton_backward.py -k pre_bf16), then the training
-#                                          step at TOKENS_PRE (default 4096) with it off (--pre-bf16 0), then
-#                                          on (1), each process beside HF's compiled grouped_mm
+#   STAGE=pre bash bench/device_run.sh       the bf16 saved pre-activation (moe_experts.PRE_BF16, on by
+#                                          default): its tests (tests/test_moe_triton_backward.py -k
+#                                          pre_bf16), then the compiled training step at TOKENS_PRE (default
+#                                          4096) with it off (--pre-bf16 0), then on (1), each process beside
+#                                          HF's compiled grouped_mm, under bench/moe_profile.py (GPU events and
+#                                          each kernel's time: bench_moe_block.py's step moved ~100 us between
+#                                          processes, the size of the effect, 2026-12-04)
 #   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
 # TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
 # 16 cores) runs it with xdist; FIRST_CALL=0 skips the first-call timing.
@@ -158,9 +161,9 @@ if [ "$STAGE" = pre ]; then
   timeout ${PRE_TEST_S:-150} python3 -m pytest -q -n 8 -k pre_bf16 tests/test_moe_triton_backward.py 2>&1 \
     | tee "$OUT/pre_tests.log" | tail -3
   for on in 0 1; do
-    timeout ${PRE_S:-150} python3 bench/bench_moe_block.py --tokens "${TOKENS_PRE:-4096}" --modes fwd+bwd --rounds 5 \
-      --variants hf_grouped_mm_inductor opreg opreg_inductor --pre-bf16 "$on" 2>&1 \
-      | tee "$OUT/moe_pre_$on.log" | grep -E "^\||PRE_BF16"
+    (cd bench && timeout ${PRE_S:-220} python3 moe_profile.py --tokens "${TOKENS_PRE:-4096}" --inductor --skip-op \
+      --modes fwd+bwd --variants hf_grouped_mm_inductor opreg_inductor --pre-bf16 "$on" 2>&1) \
+      | tee "$OUT/prof_pre_$on.log" | grep -E "block fwd|PRE_BF16"
   done
 fi
 

@@ -195,9 +195,10 @@ CASES: dict[str, dict] = {
         "dims": (9, 3, 40, 24, 5), "opts": {"bias": True, "sentinels": 2}, "special": "nan",
         "configs": {**SMALL_BWD, "dgrad2": {**SPLIT_BWD["dgrad2"], "GATE_R": 16, "GATE_N": 16, "GATE_WARPS": 2}},
         "forbid": ("TB._dgrad_act_kernel",)},
-    # moe_experts.PRE_BF16: bf16 inputs whose gate has no clamp save pre in bf16, rounded
-    # before the forward's gate; d top_k_weights measured against its terms (it cancels at
-    # T = 1: bench/pre_dtype_numerics.py); with a clamp, pre stays float32
+    # moe_experts.PRE_BF16 (on by default): bf16 inputs whose gate has no clamp save pre
+    # (and the split dgrad2's g) in bf16, rounded before the forward's gate; d top_k_weights
+    # measured against its terms (it cancels at T = 1: bench/pre_dtype_numerics.py); with a
+    # clamp, or the flag off, pre stays float32
     "pre_bf16 fused dgrad2": {"dims": (30, 2, 24, 16, 3), "opts": {"bias": True}, "configs": SMALL_BWD,
                               "dtypes": ["bfloat16"], "pre_bf16": True, "pre": torch.bfloat16},
     "pre_bf16 split dgrad2, gelu_tanh transposed interleaved": {
@@ -207,6 +208,9 @@ CASES: dict[str, dict] = {
     "pre_bf16 relu2 ungated, sentinels, T=1": {
         "dims": (1, 3, 24, 16, 4), "opts": {"activation": "relu2", "gated": False, "bias": True, "sentinels": 1},
         "special": "nan", "dtypes": ["bfloat16"], "pre_bf16": True, "pre": torch.bfloat16},
+    "pre_bf16 off: float32 for bf16, split dgrad2": {
+        "dims": (30, 2, 24, 16, 3), "opts": {"bias": True}, "configs": SPLIT_BWD, "dtypes": ["bfloat16"],
+        "pre_bf16": False, "pre": torch.float32},
     "pre_bf16 gpt_oss with a limit: float32": {
         "dims": (21, 2, 50, 18, 3), "configs": SPLIT_BWD, "clamps": True, "dtypes": ["bfloat16"],
         "pre_bf16": True, "pre": torch.float32, "opts": dict(activation=M.GPT_OSS, transposed=True, interleaved=True,
@@ -382,6 +386,13 @@ def _route_grad_terms(args: tuple, cot: torch.Tensor) -> torch.Tensor:
     return terms.view(ids.shape)
 
 
+def _pre_bf16(args: tuple) -> bool:
+    """Whether the forward saves ``pre`` (and the split dgrad2's g) in bf16 for ``args``
+    (``moe_experts.pre_dtype``): d top_k_weights then carries their rounding, as HF's bf16
+    autograd does, and is measured against its terms (:func:`_route_grad_terms`)."""
+    return TM.pre_dtype(args[0].dtype, args[8], args[12]) == torch.bfloat16
+
+
 def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     """One case: every gradient vs the float64 reference's, inputs untouched; on a device,
     a second backward bit-identical. A case with ``pre_bf16`` runs with
@@ -479,7 +490,7 @@ def _run_case(case_id: str, seed: int, device: str) -> None:
         try:
             assert g.shape == a.shape
             scale = None
-            if n == "top_k_weights" and c.get("pre_bf16") and c.get("pre") == torch.bfloat16:
+            if n == "top_k_weights" and _pre_bf16(args):
                 scale = _route_grad_terms(args64, cot.to(dtype))
             assert_matches(g, r, a.dtype, scale)
         except AssertionError as err:
@@ -674,39 +685,16 @@ def _clear_limit(args: tuple, *scales: dict[str, torch.Tensor]) -> tuple:
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype,pre_bf16", [(d, d == torch.bfloat16) for d in CUDA_DTYPES] + [(torch.bfloat16, False)],
+                         ids=lambda v: str(v) if isinstance(v, torch.dtype) else ("pre_bf16" if v else "pre_fp32"))
 @pytest.mark.parametrize("family", BIG_FAMILIES)
 @pytest.mark.parametrize("shape", list(BIGGER))
-def test_cuda_gradients(shape: str, family: str, dtype: torch.dtype) -> None:
-    """Every gradient at moderate shapes (every config bucket), default configs, vs float64."""
-    args = _big_args(shape, family, dtype)
-    args64 = _requires(tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                             for a in args), GRAD_ARGS)
-    leaves = [a for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
-    leaves64 = [a for n, a in zip(ARGS, args64) if n in GRAD_ARGS and a is not None]
-    old = TM._new_buffer
-    TM._new_buffer = _nan_buffer
-    try:
-        out = TB.FusedExperts.apply(*args)
-        want = M.reference(*args64)
-        cot = torch.randn_like(want)
-        got = torch.autograd.grad(out, leaves, cot.to(dtype))
-    finally:
-        TM._new_buffer = old
-    assert_matches(out, want, dtype)
-    for g, r, a in zip(got, torch.autograd.grad(want, leaves64, cot), leaves):
-        assert_matches(g, r, a.dtype)
-
-
-@pytest.mark.cuda
-@needs_cuda
-@pytest.mark.parametrize("family", [f for f in BIG_FAMILIES if f != "gpt_oss biases"])
-@pytest.mark.parametrize("shape", list(BIGGER))
-def test_cuda_pre_bf16_gradients(shape: str, family: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``moe_experts.PRE_BF16`` at moderate shapes, bf16, default configs: pre saved in bf16,
-    every gradient vs float64 (d top_k_weights against its terms, :func:`_route_grad_terms`)."""
-    monkeypatch.setattr(TM, "PRE_BF16", True)
-    dtype = torch.bfloat16
+def test_cuda_gradients(shape: str, family: str, dtype: torch.dtype, pre_bf16: bool,
+                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every gradient at moderate shapes (every config bucket), default configs, vs float64,
+    with ``moe_experts.PRE_BF16`` on (the default) and off for bf16: where the saved ``pre``
+    is bf16 (:func:`_pre_bf16`; a clamp keeps it float32), d top_k_weights against its terms."""
+    monkeypatch.setattr(TM, "PRE_BF16", pre_bf16)
     args = _big_args(shape, family, dtype)
     args64 = _requires(tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                              for a in args), GRAD_ARGS)
@@ -716,13 +704,14 @@ def test_cuda_pre_bf16_gradients(shape: str, family: str, monkeypatch: pytest.Mo
     monkeypatch.setattr(TM, "_new_buffer", _nan_buffer)
     out = TB.FusedExperts.apply(*args)
     want = M.reference(*args64)
+    # the reference's cotangent is the one the op gets (rounded to dtype), as run_case's
     cot = torch.randn_like(want).to(dtype)
     got = torch.autograd.grad(out, leaves, cot)
     _, saved = TM.fused_experts_forward(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args), save=True)
-    assert saved.pre.dtype == torch.bfloat16
+    assert (saved.pre.dtype == torch.bfloat16) == _pre_bf16(args), saved.pre.dtype
     assert_matches(out, want, dtype)
     for n, g, r, a in zip(names, got, torch.autograd.grad(want, leaves64, cot.double()), leaves):
-        scale = _route_grad_terms(args64, cot) if n == "top_k_weights" else None
+        scale = _route_grad_terms(args64, cot) if n == "top_k_weights" and _pre_bf16(args) else None
         try:
             assert_matches(g, r, a.dtype, scale)
         except AssertionError as err:

@@ -1065,13 +1065,14 @@ class Saved(NamedTuple):
     rows: Optional[torch.Tensor] = None
 
 
-# The saved pre-activation is float32 whatever the input dtype: the forward's own accumulators,
-# so the backward evaluates the gate's derivative at exactly the values the forward's gate
-# saw. Rounded to bfloat16 (2**-9 relative) it would (a) flip a clamp's derivative between 0
-# and 1 for a value within one rounding of the limit (a whole element of the gradient wrong),
-# and (b) carry the rounding into d top_k_weights = dout . expert(x), a dot over H that can
-# cancel: in the float16 interpreter tests, 1 seed in 40 of the T=1 case missed the float16
-# tolerance that way (0 of 40 with float32). Cost: 4 bytes per padded row and gate_up column,
+# The saved pre-activation's dtype for every call but bf16 ones without a clamp (PRE_BF16
+# below): float32, the forward's own accumulators, so the backward evaluates the gate's
+# derivative at exactly the values the forward's gate saw. Rounded to bfloat16 (2**-9
+# relative) it would (a) flip a clamp's derivative between 0 and 1 for a value within one
+# rounding of the limit (a whole element of the gradient wrong), and (b) carry the rounding
+# into d top_k_weights = dout . expert(x), a dot over H that can cancel: in the float16
+# interpreter tests, 1 seed in 40 of the T=1 case missed the float16 tolerance that way (0
+# of 40 with float32). Cost: 4 bytes per padded row and gate_up column,
 # twice a half-precision copy's: on the H200 the gate's backward pass reads it at the copy
 # bound (137 µs of Mixtral's T = 4096 step).
 PRE_DTYPE = torch.float32
@@ -1079,13 +1080,19 @@ PRE_DTYPE = torch.float32
 # True: a bfloat16 call whose gate has no clamp saves ``pre`` in bfloat16 (:func:`pre_dtype`),
 # and the training forward's gate then runs on those rounded values (GEMM1's epilogue), as
 # HF's bf16 autograd does: no clamp side to flip (the reason above), and the backward
-# differentiates exactly what the forward computed. Accuracy, emulated
-# (bench/pre_dtype_numerics.py, bench/RESULTS.md, thirtieth session): at most HF's bf16
-# error in every gradient but one cell (0.41 against 0.40 of the tolerance), d top_k_weights
-# measured against its terms (at T = 1 it cancels, and against its own size it reads 4-138x
-# the bf16 tolerance, HF's 5-100x). Off until the H200 has timed it (`STAGE=pre bash
-# bench/device_run.sh`) and run its tests.
-PRE_BF16 = False
+# differentiates exactly what the forward computed. The split dgrad2's g is then bf16 too
+# (HF's grouped_mm writes it so). Accuracy, emulated (`python bench/pre_dtype_numerics.py`,
+# 20 seeds, silu and gelu_tanh, T = 1 / 64 / 1024; bench/RESULTS.md, thirty-first session):
+# at or below HF's bf16 error in every output and gradient cell but one, d top_k_weights
+# against its own size at T = 1 with silu (2.05 against HF's 1.69 of the tolerance; it
+# cancels there, and against the magnitude of its terms it reads 0.06 against HF's 0.09:
+# the tests measure it so). Speed (H200, T = 4096, the compiled training step,
+# `bench/moe_profile.py --inductor --modes fwd+bwd --pre-bf16 {0,1}`, GPU events, thirty-first
+# session): Mixtral 2402 -> 2290 µs (GEMMs 1064 -> 1000, the gate's pass 138 -> 115), Qwen3-MoE
+# 2635 -> 2549, OLMoE 2710 -> 2631, against HF's 2549 / 2507, 3221 / 3194 and 3296 / 3295 in
+# the same processes. A training call's output thus differs from the same no-grad call's by that
+# rounding (both within the bf16 tolerance of float64). False: pre and g in float32.
+PRE_BF16 = True
 
 
 def pre_dtype(dtype: torch.dtype, gated: bool, limit: float) -> torch.dtype:

@@ -12,8 +12,9 @@ padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    order) from dact = rw * g, and per row and I block the partial sum of g * gate(pre)
    for d top_k_weights into a (S, I blocks) fp32 buffer at the pair's row. **Split**
    (``configs["dgrad2"]["SPLIT"]``, the table's default at many rows per expert): g comes
-   from the forward's GEMM (``_moe_gemm``, gathered rows, any tile width) into an fp32
-   (padded rows, I) buffer, and :func:`_gate_grad_kernel` runs the same epilogue as its own
+   from the forward's GEMM (``_moe_gemm``, gathered rows, any tile width) into a (padded
+   rows, I) buffer in the saved ``pre``'s dtype (fp32; bf16 under
+   ``moe_experts.PRE_BF16``), and :func:`_gate_grad_kernel` runs the same epilogue as its own
    pass (one partial per pair). (On ``torch._grouped_mm`` over a sorted copy of dout's
    rows, g in bf16, the op's forward + backward took 7-22 % longer: 2542 / 2737 / 3270
    against 2313 / 2559 / 2691 us, H200, 2026-12-03; with dout's rows sorted for the Triton
@@ -245,7 +246,8 @@ def _gate_grad_kernel(
 ):
     """GEMM2's dgrad, split (``configs["dgrad2"]["SPLIT"]``), second pass: for BLOCK_R padded
     rows (a slice of one M block of ``block_m`` rows) the gate's backward of
-    :func:`_dgrad_act_kernel`'s epilogue on g (fp32, padded rows x N, the GEMM's output):
+    :func:`_dgrad_act_kernel`'s epilogue on g (padded rows x N, the GEMM's output, in the
+    saved pre-activation's dtype):
     d_pre from rw * g and ``pre`` (0 at padding rows), and part[pair] = the sum over all N
     columns of g * gate(pre), in column order. Rows of blocks past the work list: nothing."""
     r0 = tl.program_id(0) * BLOCK_R
@@ -263,7 +265,7 @@ def _gate_grad_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_fm + cols[None, :] * stride_fn,
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
         part += _gate_grad_tile(g, rw, rows, row_ok, cols, col_ok, pre_ptr, stride_pm, stride_pn, dpre_ptr,
                                 stride_gm, stride_gn, N, alpha, limit, GATED, INTERLEAVED, ACT, HAS_LIMIT,
                                 GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE)
@@ -614,9 +616,12 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             w_nk = F._nk_view(w2, not transposed)  # down seen as (E, I, H)
             pre = saved.pre
             if split:
-                # g = dout[t] @ down[e] on the forward's GEMM (a plain tile, any width), fp32 at
-                # the padded rows; then the gate's backward as its own pass (see the table's about)
-                g = F._new_buffer((nb * bm, i), torch.float32, dev)
+                # g = dout[t] @ down[e] on the forward's GEMM (a plain tile, any width) at the
+                # padded rows, in the saved pre-activation's dtype (fp32; bf16 under
+                # F.PRE_BF16, g's rounding then HF's bf16 autograd's and its write and the
+                # gate pass's read half); then the gate's backward as its own pass (see the
+                # table's about)
+                g = F._new_buffer((nb * bm, i), pre.dtype, dev)
                 F.launch_gemm(c, a=dout, w_nk=w_nk, bias=None, rw=rw, out=g, pre=None,
                               sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k, n=i, k=h,
                               gather=True, routed=False, act=_IDENTITY, spec=key("dgrad2"),
