@@ -131,6 +131,18 @@ CASES: dict[str, dict] = {
     "dgrad2 split ungated, routing weights only": dict(
         dims=(9, 2, 24, 16, 3), opts=dict(activation="relu2", gated=False, bias=True), dtypes=["float32"],
         configs=SPLIT_BWD, requires=("top_k_weights",), forbid=("TB._dgrad_act_kernel", "TB._moe_wgrad")),
+    # the fused dgrad2's epilogue in column slices (SUBTILE): I = 24 over 16- and 32-wide
+    # tiles of 8-wide slices, the last slices past I masked; gated, interleaved and not
+    "dgrad2 fused, 2 epilogue slices": dict(
+        dims=(24, 3, 40, 24, 3), opts=dict(bias=True, sentinels=2), special="nan", dtypes=["float32", "bfloat16"],
+        configs={**SMALL_BWD, "dgrad2": {**SMALL_BWD["dgrad2"], "SUBTILE": 2}}, forbid=("TB._gate_grad_kernel",)),
+    "dgrad2 fused, 4 epilogue slices, gelu interleaved": dict(
+        dims=(17, 2, 40, 24, 3), opts=dict(activation="gelu", interleaved=True, bias=True),
+        configs={**SMALL_BWD, "dgrad2": {**SMALL_BWD["dgrad2"], "BLOCK_N": 32, "SUBTILE": 4}},
+        forbid=("TB._gate_grad_kernel",)),
+    "dgrad2 fused, 2 epilogue slices, relu2 ungated": dict(
+        dims=(13, 2, 24, 24, 3), opts=dict(activation="relu2", gated=False, transposed=True), dtypes=["float32"],
+        configs={**SMALL_BWD, "dgrad2": {**SMALL_BWD["dgrad2"], "SUBTILE": 2}}, forbid=("TB._gate_grad_kernel",)),
     # the forward's GEMM1 on a sorted copy of its rows: the backward reads the same saved tensors
     "pregathered forward": dict(dims=(11, 2, 16, 8, 3), opts=dict(bias=True),
                                 configs={**SMALL_BWD, "gemm1": {**SMALL["gemm1"], "PREGATHER": 1}}),
@@ -636,6 +648,11 @@ def test_grouped_mm_wgrad_choice() -> None:
         with pytest.raises(ValueError, match=f"{gemm}.*PERSISTENT"):
             TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.bfloat16), *bf16, saved,
                                       configs={gemm: {"PERSISTENT": 1, **other}})
+    # SUBTILE: the fused dgrad2 kernel's, 2 or 4 slices at least 8 wide; elsewhere an error
+    for bad in ({"SPLIT": 1, "SUBTILE": 2}, {"SUBTILE": 3}, {"BLOCK_N": 16, "SUBTILE": 4}):
+        with pytest.raises(ValueError, match="dgrad2.*SUBTILE"):
+            TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.bfloat16), *bf16, saved,
+                                      configs={"dgrad2": {**SMALL_BWD["dgrad2"], **bad}})
 
 
 # ------------------------------------------------------------------ CUDA

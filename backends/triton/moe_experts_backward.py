@@ -19,7 +19,9 @@ padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    rows, g in bf16, the op's forward + backward took 7-22 % longer: 2542 / 2737 / 3270
    against 2313 / 2559 / 2691 us, H200, 2026-12-03; with dout's rows sorted for the Triton
    GEMM's TMA loads, no faster.) The fused kernel's tile is 64 wide (its epilogue holds g,
-   both pre halves and both gradient halves) and ran at ~190 TF/s on the H200; split, the
+   both pre halves and both gradient halves) and ran at ~190 TF/s on the H200 (``SUBTILE``
+   2 or 4 runs its epilogue in column slices, so that the tile can be 128 wide: a tuner
+   candidate, not yet timed); split, the
    op's forward + backward took 2400 / 2689 / 2792 us against 2564 / 2795 / 2980 fused
    (Mixtral / Qwen3-MoE / OLMoE, T = 4096, 2026-12-02), g's extra write and read included.
 2. **d top_k_weights** (:func:`_route_grad_kernel`): each valid slot's partials summed in
@@ -186,6 +188,12 @@ def _gate_grad_tile(g, rw, rows, row_ok, cols, col_ok, pre_ptr, stride_pm, strid
 
 
 @_jit
+def _column_halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``x`` (ROWS, COLS) as its columns [0, COLS / 2) and [COLS / 2, COLS)."""
+    return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, COLS // 2)), (0, 2, 1)))
+
+
+@_jit
 def _dgrad_act_kernel(
     dout_ptr, w_ptr, pre_ptr, route_w_ptr, dpre_ptr, part_ptr, pair_ids_ptr, block_expert_ptr, w_desc,
     num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
@@ -200,13 +208,17 @@ def _dgrad_act_kernel(
     GATE_TIE: tl.constexpr, UP_LO_TIE: tl.constexpr, UP_HI_TIE: tl.constexpr,
     WRITE_DPRE: tl.constexpr, ROUTE_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr = False, W_TMA: tl.constexpr = False, W_KMAJOR: tl.constexpr = True,
+    SUBTILE: tl.constexpr = 1,
 ):
     """One (BLOCK_M padded rows) x (BLOCK_N of the I columns) tile of GEMM2's dgrad:
     g = dout[token] @ down[e] (W = down seen as (E, I, H): N = I, K = H), then the gate's
     backward: d_pre (padded rows, N or 2N, gate_up's column order) from rw * g and ``pre``;
     and part[pair, pid_n] = sum over the tile's columns of g * gate(pre) (d top_k_weights'
     partial sum). Padding rows: nothing read; d_pre written as 0 there. W_TMA: W's tiles
-    through the descriptor ``w_desc``, as the forward's (:func:`_mma`)."""
+    through the descriptor ``w_desc``, as the forward's (:func:`_mma`). SUBTILE (1, 2 or 4):
+    the epilogue walks the tile in that many column slices, left to right (the partial sum
+    adds them in that order), so that a wide tile's epilogue holds one slice's g, pre halves
+    and gradient halves at a time."""
     pid_m, pid_n, expert = _tile(block_expert_ptr, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if expert < 0:
         return
@@ -223,9 +235,23 @@ def _dgrad_act_kernel(
 
     rw = tl.load(route_w_ptr + (p // top_k).to(tl.int64) * stride_rt + (p % top_k) * stride_rk,
                  mask=row_ok, other=0.0).to(tl.float32)
-    part = _gate_grad_tile(g, rw, rows, row_ok, cols, col_ok, pre_ptr, stride_pm, stride_pn, dpre_ptr, stride_gm,
-                           stride_gn, N, alpha, limit, GATED, INTERLEAVED, ACT, HAS_LIMIT, GATE_TIE, UP_LO_TIE,
-                           UP_HI_TIE, WRITE_DPRE)
+    if SUBTILE == 1:
+        part = _gate_grad_tile(g, rw, rows, row_ok, cols, col_ok, pre_ptr, stride_pm, stride_pn, dpre_ptr,
+                               stride_gm, stride_gn, N, alpha, limit, GATED, INTERLEAVED, ACT, HAS_LIMIT, GATE_TIE,
+                               UP_LO_TIE, UP_HI_TIE, WRITE_DPRE)
+    else:
+        g_lo, g_hi = _column_halves(g, BLOCK_M, BLOCK_N)
+        if SUBTILE == 2:
+            slices = (g_lo, g_hi)
+        else:  # 4: each half halved again
+            slices = _column_halves(g_lo, BLOCK_M, BLOCK_N // 2) + _column_halves(g_hi, BLOCK_M, BLOCK_N // 2)
+        width: tl.constexpr = BLOCK_N // SUBTILE
+        part = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for j in tl.static_range(SUBTILE):
+            cj = pid_n * BLOCK_N + j * width + tl.arange(0, width)
+            part += _gate_grad_tile(slices[j], rw, rows, row_ok, cj, cj < N, pre_ptr, stride_pm, stride_pn,
+                                    dpre_ptr, stride_gm, stride_gn, N, alpha, limit, GATED, INTERLEAVED, ACT,
+                                    HAS_LIMIT, GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE)
     if ROUTE_GRAD:
         tl.store(part_ptr + p.to(tl.int64) * stride_qm + pid_n * stride_qn, part, mask=row_ok)
 
@@ -580,6 +606,11 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
         if cfg["dgrad2"].get("PERSISTENT", 0) and not cfg["dgrad2"].get("SPLIT", 0):
             raise ValueError("fused_experts_backward: configs['dgrad2']['PERSISTENT'] = 1 needs SPLIT = 1 "
                              "(the fused dgrad kernel is not persistent)")
+        sub = cfg["dgrad2"].get("SUBTILE", 1)
+        if sub != 1 and (cfg["dgrad2"].get("SPLIT", 0) or sub not in (2, 4)
+                         or cfg["dgrad2"]["BLOCK_N"] // sub < 8):
+            raise ValueError(f"fused_experts_backward: configs['dgrad2']['SUBTILE'] = {sub}: the fused dgrad "
+                             "kernel's epilogue slices (SPLIT 0), 2 or 4 of them, each at least 8 columns wide")
         if cfg["dgrad1"].get("PERSISTENT", 0) and grouped1:
             raise ValueError("fused_experts_backward: configs['dgrad1']['PERSISTENT'] = 1 needs GROUPED_MM = 0 "
                              "(torch._grouped_mm has no persistent mode here)")
@@ -653,8 +684,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                              d_pre.stride(1), part.stride(0), part.stride(-1)),
                             dict(BLOCK_M=bm, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"],
                                  DOT_PRECISION=precision, EVEN_K=h % c["BLOCK_K"] == 0, W_TMA=box is not None,
-                                 W_KMAJOR=kmajor, num_warps=c["num_warps"], num_stages=c["num_stages"],
-                                 **gate_options()),
+                                 W_KMAJOR=kmajor, SUBTILE=c.get("SUBTILE", 1), num_warps=c["num_warps"],
+                                 num_stages=c["num_stages"], **gate_options()),
                             (kmajor, box, dkey))
 
                 grid, tail, opts, (kmajor, box, dkey) = _static(site, dgrad_static)

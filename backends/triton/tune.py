@@ -71,11 +71,15 @@ GEMM2 = [(64, 64, 8, 4, 4), (128, 64, 8, 4, 4), (128, 64, 8, 8, 4), (256, 64, 8,
 # The backward's (``--backward``), timed as forward + backward with the forward at this
 # run's winners, one GEMM at a time (dgrad2, then dgrad1 with dgrad2's best); BLOCK_M is the
 # forward's. dgrad2: (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT): SPLIT 0 the
-# fused kernel (GEMM + the gate's backward in its epilogue, tiles 64 wide at most: its
-# epilogue holds five of them), 1 the forward's GEMM into a buffer of g and the gate's
-# backward as its own pass. dgrad1: (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).
+# fused kernel (GEMM + the gate's backward in its epilogue, its epilogue holding five tiles
+# of the slice it works on), 1 the forward's GEMM into a buffer of g and the gate's backward
+# as its own pass; an optional seventh, SUBTILE, the fused kernel's epilogue in that many
+# column slices, so that its GEMM can run 128 wide: ptxas for sm90 (triton 3.8, bf16, W
+# through TMA, 8 warps, 4 stages) spills 1762 bytes at 128 x 128 in one slice, 816 in two,
+# 64 in four, none at 64 wide. dgrad1: (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).
 DGRAD2 = [(64, 64, 8, 8, 4, 0), (64, 128, 8, 8, 3, 0), (32, 64, 8, 4, 4, 0), (128, 64, 8, 8, 4, 1),
-          (128, 64, 8, 8, 3, 1), (256, 64, 8, 8, 3, 1), (128, 128, 8, 8, 3, 1), (64, 64, 8, 4, 4, 1)]
+          (128, 64, 8, 8, 3, 1), (256, 64, 8, 8, 3, 1), (128, 128, 8, 8, 3, 1), (64, 64, 8, 4, 4, 1),
+          (128, 64, 8, 8, 4, 0, 4), (128, 64, 8, 8, 3, 0, 4), (128, 64, 8, 8, 4, 0, 2)]
 DGRAD1 = [(128, 64, 8, 8, 4), (256, 64, 8, 8, 3), (128, 64, 8, 4, 4), (128, 128, 8, 8, 3)]
 # The decode kernels' (``--decode``: T = 1, moe_experts.decode_forward): GEMM1 + gate
 # candidates (UP_BLOCK_N, UP_BLOCK_K, UP_WARPS), then GEMM2 + combine ones (DOWN_BLOCK_N,
@@ -174,7 +178,7 @@ def _gemm2(c: tuple[int, ...]) -> dict[str, int]:
 
 
 def _dgrad(c: tuple[int, ...]) -> dict[str, int]:
-    return dict(zip(("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT"), c))
+    return dict(zip(("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT", "SUBTILE"), c))
 
 
 def inputs(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, device: str) -> tuple[Any, ...]:
