@@ -143,6 +143,19 @@ CASES: dict[str, dict] = {
     "dgrad2 fused, 2 epilogue slices, relu2 ungated": dict(
         dims=(13, 2, 24, 24, 3), opts=dict(activation="relu2", gated=False, transposed=True), dtypes=["float32"],
         configs={**SMALL_BWD, "dgrad2": {**SMALL_BWD["dgrad2"], "SUBTILE": 2}}, forbid=("TB._gate_grad_kernel",)),
+    # dgrad2 on a sorted copy of dout's rows (PREGATHER): fused (rows through a tensor
+    # descriptor, and through pointers with TMA off) and split; sentinels, an empty expert
+    "dgrad2 pregathered, fused": dict(
+        dims=(24, 3, 40, 24, 3), opts=dict(bias=True, sentinels=2), special="nan", dtypes=["float32", "bfloat16"],
+        configs={**SMALL_BWD, "dgrad2": {**SMALL_BWD["dgrad2"], "PREGATHER": 1, "SUBTILE": 2}},
+        forbid=("TB._gate_grad_kernel",)),
+    "dgrad2 pregathered, fused, pointer loads, empty expert": dict(
+        dims=(6, 2, 16, 8, 8), opts=dict(activation="gelu_tanh", interleaved=True, bias=True), special="skip_expert",
+        configs={**SMALL_BWD, "dgrad2": {**SMALL_BWD["dgrad2"], "PREGATHER": 1, "TMA": 0}},
+        forbid=("TB._gate_grad_kernel",)),
+    "dgrad2 pregathered, split": dict(
+        dims=(24, 3, 40, 24, 3), opts=dict(bias=True, sentinels=2, transposed=True), special="nan",
+        configs={**SPLIT_BWD, "dgrad2": {**SPLIT_BWD["dgrad2"], "PREGATHER": 1}}, forbid=("TB._dgrad_act_kernel",)),
     # the forward's GEMM1 on a sorted copy of its rows: the backward reads the same saved tensors
     "pregathered forward": dict(dims=(11, 2, 16, 8, 3), opts=dict(bias=True),
                                 configs={**SMALL_BWD, "gemm1": {**SMALL["gemm1"], "PREGATHER": 1}}),

@@ -20,8 +20,9 @@ padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    against 2313 / 2559 / 2691 us, H200, 2026-12-03; with dout's rows sorted for the Triton
    GEMM's TMA loads, no faster.) The fused kernel's tile is 64 wide (its epilogue holds g,
    both pre halves and both gradient halves) and ran at ~190 TF/s on the H200 (``SUBTILE``
-   2 or 4 runs its epilogue in column slices, so that the tile can be 128 wide: a tuner
-   candidate, not yet timed); split, the
+   2 or 4 runs its epilogue in column slices, so that the tile can be 128 wide, and
+   ``PREGATHER`` reads dout's rows from a sorted copy, through a tensor descriptor: tuner
+   candidates, not yet timed); split, the
    op's forward + backward took 2400 / 2689 / 2792 us against 2564 / 2795 / 2980 fused
    (Mixtral / Qwen3-MoE / OLMoE, T = 4096, 2026-12-02), g's extra write and read included.
 2. **d top_k_weights** (:func:`_route_grad_kernel`): each valid slot's partials summed in
@@ -195,7 +196,7 @@ def _column_halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 @_jit
 def _dgrad_act_kernel(
-    dout_ptr, w_ptr, pre_ptr, route_w_ptr, dpre_ptr, part_ptr, pair_ids_ptr, block_expert_ptr, w_desc,
+    dout_ptr, w_ptr, pre_ptr, route_w_ptr, dpre_ptr, part_ptr, pair_ids_ptr, block_expert_ptr, w_desc, a_desc,
     num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
     stride_dt, stride_dh,
     stride_we, stride_wn, stride_wk,
@@ -208,7 +209,7 @@ def _dgrad_act_kernel(
     GATE_TIE: tl.constexpr, UP_LO_TIE: tl.constexpr, UP_HI_TIE: tl.constexpr,
     WRITE_DPRE: tl.constexpr, ROUTE_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr = False, W_TMA: tl.constexpr = False, W_KMAJOR: tl.constexpr = True,
-    SUBTILE: tl.constexpr = 1,
+    SUBTILE: tl.constexpr = 1, GATHER: tl.constexpr = True, A_TMA: tl.constexpr = False,
 ):
     """One (BLOCK_M padded rows) x (BLOCK_N of the I columns) tile of GEMM2's dgrad:
     g = dout[token] @ down[e] (W = down seen as (E, I, H): N = I, K = H), then the gate's
@@ -218,7 +219,9 @@ def _dgrad_act_kernel(
     through the descriptor ``w_desc``, as the forward's (:func:`_mma`). SUBTILE (1, 2 or 4):
     the epilogue walks the tile in that many column slices, left to right (the partial sum
     adds them in that order), so that a wide tile's epilogue holds one slice's g, pre halves
-    and gradient halves at a time."""
+    and gradient halves at a time. GATHER: dout's rows gathered through the pair ids; else
+    ``dout_ptr`` is their sorted-padded copy (``configs["dgrad2"]["PREGATHER"]``), read at
+    the tile's own rows, through the descriptor ``a_desc`` where A_TMA."""
     pid_m, pid_n, expert = _tile(block_expert_ptr, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if expert < 0:
         return
@@ -229,9 +232,13 @@ def _dgrad_act_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    g, _unused = _mma(dout_ptr, (p // top_k).to(tl.int64), row_ok, stride_dt, stride_dh, w_base, cols, cols,
-                      col_ok, stride_wn, stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_PRECISION, EVEN_K,
-                      w_desc, expert, pid_n * BLOCK_N, pid_n * BLOCK_N, W_TMA, W_KMAJOR)
+    if GATHER:
+        a_row = (p // top_k).to(tl.int64)
+    else:
+        a_row = rows.to(tl.int64)
+    g, _unused = _mma(dout_ptr, a_row, row_ok, stride_dt, stride_dh, w_base, cols, cols, col_ok, stride_wn,
+                      stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_PRECISION, EVEN_K, w_desc, expert,
+                      pid_n * BLOCK_N, pid_n * BLOCK_N, W_TMA, W_KMAJOR, a_desc, pid_m * BLOCK_M, A_TMA)
 
     rw = tl.load(route_w_ptr + (p // top_k).to(tl.int64) * stride_rt + (p % top_k) * stride_rk,
                  mask=row_ok, other=0.0).to(tl.float32)
@@ -646,6 +653,11 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             part = F._new_buffer((s, nnb), torch.float32, dev) if need_rw else saved.act
             w_nk = F._nk_view(w2, not transposed)  # down seen as (E, I, H)
             pre = saved.pre
+            # PREGATHER: dout's rows copied into sorted-padded order first (as GEMM1's
+            # PREGATHER copies x's), so that the GEMM reads them as plain rows, through a
+            # tensor descriptor where it can, instead of gathering them on its load
+            pregather = bool(c.get("PREGATHER", 0))
+            a2 = F.sorted_rows(dout, rw, sorted_pair_ids, tables, k, False, key("dout rows")) if pregather else dout
             if split:
                 # g = dout[t] @ down[e] on the forward's GEMM (a plain tile, any width) at the
                 # padded rows, in the saved pre-activation's dtype (fp32; bf16 under
@@ -653,9 +665,9 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                 # gate pass's read half); then the gate's backward as its own pass (see the
                 # table's about)
                 g = F._new_buffer((nb * bm, i), pre.dtype, dev)
-                F.launch_gemm(c, a=dout, w_nk=w_nk, bias=None, rw=rw, out=g, pre=None,
+                F.launch_gemm(c, a=a2, w_nk=w_nk, bias=None, rw=rw, out=g, pre=None,
                               sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k, n=i, k=h,
-                              gather=True, routed=False, act=_IDENTITY, spec=key("dgrad2"),
+                              gather=not pregather, routed=False, act=_IDENTITY, spec=key("dgrad2"),
                               used=used)
                 # the gate's pass: BLOCK_R rows (a power of 2 dividing BLOCK_M) x BLOCK_N
                 # columns a step; the config's GATE_R / GATE_N / GATE_WARPS for tuning. Default
@@ -678,21 +690,28 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                 def dgrad_static() -> tuple[Any, ...]:
                     sw = w_nk.stride()
                     kmajor, box, dkey = _w_tiles(w_nk, c)
+                    a_box = [bm, c["BLOCK_K"]]
+                    use_a = (pregather and c.get("TMA", 1) and F._tma_ok(a2, tuple(a_box))
+                             and a2.shape[0] >= nb * bm)
+                    a_key = (a2.dtype, tuple(a2.shape), a2.stride(), tuple(a_box)) if use_a else None
                     return ((nb * nnb,),
-                            (s, k, i, h, nb, *fl, dout.stride(0), dout.stride(1), sw[0], sw[1], sw[2],
+                            (s, k, i, h, nb, *fl, a2.stride(0), a2.stride(1), sw[0], sw[1], sw[2],
                              pre.stride(0), pre.stride(1), rw.stride(0), rw.stride(1), d_pre.stride(0),
                              d_pre.stride(1), part.stride(0), part.stride(-1)),
                             dict(BLOCK_M=bm, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"],
                                  DOT_PRECISION=precision, EVEN_K=h % c["BLOCK_K"] == 0, W_TMA=box is not None,
-                                 W_KMAJOR=kmajor, SUBTILE=c.get("SUBTILE", 1), num_warps=c["num_warps"],
-                                 num_stages=c["num_stages"], **gate_options()),
-                            (kmajor, box, dkey))
+                                 W_KMAJOR=kmajor, SUBTILE=c.get("SUBTILE", 1), GATHER=not pregather,
+                                 A_TMA=bool(use_a), num_warps=c["num_warps"], num_stages=c["num_stages"],
+                                 **gate_options()),
+                            (kmajor, box, dkey, a_box if use_a else None, a_key))
 
-                grid, tail, opts, (kmajor, box, dkey) = _static(site, dgrad_static)
+                grid, tail, opts, (kmajor, box, dkey, a_box, a_key) = _static(site, dgrad_static)
                 # built only where the launch needs the descriptor object (see .launch)
                 w_desc = None if box is None else LazyDescriptor(w_nk if kmajor else w_nk.transpose(1, 2), box, dkey)
+                a_desc = None if a_box is None else LazyDescriptor(a2, a_box, a_key)
                 launch_args(_dgrad_act_kernel, grid,
-                            (dout, w2, pre, rw, d_pre, part, sorted_pair_ids, block_expert, w_desc) + tail, site, opts)
+                            (a2, w2, pre, rw, d_pre, part, sorted_pair_ids, block_expert, w_desc, a_desc) + tail,
+                            site, opts)
         if need_rw:
             drw = F._new_buffer(tuple(rw.shape), rw.dtype, dev)
             bp, bh = 32, min(128, F.next_pow2(h))

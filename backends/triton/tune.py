@@ -76,10 +76,13 @@ GEMM2 = [(64, 64, 8, 4, 4), (128, 64, 8, 4, 4), (128, 64, 8, 8, 4), (256, 64, 8,
 # as its own pass; an optional seventh, SUBTILE, the fused kernel's epilogue in that many
 # column slices, so that its GEMM can run 128 wide: ptxas for sm90 (triton 3.8, bf16, W
 # through TMA, 8 warps, 4 stages) spills 1762 bytes at 128 x 128 in one slice, 816 in two,
-# 64 in four, none at 64 wide. dgrad1: (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).
+# 64 in four, none at 64 wide; an optional eighth, PREGATHER, dout's rows copied into sorted
+# order first and read through a tensor descriptor (the same spills: the epilogue holds the
+# registers). dgrad1: (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).
 DGRAD2 = [(64, 64, 8, 8, 4, 0), (64, 128, 8, 8, 3, 0), (32, 64, 8, 4, 4, 0), (128, 64, 8, 8, 4, 1),
           (128, 64, 8, 8, 3, 1), (256, 64, 8, 8, 3, 1), (128, 128, 8, 8, 3, 1), (64, 64, 8, 4, 4, 1),
-          (128, 64, 8, 8, 4, 0, 4), (128, 64, 8, 8, 3, 0, 4), (128, 64, 8, 8, 4, 0, 2)]
+          (128, 64, 8, 8, 4, 0, 4), (128, 64, 8, 8, 3, 0, 4), (128, 64, 8, 8, 4, 0, 2),
+          (128, 64, 8, 8, 4, 0, 4, 1), (64, 64, 8, 8, 4, 0, 1, 1)]
 DGRAD1 = [(128, 64, 8, 8, 4), (256, 64, 8, 8, 3), (128, 64, 8, 4, 4), (128, 128, 8, 8, 3)]
 # The decode kernels' (``--decode``: T = 1, moe_experts.decode_forward): GEMM1 + gate
 # candidates (UP_BLOCK_N, UP_BLOCK_K, UP_WARPS), then GEMM2 + combine ones (DOWN_BLOCK_N,
@@ -178,7 +181,8 @@ def _gemm2(c: tuple[int, ...]) -> dict[str, int]:
 
 
 def _dgrad(c: tuple[int, ...]) -> dict[str, int]:
-    return dict(zip(("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT", "SUBTILE"), c))
+    return dict(zip(("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT", "SUBTILE", "PREGATHER"),
+                    c))
 
 
 def inputs(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, device: str) -> tuple[Any, ...]:
