@@ -39,6 +39,11 @@
 #                                          HF's compiled grouped_mm, under bench/moe_profile.py (GPU events and
 #                                          each kernel's time: bench_moe_block.py's step moved ~100 us between
 #                                          processes, the size of the effect, 2026-12-04)
+#   STAGE=dgrad2 bash bench/device_run.sh    GEMM2's dgrad candidates: the GPU cases of the fused kernel's
+#                                          epilogue slices and of dgrad2 on a sorted copy of dout (SUBTILE,
+#                                          PREGATHER), then bench/moe_backward_profile.py --gemms dgrad2 at
+#                                          TOKENS_DGRAD2 (default 4096) on the three configs (the gate pass's
+#                                          tiles and every tune.DGRAD2 candidate, one process)
 #   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
 # TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
 # 16 cores) runs it with xdist; FIRST_CALL=0 skips the first-call timing.
@@ -165,6 +170,14 @@ if [ "$STAGE" = pre ]; then
       --modes fwd+bwd --variants hf_grouped_mm_inductor opreg_inductor --pre-bf16 "$on" 2>&1) \
       | tee "$OUT/prof_pre_$on.log" | grep -E "block fwd|PRE_BF16"
   done
+fi
+
+if [ "$STAGE" = dgrad2 ]; then
+  python3 -m opreg build >/dev/null 2>&1
+  timeout ${DGRAD2_TEST_S:-150} python3 -m pytest -q -n 8 -k "cuda_cases and (epilogue or pregathered)" \
+    tests/test_moe_triton_backward.py 2>&1 | tee "$OUT/dgrad2_tests.log" | tail -3
+  (cd bench && timeout ${DGRAD2_S:-400} python3 moe_backward_profile.py --tokens "${TOKENS_DGRAD2:-4096}" \
+    --configs mixtral qwen3_moe olmoe --gemms dgrad2 2>&1) | tee "$OUT/dgrad2.log" | grep -E "T=[0-9]+:|gate pass|dgrad2"
 fi
 
 if [ "$STAGE" = compiled ]; then
