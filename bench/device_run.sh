@@ -42,7 +42,7 @@
 #   STAGE=dgrad2 bash bench/device_run.sh    GEMM2's dgrad candidates: the GPU cases of the fused kernel's
 #                                          epilogue slices and of dgrad2 on a sorted copy of dout (SUBTILE,
 #                                          PREGATHER), then bench/moe_backward_profile.py --gemms dgrad2 at
-#                                          TOKENS_DGRAD2 (default 4096) on the three configs (the gate pass's
+#                                          TOKENS_DGRAD2 (default 4096) on DGRAD2_CONFIGS (default all three; the gate pass's
 #                                          tiles and every tune.DGRAD2 candidate, one process)
 #   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
 # TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
@@ -176,8 +176,8 @@ if [ "$STAGE" = dgrad2 ]; then
   python3 -m opreg build >/dev/null 2>&1
   timeout ${DGRAD2_TEST_S:-150} python3 -m pytest -q -n 8 -k "cuda_cases and (epilogue or pregathered)" \
     tests/test_moe_triton_backward.py 2>&1 | tee "$OUT/dgrad2_tests.log" | tail -3
-  (cd bench && timeout ${DGRAD2_S:-400} python3 moe_backward_profile.py --tokens "${TOKENS_DGRAD2:-4096}" \
-    --configs mixtral qwen3_moe olmoe --gemms dgrad2 2>&1) | tee "$OUT/dgrad2.log" | grep -E "T=[0-9]+:|gate pass|dgrad2"
+  (cd bench && timeout ${DGRAD2_S:-420} python3 moe_backward_profile.py --tokens "${TOKENS_DGRAD2:-4096}" \
+    --configs ${DGRAD2_CONFIGS:-mixtral qwen3_moe olmoe} --gemms dgrad2 2>&1) | tee "$OUT/dgrad2.log" | grep -E "T=[0-9]+:|gate pass|dgrad2"
 fi
 
 if [ "$STAGE" = compiled ]; then
