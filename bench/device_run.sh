@@ -42,8 +42,9 @@
 #   STAGE=dgrad2 bash bench/device_run.sh    GEMM2's dgrad candidates: the GPU cases of the fused kernel's
 #                                          epilogue slices and of dgrad2 on a sorted copy of dout (SUBTILE,
 #                                          PREGATHER), then bench/moe_backward_profile.py --gemms dgrad2 at
-#                                          TOKENS_DGRAD2 (default 4096) on DGRAD2_CONFIGS (default all three; the gate pass's
-#                                          tiles and every tune.DGRAD2 candidate, one process)
+#                                          TOKENS_DGRAD2 (default 4096) on DGRAD2_CONFIGS (default all three:
+#                                          the gate pass's tiles and every tune.DGRAD2 candidate, one process;
+#                                          ~3 min a config, a guess: one config a call is safe)
 #   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
 # TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
 # 16 cores) runs it with xdist; FIRST_CALL=0 skips the first-call timing.
