@@ -26,9 +26,10 @@ from opreg.ops import moe_experts_grouped as G
 from opreg.testing.timing import median_us
 
 SHAPES = tune.SHAPES
-# the gate's backward pass (GEMM2's split dgrad): (rows, columns, warps) per program; the
-# first is the default
-GATE_TILES = [(32, 64, 4), (16, 128, 4), (32, 128, 8), (8, 256, 4), (16, 256, 8), (64, 64, 8), (4, 512, 4)]
+# the gate's backward pass (GEMM2's split dgrad): (rows, columns, warps, column groups) per
+# program (GATE_R, GATE_N, GATE_WARPS, GATE_GROUPS); (8, 256, 4, 1) is the default
+GATE_TILES = [(32, 64, 4, 1), (16, 128, 4, 1), (32, 128, 8, 1), (8, 256, 4, 1), (16, 256, 8, 1), (64, 64, 8, 1),
+              (4, 512, 4, 1), (8, 256, 4, 4), (8, 256, 4, 16), (16, 256, 8, 8), (8, 512, 4, 8)]
 CANDIDATES = {
     "wgrad": [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, GROUPED_MM=0)
               for m, n, k, w, s in [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 128, 64, 4, 4),
@@ -90,8 +91,9 @@ def main() -> None:
             # profiler (a kernel of ~100-200 us at T = 4096, below the step's run-to-run spread)
             base2 = B._configs(t * k / e, torch.bfloat16, fused.pick_config("gemm1", t * k / e, n1, h,
                                torch.bfloat16)["BLOCK_M"], n1, h, n1 // 2, {})["dgrad2"]
-            for gr, gn, gw in GATE_TILES:
-                c2 = {"dgrad2": {**base2, "SPLIT": 1, "GATE_R": gr, "GATE_N": gn, "GATE_WARPS": gw}}
+            for gr, gn, gw, gg in GATE_TILES:
+                c2 = {"dgrad2": {**base2, "SPLIT": 1, "GATE_R": gr, "GATE_N": gn, "GATE_WARPS": gw,
+                                 "GATE_GROUPS": gg}}
                 run = step(lambda *x, c2=c2: B.FusedExperts.apply(*x, c2))
                 run()
                 times = []
@@ -102,7 +104,7 @@ def main() -> None:
                         torch.cuda.synchronize()
                     times.append(sum(ev.self_device_time_total for ev in prof.key_averages()
                                      if ev.key == "_gate_grad_kernel"))
-                print(f"  gate pass {gr} rows x {gn} cols, {gw} warps: {sorted(times)[1]:.1f} us "
+                print(f"  gate pass {gr} rows x {gn} cols, {gw} warps, {gg} column groups: {sorted(times)[1]:.1f} us "
                       f"(of 3 profiled steps, the median)", flush=True)
             # GEMM2's dgrad as one kernel (the gate's backward in its epilogue, 64-wide tiles)
             # beside the table's default (split where many rows per expert)

@@ -216,6 +216,16 @@ CASES: dict[str, dict] = {
         "configs": GROUPED_DGRAD1, "dtypes": ["bfloat16"], "grouped1": True, "requires": ("hidden_states",)},
     # the gate's pass in another tile than the default 8 x 256 (configs GATE_R / GATE_N /
     # GATE_WARPS): 16 rows, and I = 24 in two column steps, the second partly masked
+    # the gate's pass over column groups (GATE_GROUPS), a partial sum each: I = 40 in 16-wide
+    # steps, 3 groups of 16 columns (the last 8 wide), and more groups than steps
+    "dgrad2 split, gate pass in column groups": {
+        "dims": (9, 3, 40, 40, 5), "opts": {"bias": True, "sentinels": 2}, "special": "nan",
+        "configs": {**SMALL_BWD, "dgrad2": {**SPLIT_BWD["dgrad2"], "GATE_N": 16, "GATE_GROUPS": 3}},
+        "forbid": ("TB._dgrad_act_kernel",)},
+    "dgrad2 split, gate pass in more groups than steps, gelu interleaved": {
+        "dims": (7, 2, 24, 24, 3), "opts": {"activation": "gelu", "interleaved": True}, "dtypes": ["float32"],
+        "configs": {**SMALL_BWD, "dgrad2": {**SPLIT_BWD["dgrad2"], "GATE_N": 16, "GATE_GROUPS": 8}},
+        "forbid": ("TB._dgrad_act_kernel",)},
     "dgrad2 split, other gate tiles": {
         "dims": (9, 3, 40, 24, 5), "opts": {"bias": True, "sentinels": 2}, "special": "nan",
         "configs": {**SMALL_BWD, "dgrad2": {**SPLIT_BWD["dgrad2"], "GATE_R": 16, "GATE_N": 16, "GATE_WARPS": 2}},
@@ -664,6 +674,10 @@ def test_grouped_mm_wgrad_choice() -> None:
     # SUBTILE: the fused dgrad2 kernel's, 2 or 4 slices at least 8 wide; elsewhere an error
     for bad in ({"SPLIT": 1, "SUBTILE": 2}, {"SUBTILE": 3}, {"BLOCK_N": 16, "SUBTILE": 4}):
         with pytest.raises(ValueError, match="dgrad2.*SUBTILE"):
+            TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.bfloat16), *bf16, saved,
+                                      configs={"dgrad2": {**SMALL_BWD["dgrad2"], **bad}})
+    for bad in ({"GATE_GROUPS": 2}, {"SPLIT": 1, "GATE_GROUPS": 0}):  # the split gate pass's only
+        with pytest.raises(ValueError, match="dgrad2.*GATE_GROUPS"):
             TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.bfloat16), *bf16, saved,
                                       configs={"dgrad2": {**SMALL_BWD["dgrad2"], **bad}})
 

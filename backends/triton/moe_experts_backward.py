@@ -266,12 +266,12 @@ def _dgrad_act_kernel(
 @_jit
 def _gate_grad_kernel(
     g_ptr, pre_ptr, route_w_ptr, dpre_ptr, part_ptr, pair_ids_ptr, block_expert_ptr,
-    num_pairs, top_k, N, block_m, alpha, limit,
+    num_pairs, top_k, N, block_m, alpha, limit, group_cols,
     stride_fm, stride_fn,
     stride_pm, stride_pn,
     stride_rt, stride_rk,
     stride_gm, stride_gn,
-    stride_qm,
+    stride_qm, stride_qn,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr,
     GATE_TIE: tl.constexpr, UP_LO_TIE: tl.constexpr, UP_HI_TIE: tl.constexpr,
@@ -281,9 +281,12 @@ def _gate_grad_kernel(
     rows (a slice of one M block of ``block_m`` rows) the gate's backward of
     :func:`_dgrad_act_kernel`'s epilogue on g (padded rows x N, the GEMM's output, in the
     saved pre-activation's dtype):
-    d_pre from rw * g and ``pre`` (0 at padding rows), and part[pair] = the sum over all N
-    columns of g * gate(pre), in column order. Rows of blocks past the work list: nothing."""
+    d_pre from rw * g and ``pre`` (0 at padding rows), and part[pair, q] = the sum of g *
+    gate(pre) over the columns of group q = program_id(1) (``group_cols`` of them, a multiple
+    of BLOCK_N, from q * group_cols), in column order. Rows of blocks past the work list:
+    nothing."""
     r0 = tl.program_id(0) * BLOCK_R
+    n_lo = tl.program_id(1) * group_cols
     expert = tl.load(block_expert_ptr + r0 // block_m)
     if expert < 0:
         return
@@ -294,7 +297,7 @@ def _gate_grad_kernel(
     rw = tl.load(route_w_ptr + (p // top_k).to(tl.int64) * stride_rt + (p % top_k) * stride_rk,
                  mask=row_ok, other=0.0).to(tl.float32)
     part = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):
+    for n0 in range(n_lo, tl.minimum(N, n_lo + group_cols), BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_fm + cols[None, :] * stride_fn,
@@ -303,7 +306,7 @@ def _gate_grad_kernel(
                                 stride_gm, stride_gn, N, alpha, limit, GATED, INTERLEAVED, ACT, HAS_LIMIT,
                                 GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE)
     if ROUTE_GRAD:
-        tl.store(part_ptr + p.to(tl.int64) * stride_qm, part, mask=row_ok)
+        tl.store(part_ptr + p.to(tl.int64) * stride_qm + tl.program_id(1) * stride_qn, part, mask=row_ok)
 
 
 @_jit
@@ -618,6 +621,10 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                          or cfg["dgrad2"]["BLOCK_N"] // sub < 8):
             raise ValueError(f"fused_experts_backward: configs['dgrad2']['SUBTILE'] = {sub}: the fused dgrad "
                              "kernel's epilogue slices (SPLIT 0), 2 or 4 of them, each at least 8 columns wide")
+        groups = cfg["dgrad2"].get("GATE_GROUPS", 1)
+        if groups != 1 and (not cfg["dgrad2"].get("SPLIT", 0) or not isinstance(groups, int) or groups < 1):
+            raise ValueError(f"fused_experts_backward: configs['dgrad2']['GATE_GROUPS'] = {groups!r}: the split "
+                             "gate pass's column groups (SPLIT 1), a positive int")
         if cfg["dgrad1"].get("PERSISTENT", 0) and grouped1:
             raise ValueError("fused_experts_backward: configs['dgrad1']['PERSISTENT'] = 1 needs GROUPED_MM = 0 "
                              "(torch._grouped_mm has no persistent mode here)")
@@ -648,7 +655,11 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
         if need_dpre or need_rw:
             c = cfg["dgrad2"]
             split = bool(c.get("SPLIT", 0))
-            nnb = 1 if split else F.cdiv(i, c["BLOCK_N"])
+            # the split gate pass's columns in GATE_GROUPS groups, a program each per row
+            # slice (more programs in flight; one partial sum per group): a tuning key
+            gate_n = min(c.get("GATE_N", 256), F.next_pow2(i))
+            group_cols = max(gate_n, F.cdiv(F.cdiv(i, c.get("GATE_GROUPS", 1)), gate_n) * gate_n)
+            nnb = max(1, F.cdiv(i, group_cols)) if split else F.cdiv(i, c["BLOCK_N"])
             d_pre = F._new_buffer((nb * bm, n1), x.dtype, dev) if need_dpre else saved.act
             part = F._new_buffer((s, nnb), torch.float32, dev) if need_rw else saved.act
             w_nk = F._nk_view(w2, not transposed)  # down seen as (E, I, H)
@@ -670,18 +681,20 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                               gather=not pregather, routed=False, act=_IDENTITY, spec=key("dgrad2"),
                               used=used)
                 # the gate's pass: BLOCK_R rows (a power of 2 dividing BLOCK_M) x BLOCK_N
-                # columns a step; the config's GATE_R / GATE_N / GATE_WARPS for tuning. Default
-                # 8 x 256, 4 warps: the fastest of 7 tiles on all three configs (H200, T = 4096,
-                # kernel time 178 -> 137 us Mixtral, 114 -> 104 Qwen3-MoE, 144 -> 134 OLMoE
-                # against 32 x 64; ~94 % of a copy's rate on Mixtral, 2026-12-03)
+                # columns a step, over the columns of one of GATE_GROUPS groups (grid: row
+                # slices x groups); the config's GATE_R / GATE_N / GATE_WARPS / GATE_GROUPS
+                # for tuning. Default 8 x 256, 4 warps, one group: the fastest of 7 tiles on all
+                # three configs (H200, T = 4096, kernel time 178 -> 137 us Mixtral, 114 -> 104
+                # Qwen3-MoE, 144 -> 134 OLMoE against 32 x 64; ~94 % of a copy's rate on
+                # Mixtral with fp32 pre and g, 2026-12-03; with both bf16, 115 us, 3.2 TB/s:
+                # 1136 programs of 16 sequential steps each, whence the groups to try)
                 br = min(bm, c.get("GATE_R", 8))
                 site = key("gate grad")
                 grid, tail, opts = _static(site, lambda: (
-                    (nb * bm // br,),
-                    (s, k, i, bm, *fl, g.stride(0), g.stride(1), pre.stride(0), pre.stride(1), rw.stride(0),
-                     rw.stride(1), d_pre.stride(0), d_pre.stride(1), part.stride(0)),
-                    dict(BLOCK_R=br, BLOCK_N=min(c.get("GATE_N", 256), F.next_pow2(i)),
-                         num_warps=c.get("GATE_WARPS", 4), **gate_options())))
+                    (nb * bm // br, nnb),
+                    (s, k, i, bm, *fl, group_cols, g.stride(0), g.stride(1), pre.stride(0), pre.stride(1),
+                     rw.stride(0), rw.stride(1), d_pre.stride(0), d_pre.stride(1), part.stride(0), part.stride(-1)),
+                    dict(BLOCK_R=br, BLOCK_N=gate_n, num_warps=c.get("GATE_WARPS", 4), **gate_options())))
                 launch_args(_gate_grad_kernel, grid, (g, pre, rw, d_pre, part, sorted_pair_ids, block_expert) + tail,
                             site, opts)
             else:
