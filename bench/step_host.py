@@ -7,7 +7,7 @@ For each variant (``bench_moe_block.variant``), one training step at a time on a
 ``backward()`` returns (medians of ``--reps``). Then the same with a ~20 ms GPU sleep queued
 before the step: a phase that waits on the GPU (a hidden sync, a blocking copy or
 allocation) takes the sleep's time there; one that only enqueues does not. Last, cProfile
-over ``--reps`` such steps, by own time.
+over ``--reps`` such steps (``bench_moe_block.step``), by own time.
 """
 from __future__ import annotations
 
@@ -63,18 +63,17 @@ def main() -> None:
             leaves = [xg] + (list(fn.parameters()) if isinstance(fn, torch.nn.Module) else [])
             f, s, b = phases(fn, xg, leaves, a.reps)
             fs, ss, bs = phases(fn, xg, leaves, a.reps, cycles)
-            gpu = median_us(bb.step(fn, x, "fwd+bwd"), a.reps, True)
+            call = bb.step(fn, x, "fwd+bwd")  # the gradients set to None, then forward and backward
+            gpu = median_us(call, a.reps, True)
             print(f"{config} T={a.tokens} {name:24s} GPU {gpu:7.0f}  host us: forward {f:7.0f}  sum {s:5.0f}"
                   f"  backward {b:7.0f}"
                   f"  | behind a 20 ms GPU sleep: forward {fs:7.0f}  sum {ss:5.0f}  backward {bs:7.0f}", flush=True)
             if a.profile:
                 pr = cProfile.Profile()
-                for _ in range(a.reps):
-                    for t in leaves:
-                        t.grad = None
+                for _ in range(a.reps):  # a sync before each: the host's own time, not the GPU's
                     torch.cuda.synchronize()
                     pr.enable()
-                    fn(xg).sum().backward()
+                    call()
                     pr.disable()
                 torch.cuda.synchronize()
                 pstats.Stats(pr).sort_stats("tottime").print_stats(30)
