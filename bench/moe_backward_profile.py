@@ -84,8 +84,9 @@ def main() -> None:
             for g, path in ((1, "torch._grouped_mm"), (0, "Triton")):
                 if g and why is not None:
                     continue
-                us = median_us(step(lambda *x, g=g: B.FusedExperts.apply(*x, {"dgrad1": {"GROUPED_MM": g}})),
-                               a.reps, True)
+                # torch._grouped_mm has no persistent mode: a table's PERSISTENT dgrad1 is off there
+                c1 = {"GROUPED_MM": g, **({"PERSISTENT": 0} if g else {})}
+                us = median_us(step(lambda *x, c1=c1: B.FusedExperts.apply(*x, {"dgrad1": c1})), a.reps, True)
                 print(f"  GEMM1's dgrad on {path}: fused fwd+bwd {us:.0f} us (default: {d1})", flush=True)
             # the gate's backward pass (split) alone, per tile shape: its device time under the
             # profiler (a kernel of ~100-200 us at T = 4096, below the step's run-to-run spread)

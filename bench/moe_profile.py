@@ -92,11 +92,18 @@ def main() -> None:
     p.add_argument("--skip-op", action="store_true", help="only the compiled blocks (--inductor)")
     p.add_argument("--variants", nargs="*", default=list(COMPILED_VARIANTS), choices=COMPILED_VARIANTS,
                    help="with --inductor: the blocks compared")
+    p.add_argument("--dgrad2-min-rows", type=float, default=None,
+                   help="moe_experts_backward.DGRAD2_GROUPED_MIN_ROWS for this process (GEMM2's split dgrad "
+                        "on torch._grouped_mm from this many rows per expert; inf: never)")
     p.add_argument("--pre-bf16", type=int, choices=(0, 1), default=None,
                    help="moe_experts.PRE_BF16 for this process (see bench_moe_block.py --pre-bf16)")
     a = p.parse_args()
     if a.pre_bf16 is not None:
         fused.PRE_BF16 = bool(a.pre_bf16)
+    if a.dgrad2_min_rows is not None:
+        from opreg.backends.triton import moe_experts_backward as B
+
+        B.DGRAD2_GROUPED_MIN_ROWS = a.dgrad2_min_rows
         print(f"moe_experts.PRE_BF16 = {fused.PRE_BF16}")
     for config in a.configs:
         _, _, h, ffn, e, k = bb.CONFIGS[config]

@@ -250,6 +250,39 @@ CASES: dict[str, dict] = {
         "dims": (21, 2, 50, 18, 3), "configs": SPLIT_BWD, "clamps": True, "dtypes": ["bfloat16"],
         "pre_bf16": True, "pre": torch.float32, "opts": dict(activation=M.GPT_OSS, transposed=True, interleaved=True,
                                                            bias=True, alpha=1.702, limit=1.0, gain=3.0)},
+    # GEMM1 of the training forward on torch._grouped_mm over the kept sorted rows, its bf16
+    # output pre, the gate as its own pass (_act_kernel), where forced (off by default: it
+    # measured slower in the step); by construction as the wgrad cases (padded runs, an
+    # empty expert, sentinels with NaN weights, an expert over two blocks); ungated,
+    # transposed, interleaved
+    "grouped_mm gemm1, sentinels, empty experts": {
+        "dims": (6, 2, 16, 8, 8), "opts": {"sentinels": 3}, "special": "nan+skip_expert",
+        "configs": {**GROUPED_BWD, "gemm1": {**SMALL["gemm1"], "GROUPED_MM": 1}}, "dtypes": ["bfloat16"],
+        "grouped": True, "pre_bf16": True, "pre": torch.bfloat16, "gemm1_grouped": True},
+    "grouped_mm gemm1 ungated relu2 transposed": {
+        "dims": (30, 2, 24, 16, 3), "opts": {"activation": "relu2", "gated": False, "transposed": True},
+        "configs": {**GROUPED_BWD, "gemm1": {**SMALL["gemm1"], "GROUPED_MM": 1}}, "dtypes": ["bfloat16"],
+        "grouped": True, "pre_bf16": True, "pre": torch.bfloat16, "gemm1_grouped": True},
+    "grouped_mm gemm1, gelu_tanh interleaved, down_bias": {
+        "dims": (30, 2, 24, 16, 3), "opts": {"activation": "gelu_tanh", "interleaved": True, "bias": True},
+        "special": "no_gate_up_bias", "configs": {**GROUPED_BWD, "gemm1": {**SMALL["gemm1"], "GROUPED_MM": 1}},
+        "dtypes": ["bfloat16"], "grouped": True, "pre_bf16": True, "pre": torch.bfloat16, "gemm1_grouped": True},
+    "grouped_mm wgrad keeps the rows, gemm1 fused by default": {
+        "dims": (30, 2, 24, 16, 3), "opts": {}, "configs": {"wgrad": {"GROUPED_MM": 1}},
+        "dtypes": ["bfloat16"], "grouped": True, "pre_bf16": True, "pre": torch.bfloat16, "gemm1_grouped": False},
+    # GEMM2's split dgrad on torch._grouped_mm over a sorted copy of dout (g bf16), then the
+    # gate's pass; sentinels, an empty expert, biases; transposed interleaved with GEMM1 too
+    "grouped_mm dgrad2, sentinels, empty experts": {
+        "dims": (6, 2, 16, 8, 8), "opts": {"bias": True, "sentinels": 3}, "special": "nan+skip_expert",
+        "configs": {**GROUPED_BWD, "dgrad2": {**SPLIT_BWD["dgrad2"], "GROUPED_MM": 1}}, "dtypes": ["bfloat16"],
+        "grouped": True, "grouped2": True, "pre_bf16": True, "pre": torch.bfloat16,
+        "forbid": ("TB._dgrad_act_kernel",)},
+    "grouped_mm dgrad2 and gemm1, transposed interleaved, no wgrad": {
+        "dims": (30, 2, 24, 16, 3), "opts": {"transposed": True, "interleaved": True},
+        "configs": {**GROUPED_BWD, "gemm1": {**SMALL["gemm1"], "GROUPED_MM": 1},
+                    "dgrad2": {**SPLIT_BWD["dgrad2"], "GROUPED_MM": 1}},
+        "dtypes": ["bfloat16"], "grouped": True, "grouped2": True, "pre_bf16": True, "pre": torch.bfloat16,
+        "gemm1_grouped": True, "forbid": ("TB._dgrad_act_kernel",)},
     "grouped_mm wgrad, down_proj only, a full block": {
         "dims": (16, 2, 24, 16, 3), "opts": {"bias": True}, "special": "full_block", "configs": GROUPED_BWD,
         "dtypes": ["bfloat16"], "grouped": True, "requires": ("down_proj", "down_bias"),
@@ -296,6 +329,8 @@ def _special(args: tuple, special: str | None) -> tuple:
         ids[:, 0] = 0
         ids[:, 1] = torch.randint(1, e, ids[:, 1].shape).to(ids)
         return sub(args, top_k_index=ids)
+    if special == "no_gate_up_bias":  # down_bias alone
+        return sub(args, gate_up_bias=None)
     if special == "skip_expert":
         ids = args[1].clone()
         ids[ids == 2] = 5  # expert 2 gets nothing; 5 gets more
@@ -378,16 +413,26 @@ def _grouped_dgrad1(args: tuple, configs: dict | None) -> bool:
 
 def _check_wgrad_path(grouped: bool, grouped1: bool, names: tuple[str, ...], args: tuple, mm_calls: list[int],
                       wgrad_log: list[dict[str, Any]], rows_log: list[dict[str, Any]],
-                      fwd_rows_log: list[dict[str, Any]]) -> None:
+                      fwd_rows_log: list[dict[str, Any]], configs: dict | None) -> None:
     """The weight gradients ran where they should: ``grouped``, one torch._grouped_mm per
     weight gradient asked for, Triton's _moe_wgrad for the biases alone, and each gathered
-    operand's rows copied once: rw * dout (scaled) for down_proj in the backward, x for
+    operand's rows copied once: dout (unscaled) first where dgrad2 reads a sorted copy
+    (its config's PREGATHER, or GROUPED_MM: then one more torch._grouped_mm) and a gradient
+    needs GEMM2's dgrad, then rw * dout (scaled)
+    for down_proj in the backward, x for
     gate_up_proj in the forward (GEMM1 read that copy, and the backward reuses it:
     ``keeps_rows``); else no torch._grouped_mm for them, and the forward copies x only where
     its table says PREGATHER. ``grouped1``: GEMM1's dgrad is one more torch._grouped_mm
     where hidden_states' gradient is asked for."""
     weights = [n for n in ("down_proj", "gate_up_proj") if n in names]
-    dgrads = int(grouped1 and "hidden_states" in names)
+    # GEMM2's dgrad (every gradient but down_proj's and the biases' below it needs it): on
+    # torch._grouped_mm where forced (the default needs >= DGRAD2_GROUPED_MIN_ROWS rows per
+    # expert, more than any case has), reading a sorted copy of dout as PREGATHER does
+    dgrad2 = any(n in names for n in ("hidden_states", "gate_up_proj", "gate_up_bias", "top_k_weights"))
+    c2 = (configs or {}).get("dgrad2") or {}
+    assert "GROUPED_MM" in c2 or args[1].numel() / args[3].shape[0] < TB.DGRAD2_GROUPED_MIN_ROWS
+    grouped2 = bool(c2.get("GROUPED_MM", 0)) and dgrad2
+    dgrads = int(grouped1 and "hidden_states" in names) + int(grouped2)
     if not grouped:
         assert len(mm_calls) == dgrads, f"torch._grouped_mm ran {len(mm_calls)} times, {dgrads} asked for"
         return
@@ -395,7 +440,9 @@ def _check_wgrad_path(grouped: bool, grouped1: bool, names: tuple[str, ...], arg
     assert len(mm_calls) == len(weights) + dgrads, \
         f"torch._grouped_mm ran {len(mm_calls)} times for {weights} and {dgrads} dgrads"
     assert [kw["WEIGHT_GRAD"] for kw in wgrad_log] == [False] * len(biases), wgrad_log
-    assert [kw["SCALED"] for kw in rows_log] == [True] * ("down_proj" in weights), rows_log
+    pregather = bool(c2.get("PREGATHER", 0)) or grouped2
+    want = [False] * (pregather and dgrad2) + [True] * ("down_proj" in weights)
+    assert [kw["SCALED"] for kw in rows_log] == want, rows_log
     if "gate_up_proj" in weights:
         assert [kw["SCALED"] for kw in fwd_rows_log] == [False], fwd_rows_log
 
@@ -473,12 +520,15 @@ def _run_case(case_id: str, seed: int, device: str) -> None:
     grouped = _grouped_wgrad(args, configs)
     grouped1 = _grouped_dgrad1(args, configs)
     fwd_rows_log: list[dict[str, Any]] = []
-    kernel = TM._sorted_rows_kernel
-    TM._sorted_rows_kernel = _Launches(kernel, fwd_rows_log)
+    act_log: list[dict[str, Any]] = []  # GEMM1's gate as its own pass: GEMM1 ran on torch._grouped_mm
+    kernels = TM._sorted_rows_kernel, TM._act_kernel
+    TM._sorted_rows_kernel, TM._act_kernel = _Launches(kernels[0], fwd_rows_log), _Launches(kernels[1], act_log)
     try:
         out = TB.FusedExperts.apply(*args, configs)
     finally:
-        TM._sorted_rows_kernel = kernel
+        TM._sorted_rows_kernel, TM._act_kernel = kernels
+    if "gemm1_grouped" in c:
+        assert len(act_log) == int(c["gemm1_grouped"]), f"GEMM1's gate pass ran {len(act_log)} times"
     want = M.reference(*args64)
     assert_matches(out, want, dtype)
     cot = torch.randn(want.shape, dtype=torch.float64, device=device)
@@ -512,14 +562,16 @@ def _run_case(case_id: str, seed: int, device: str) -> None:
     finally:
         for (mod, attr), fn in originals.items():
             setattr(mod, attr, fn)
-    _check_wgrad_path(grouped, grouped1, names, args, mm_calls, wgrad_log, rows_log, fwd_rows_log)
+    _check_wgrad_path(grouped, grouped1, names, args, mm_calls, wgrad_log, rows_log, fwd_rows_log, configs)
     # The reference's cotangent is the one the op got (rounded to dtype): a fp16 rounding of
     # cot alone moved d top_k_weights' dot over H by > 0.002 of its size where it cancels
     # (T = 1, float16: 3 of 200 seeds, with or without TMA loads).
     ref = torch.autograd.grad(want, leaves64, cot.to(dtype).double())
     if "pre" in c:  # the saved pre-activation's dtype, as moe_experts.pre_dtype picks it
+        n1 = args[3].shape[2] if args[9] else args[3].shape[1]
+        keep = TB.keeps_rows(args[0], n1, args[8], "gate_up_proj" in names, configs)  # as FusedExperts asks
         _, saved = TM.fused_experts_forward(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
-                                            configs=configs, save=True)
+                                            configs=configs, save=True, keep_rows=keep)
         assert saved.pre.dtype == c["pre"], saved.pre.dtype
     for n, g, r, a in zip([n for n, a in zip(ARGS, args) if n in names and a is not None], got, ref, leaves):
         try:
@@ -531,8 +583,10 @@ def _run_case(case_id: str, seed: int, device: str) -> None:
         except AssertionError as err:
             raise AssertionError(f"d {n}: {err}") from None
     if "skip_expert" in specials:  # never run: exact zeros
-        grads = dict(zip([n for n in ARGS if n in names], got))
+        grads = dict(zip([n for n, a in zip(ARGS, args) if n in names and a is not None], got))
         for n in ("gate_up_proj", "gate_up_bias", "down_proj", "down_bias"):
+            if n not in grads:  # no bias
+                continue
             assert torch.equal(grads[n][2], torch.zeros_like(grads[n][2])), f"d {n}[2] is not zero"
     if specials & {"nan", "all_out"}:  # d top_k_weights is exactly 0 at a sentinel slot
         drw = got[[n for n in ARGS if n in names].index("top_k_weights")]
@@ -680,6 +734,25 @@ def test_grouped_mm_wgrad_choice() -> None:
         with pytest.raises(ValueError, match="dgrad2.*GATE_GROUPS"):
             TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.bfloat16), *bf16, saved,
                                       configs={"dgrad2": {**SMALL_BWD["dgrad2"], **bad}})
+    # GEMM2's dgrad on torch._grouped_mm: the split path's, not persistent, g bf16 as pre
+    # (saved here in float32)
+    for bad, why in (({"GROUPED_MM": 1}, "SPLIT = 1"), ({"SPLIT": 1, "PERSISTENT": 1, "GROUPED_MM": 1}, "SPLIT = 1"),
+                     ({"SPLIT": 1, "GROUPED_MM": 1}, "pre is saved in torch.float32")):
+        with pytest.raises(ValueError, match=f"dgrad2.*GROUPED_MM.*{why}"):
+            TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.bfloat16), *bf16, saved,
+                                      configs={"dgrad2": {**SMALL_BWD["dgrad2"], **bad}})
+    with pytest.raises(ValueError, match="dgrad2.*GROUPED_MM.*not bfloat16"):
+        TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.float16), *args, saved,
+                                  configs={"dgrad2": {**SMALL_BWD["dgrad2"], "SPLIT": 1, "GROUPED_MM": 1}})
+    # GEMM1 on torch._grouped_mm: a training forward's, over the kept rows, bf16 pre, no
+    # gate_up_bias; forced where it can't, an error that says why
+    bias16 = make(4, 2, 40, 24, 3, torch.bfloat16, "cpu", bias=True)
+    nobias = sub(bias16, gate_up_bias=None)
+    for a, kw, why in ((nobias, {}, "keep_rows"), (nobias, {"save": True}, "keep_rows"),
+                       (bias16, {"save": True, "keep_rows": True}, "gate_up_bias"),
+                       (args, {"save": True, "keep_rows": True}, "not bfloat16")):
+        with pytest.raises(ValueError, match=f"gemm1.*GROUPED_MM.*{why}"):
+            TM.fused_experts_forward(*a, configs={"gemm1": {**SMALL["gemm1"], "GROUPED_MM": 1}}, **kw)
 
 
 # ------------------------------------------------------------------ CUDA

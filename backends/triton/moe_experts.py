@@ -628,6 +628,38 @@ def _sorted_rows_kernel(
 
 
 @_jit
+def _act_kernel(
+    pre_ptr, act_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, N, block_m, alpha, limit,
+    stride_pm, stride_pn, stride_am, stride_an,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr,
+):
+    """GEMM1's epilogue as a pass of its own, where GEMM1 ran on ``torch._grouped_mm``
+    (``configs["gemm1"]["GROUPED_MM"]``): act[r, cols] = the gate of ``pre``'s row r (the
+    GEMM's 16-bit output, which is the gate's input, as the fused epilogue's rounded one
+    under ``PRE_BF16``), 0 at padding rows, for BLOCK_R padded rows (a slice of one M block
+    of ``block_m`` rows) x BLOCK_N columns. Rows of blocks past the work list: nothing."""
+    r0 = tl.program_id(0) * BLOCK_R
+    expert = tl.load(block_expert_ptr + r0 // block_m)
+    if expert < 0:
+        return
+    rows = r0 + tl.arange(0, BLOCK_R)
+    row_ok = tl.load(pair_ids_ptr + rows) < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    c0, c1 = _halves(cols, N, INTERLEAVED)
+    m = row_ok[:, None] & col_ok[None, :]
+    pre_rows = pre_ptr + rows.to(tl.int64)[:, None] * stride_pm
+    p0 = tl.load(pre_rows + c0[None, :] * stride_pn, mask=m, other=0.0).to(tl.float32)
+    p1 = p0
+    if GATED:
+        p1 = tl.load(pre_rows + c1[None, :] * stride_pn, mask=m, other=0.0).to(tl.float32)
+    y = tl.where(row_ok[:, None], _gate(p0, p1, alpha, limit, GATED, ACT, HAS_LIMIT), 0.0)
+    tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_am + cols[None, :] * stride_an,
+             y.to(act_ptr.dtype.element_ty), mask=col_ok[None, :])
+
+
+@_jit
 def _pair_rows_kernel(pair_ids_ptr, used_ptr, rows_ptr, num_pairs, BLOCK: tl.constexpr):
     """rows[p] = the sorted-padded row r holding pair p (``pair_ids[r] == p``), for each row
     before ``*used_ptr`` (the last expert's padded end) that holds a pair; a pair routed
@@ -1102,6 +1134,53 @@ def pre_dtype(dtype: torch.dtype, gated: bool, limit: float) -> torch.dtype:
     return PRE_DTYPE
 
 
+def grouped_mm_unfit(x: torch.Tensor, n1: int, i: int, w: Optional[torch.Tensor] = None) -> Optional[str]:
+    """Why a GEMM of the op can't run on ``torch._grouped_mm`` for these inputs, or None: the
+    weight gradients, or given the weight ``w`` it reads, a forward GEMM or a dgrad. It takes
+    bfloat16 only here (fp16 and fp32 keep the Triton kernels: fp16 grouped_mm needs
+    cuBLASLt's, and fp32 GEMMs stay IEEE), and rows 16-byte aligned: H, the gate_up width N1
+    and I multiples of 8, as :func:`opreg.ops.moe_experts_grouped.uses_grouped_mm` asks;
+    ``w`` with one of its last two dims contiguous, the other's stride and its address
+    16-byte aligned."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "this torch has no _grouped_mm"
+    if x.dtype != torch.bfloat16:
+        return f"hidden_states is {x.dtype}, not bfloat16"
+    if x.shape[1] % 8 or n1 % 8 or i % 8:
+        return f"H = {x.shape[1]}, N1 = {n1}, I = {i}: not all multiples of 8 (16-byte rows)"
+    if w is not None:
+        s0, s1, s2 = w.stride()
+        if not ((s2 == 1 and s1 % 8 == 0) or (s1 == 1 and s2 % 8 == 0)) or s0 % 8 or misaligned(w):
+            return f"the weight's strides {w.stride()}: neither of its last two dims contiguous and 16-byte aligned"
+    return None
+
+
+def grouped_gemm1(c1: dict[str, int], x: torch.Tensor, w1: torch.Tensor, bias: Optional[torch.Tensor], n1: int,
+                  i: int, pre_dt: Optional[torch.dtype], keep_rows: bool) -> bool:
+    """Does a training forward's GEMM1 run on ``torch._grouped_mm`` (CUTLASS) over the sorted
+    copy of the rows, its bf16 output being ``pre``, with the gate as a pass of its own
+    (:func:`_act_kernel`)? Only where ``c1["GROUPED_MM"]`` asks (default off), and then it
+    needs the copy kept for the grouped weight gradients (``keep_rows``: sm90, bf16), ``pre``
+    saved in bf16 (:func:`pre_dtype`: no clamp), no gate_up_bias (torch._grouped_mm adds
+    none here), and the weight's layout as :func:`grouped_mm_unfit` asks: else ValueError.
+    Why off: on the H200 at T = 4096 (``bench/moe_launches.py``, thirty-second session)
+    CUTLASS alone ran GEMM1 in 403 / 421 / 484 us (Mixtral / Qwen3-MoE / OLMoE, unpadded
+    rows) against the fused epilogue's 512 / 473 / 543, but in the step, over the padded
+    rows, 445 / 459 / 521 plus the gate's pass 50 / 42 / 53: 495 / 501 / 573 against 512 /
+    473 / 543; the step's median over 5 rounds of each setting moved by +41 / -7 (Mixtral,
+    dgrad2 on CUTLASS / Triton), +53 / +23 (Qwen3-MoE), +43 / +16 us (OLMoE) with it."""
+    forced = c1.get("GROUPED_MM")
+    if not forced:
+        return False
+    why = ("no sorted copy of the rows (keep_rows: the grouped weight gradients')" if not keep_rows
+           else "gate_up_bias is given (torch._grouped_mm adds none here)" if bias is not None
+           else f"pre is saved in {pre_dt}, not bfloat16 (a clamp, or PRE_BF16 off)" if pre_dt != torch.bfloat16
+           else grouped_mm_unfit(x, n1, i, w1))
+    if why is not None:
+        raise ValueError(f"fused_experts_forward: configs['gemm1']['GROUPED_MM'] = 1, but {why}")
+    return True
+
+
 def misaligned(t: torch.Tensor) -> bool:
     """Is ``t``'s base off a 16-byte boundary? Traced by Dynamo the address is not known
     (False): Inductor's buffers are aligned, and it copies an input found misaligned at run
@@ -1246,6 +1325,25 @@ def sorted_rows(src: torch.Tensor, rw: torch.Tensor, sorted_pair_ids: torch.Tens
            rw.stride(0), rw.stride(1), out.stride(0), out.stride(1), spec_key=spec,
            BLOCK_R=br, BLOCK_C=bc, SCALED=scaled, num_warps=warps)
     return out
+
+
+ACT_TILE = (8, 256, 4)  # _act_kernel's (rows, columns, warps) per program: the gate's backward pass's tile
+
+
+def act_pass(pre: torch.Tensor, act: torch.Tensor, sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor,
+             num_pairs: int, i: int, block_m: int, gated: bool, interleaved: bool, activation: str, alpha: float,
+             limit: float, spec: Any = None) -> None:
+    """act (R, I) = the gate of ``pre`` (R, N1), 0 at padding rows, for the blocks in the work
+    list (:func:`_act_kernel`): GEMM1's epilogue where GEMM1 ran on ``torch._grouped_mm``.
+    ``spec``: as :func:`launch_gemm`'s."""
+    br, bn, warps = ACT_TILE
+    br, bn = min(br, block_m), min(bn, next_pow2(i))
+    finite = gated and math.isfinite(limit)
+    launch(_act_kernel, (cdiv(act.shape[0], br), cdiv(i, bn)),
+           pre, act, sorted_pair_ids, block_expert, num_pairs, i, block_m, float(alpha),
+           float(limit) if finite else 0.0, pre.stride(0), pre.stride(1), act.stride(0), act.stride(1),
+           spec_key=spec, BLOCK_R=br, BLOCK_N=bn, GATED=gated, INTERLEAVED=gated and interleaved,
+           ACT=ACT_IDS[activation], HAS_LIMIT=finite, num_warps=warps)
 
 
 def pair_rows(sorted_pair_ids: torch.Tensor, tables: torch.Tensor, num_pairs: int, spec: Any = None
@@ -1580,15 +1678,19 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         picked = _configs(configs or {}, s / e, n1, h, i, k, x.dtype)
         if keep_rows and not picked[0].get("PREGATHER", 0):
             picked = ({**picked[0], "PREGATHER": 1},) + picked[1:]
+        # GEMM1 on CUTLASS where the config asks (a training forward's, keep_rows), or fused
+        g1 = grouped_gemm1(picked[0], x, w1, gate_up_bias, n1, i, pre_dt, keep_rows)
+        picked = ({**picked[0], "GROUPED_MM": int(g1)},) + picked[1:]
         if spec is not None:
             _remember(_CONFIGS, spec, picked)
     c1, c2, cc = picked
+    grouped1 = bool(c1.get("GROUPED_MM", 0))
     bm = c1["BLOCK_M"]
     with _device_ctx(x):
         route_buf, sorted_pair_ids, block_expert, tables = _route_flat(ids, e, bm, spec and (spec, "routing"))
         nb = block_expert.shape[0]
         act = _new_buffer((nb * bm, i), x.dtype, x.device)
-        pre = _new_buffer((nb * bm, n1), pre_dt, x.device) if save else None
+        pre = _new_buffer((nb * bm, n1), pre_dt, x.device) if save and not grouped1 else None
         pairs = _new_buffer((s, h), x.dtype, x.device)
         out = _new_buffer((t, h), x.dtype, x.device)
         routing = dict(rw=rw, sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k,
@@ -1598,9 +1700,17 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         pregather = bool(c1.get("PREGATHER", 0))
         a1 = sorted_rows(x, rw, sorted_pair_ids, tables.view(4, e), k, False,
                          spec and (spec, "rows")) if pregather else x
-        launch_gemm(c1, a=a1, w_nk=_nk_view(w1, transposed), bias=gate_up_bias, out=act, pre=pre,
-                    n=i, k=h, gather=not pregather, routed=False, gated=gated, interleaved=interleaved,
-                    act=ACT_IDS[activation], alpha=alpha, limit=limit, spec=spec and (spec, "gemm1"), **routing)
+        if grouped1:
+            # CUTLASS over the sorted-padded rows (0 at padding rows, so pre is 0 there;
+            # unwritten past the last padded end, which no reader visits), then the gate
+            pre = torch._grouped_mm(a1, _nk_view(w1, transposed).transpose(1, 2), offs=tables.view(4, e)[3])
+            act_pass(pre, act, sorted_pair_ids, block_expert, s, i, bm, gated, interleaved, activation, alpha,
+                     limit, spec and (spec, "act"))
+        else:
+            launch_gemm(c1, a=a1, w_nk=_nk_view(w1, transposed), bias=gate_up_bias, out=act, pre=pre,
+                        n=i, k=h, gather=not pregather, routed=False, gated=gated, interleaved=interleaved,
+                        act=ACT_IDS[activation], alpha=alpha, limit=limit, spec=spec and (spec, "gemm1"),
+                        **routing)
         launch_gemm(c2, a=act, w_nk=_nk_view(w2, transposed), bias=down_bias, out=pairs, pre=None,
                     n=h, k=i, gather=False, routed=True, scaled=True, spec=spec and (spec, "gemm2"), **routing)
         combine(pairs, ids, out, e, cc, spec=spec and (spec, "combine"))

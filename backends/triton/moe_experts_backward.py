@@ -15,16 +15,20 @@ padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    from the forward's GEMM (``_moe_gemm``, gathered rows, any tile width) into a (padded
    rows, I) buffer in the saved ``pre``'s dtype (fp32; bf16 under
    ``moe_experts.PRE_BF16``), and :func:`_gate_grad_kernel` runs the same epilogue as its own
-   pass (one partial per pair). (On ``torch._grouped_mm`` over a sorted copy of dout's
-   rows, g in bf16, the op's forward + backward took 7-22 % longer: 2542 / 2737 / 3270
-   against 2313 / 2559 / 2691 us, H200, 2026-12-03; with dout's rows sorted for the Triton
-   GEMM's TMA loads, no faster.) The fused kernel's tile is 64 wide (its epilogue holds g,
-   both pre halves and both gradient halves) and ran at ~190 TF/s on the H200 (``SUBTILE``
-   2 or 4 runs its epilogue in column slices, so that the tile can be 128 wide, and
-   ``PREGATHER`` reads dout's rows from a sorted copy, through a tensor descriptor: tuner
-   candidates, not yet timed); split, the
-   op's forward + backward took 2400 / 2689 / 2792 us against 2564 / 2795 / 2980 fused
-   (Mixtral / Qwen3-MoE / OLMoE, T = 4096, 2026-12-02), g's extra write and read included.
+   pass (one partial per pair). **On torch._grouped_mm** (``configs["dgrad2"]["GROUPED_MM"]``;
+   default :func:`grouped_mm_dgrad2_default`: bf16 g on sm90 from
+   :data:`DGRAD2_GROUPED_MIN_ROWS` rows per expert): g from CUTLASS over a sorted copy of
+   dout's rows (:func:`.moe_experts.sorted_rows`, unscaled, 0 at padding rows), then the
+   same pass. (The 2026-12-03 try, fp32 ``pre`` then, took 7-22 % longer; with bf16 ``pre``
+   and g, Mixtral's GEMM went 307 -> 233 us plus the copy's 15, thirty-second session.) The
+   fused kernel's tile is 64 wide (its epilogue holds g, both pre halves and both gradient
+   halves) and ran at ~190 TF/s on the H200; ``SUBTILE`` 2 or 4 runs its epilogue in
+   column slices, so that the tile can be 128 wide, and ``PREGATHER`` reads dout's rows
+   from a sorted copy, through a tensor descriptor: tuner candidates, none faster than the
+   split default on the three configs (H200, T = 4096, thirty-second session:
+   bench/RESULTS.md). Split, the op's forward + backward took 2400 / 2689 / 2792 us
+   against 2564 / 2795 / 2980 fused (Mixtral / Qwen3-MoE / OLMoE, T = 4096, 2026-12-02),
+   g's extra write and read included.
 2. **d top_k_weights** (:func:`_route_grad_kernel`): each valid slot's partials summed in
    block order, plus dout[t] . down_bias[e]; 0 at a slot whose id is outside [0, E).
 3. **dgrad of GEMM1** (the forward's ``_moe_gemm``, ROUTED without the routing weight):
@@ -447,24 +451,9 @@ def _configs(rows_per_expert: float, dtype: torch.dtype, bm: int, n1: int, h: in
     return cfg
 
 
-def grouped_mm_unfit(x: torch.Tensor, n1: int, i: int, w: torch.Tensor | None = None) -> str | None:
-    """Why the weight gradients (or, given the weight ``w`` a dgrad reads, that dgrad)
-    can't run on ``torch._grouped_mm`` for these inputs, or None. It takes bfloat16
-    only here (fp16 and fp32 keep the Triton kernels: fp16 grouped_mm needs cuBLASLt's, and
-    fp32 GEMMs stay IEEE), and rows 16-byte aligned: H, the gate_up width N1 and I multiples
-    of 8, as :func:`opreg.ops.moe_experts_grouped.uses_grouped_mm` asks; ``w`` with one of its last
-    two dims contiguous, the other's stride and its address 16-byte aligned."""
-    if not hasattr(torch, "_grouped_mm"):
-        return "this torch has no _grouped_mm"
-    if x.dtype != torch.bfloat16:
-        return f"hidden_states is {x.dtype}, not bfloat16"
-    if x.shape[1] % 8 or n1 % 8 or i % 8:
-        return f"H = {x.shape[1]}, N1 = {n1}, I = {i}: not all multiples of 8 (16-byte rows)"
-    if w is not None:
-        s0, s1, s2 = w.stride()
-        if not ((s2 == 1 and s1 % 8 == 0) or (s1 == 1 and s2 % 8 == 0)) or s0 % 8 or F.misaligned(w):
-            return f"the weight's strides {w.stride()}: neither of its last two dims contiguous and 16-byte aligned"
-    return None
+# Why a GEMM can't run on torch._grouped_mm (the weight gradients, or a dgrad given its
+# weight): the forward's, which GEMM1 asks too
+grouped_mm_unfit = F.grouped_mm_unfit
 
 
 @functools.cache
@@ -493,6 +482,33 @@ def grouped_mm_dgrad1_default(x: torch.Tensor, w1: torch.Tensor, n1: int, i: int
     suits it (:func:`grouped_mm_unfit`). Its rows come back in sorted order, so the combine
     reads them through :func:`.moe_experts.pair_rows`."""
     return grouped_mm_wgrad_default(x, n1, i) and grouped_mm_unfit(x, n1, i, w1) is None
+
+
+# GEMM2's split dgrad on torch._grouped_mm by default from this many rows per expert on
+# (grouped_mm_dgrad2_default says why)
+DGRAD2_GROUPED_MIN_ROWS = 1024
+
+
+def grouped_mm_dgrad2_default(x: torch.Tensor, w2: torch.Tensor, n1: int, i: int, rows_per_expert: float,
+                              pre_dtype: torch.dtype) -> bool:
+    """Whether GEMM2's split dgrad (g = dout[t] @ down_proj[e]) runs on ``torch._grouped_mm``
+    by default, over a sorted copy of dout's rows, else on the forward's Triton GEMM
+    gathering them on its load: where the weight gradients do (the sm90 bf16 default), g
+    is bf16 (the saved ``pre``'s dtype, :func:`.moe_experts.pre_dtype`), down_proj's layout
+    suits it, and there are at least :data:`DGRAD2_GROUPED_MIN_ROWS` rows per expert. The
+    copy costs a fixed 2 x S x H x 2 bytes; what CUTLASS saves grows with the rows per
+    expert (its tiles fill, where the Triton GEMM's gathered loads run at ~440 TF/s at every
+    size): on the H200 at T = 4096 (``bench/moe_launches.py``, thirty-second session),
+    CUTLASS 219 us + 15 for the copy against 307 (Mixtral, 1024 rows per expert), 228 + 48
+    against 238 (Qwen3-MoE, 256), 249 + 45 against 257 (OLMoE, 512); in the step, Qwen3-MoE
+    and OLMoE ran 56 / 82 us slower with it. Mixtral's compiled training step (GPU events,
+    ``bench/moe_profile.py --dgrad2-min-rows``): T = 16384, GPU-bound, 9048 -> 8870 us
+    (kernels 8568 -> 8385); T = 4096, where that machine's step waited on its host, 2348 /
+    2342 us without against 2351 / 2659 with (the host's time moved by as much). Three
+    shapes: the bound sits between the last two and Mixtral's; ``opreg tune moe_experts
+    --backward`` times both per shape (``configs["dgrad2"]["GROUPED_MM"]``)."""
+    return (rows_per_expert >= DGRAD2_GROUPED_MIN_ROWS and pre_dtype == torch.bfloat16
+            and grouped_mm_wgrad_default(x, n1, i) and grouped_mm_unfit(x, n1, i, w2) is None)
 
 
 def keeps_rows(x: torch.Tensor, n1: int, gated: bool, needs_w1: bool,
@@ -625,6 +641,20 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
         if groups != 1 and (not cfg["dgrad2"].get("SPLIT", 0) or not isinstance(groups, int) or groups < 1):
             raise ValueError(f"fused_experts_backward: configs['dgrad2']['GATE_GROUPS'] = {groups!r}: the split "
                              "gate pass's column groups (SPLIT 1), a positive int")
+        split2, persistent2 = bool(cfg["dgrad2"].get("SPLIT", 0)), bool(cfg["dgrad2"].get("PERSISTENT", 0))
+        grouped2 = bool(cfg["dgrad2"].get("GROUPED_MM", split2 and not persistent2 and grouped_mm_dgrad2_default(
+            x, w2, n1, i, s / e, saved.pre.dtype)))
+        if grouped2 and (not split2 or persistent2):
+            raise ValueError("fused_experts_backward: configs['dgrad2']['GROUPED_MM'] = 1 needs SPLIT = 1 (the "
+                             "gate's backward then runs as its own pass) and PERSISTENT = 0 (CUTLASS has no such mode "
+                             "here)")
+        if grouped2 and (why := grouped_mm_unfit(x, n1, i, w2)) is not None:
+            raise ValueError(f"fused_experts_backward: configs['dgrad2']['GROUPED_MM'] = 1, but {why}")
+        if grouped2 and saved.pre.dtype != torch.bfloat16:
+            raise ValueError(f"fused_experts_backward: configs['dgrad2']['GROUPED_MM'] = 1, but pre is saved in "
+                             f"{saved.pre.dtype}: torch._grouped_mm's g is bf16, and the gate's pass reads g "
+                             "in pre's dtype")
+        cfg = {**cfg, "dgrad2": {**cfg["dgrad2"], "GROUPED_MM": int(grouped2)}}
         if cfg["dgrad1"].get("PERSISTENT", 0) and grouped1:
             raise ValueError("fused_experts_backward: configs['dgrad1']['PERSISTENT'] = 1 needs GROUPED_MM = 0 "
                              "(torch._grouped_mm has no persistent mode here)")
@@ -667,7 +697,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             # PREGATHER: dout's rows copied into sorted-padded order first (as GEMM1's
             # PREGATHER copies x's), so that the GEMM reads them as plain rows, through a
             # tensor descriptor where it can, instead of gathering them on its load
-            pregather = bool(c.get("PREGATHER", 0))
+            grouped2 = bool(c.get("GROUPED_MM", 0))
+            pregather = bool(c.get("PREGATHER", 0)) or grouped2
             a2 = F.sorted_rows(dout, rw, sorted_pair_ids, tables, k, False, key("dout rows")) if pregather else dout
             if split:
                 # g = dout[t] @ down[e] on the forward's GEMM (a plain tile, any width) at the
@@ -675,11 +706,14 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                 # F.PRE_BF16, g's rounding then HF's bf16 autograd's and its write and the
                 # gate pass's read half); then the gate's backward as its own pass (see the
                 # table's about)
-                g = F._new_buffer((nb * bm, i), pre.dtype, dev)
-                F.launch_gemm(c, a=a2, w_nk=w_nk, bias=None, rw=rw, out=g, pre=None,
-                              sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k, n=i, k=h,
-                              gather=not pregather, routed=False, act=_IDENTITY, spec=key("dgrad2"),
-                              used=used)
+                if grouped2:  # CUTLASS over the sorted copy (0 at padding rows; past offs[-1] unread)
+                    g = torch._grouped_mm(a2, w_nk.transpose(1, 2), offs=tables[3])
+                else:
+                    g = F._new_buffer((nb * bm, i), pre.dtype, dev)
+                    F.launch_gemm(c, a=a2, w_nk=w_nk, bias=None, rw=rw, out=g, pre=None,
+                                  sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k, n=i, k=h,
+                                  gather=not pregather, routed=False, act=_IDENTITY, spec=key("dgrad2"),
+                                  used=used)
                 # the gate's pass: BLOCK_R rows (a power of 2 dividing BLOCK_M) x BLOCK_N
                 # columns a step, over the columns of one of GATE_GROUPS groups (grid: row
                 # slices x groups); the config's GATE_R / GATE_N / GATE_WARPS / GATE_GROUPS

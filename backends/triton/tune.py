@@ -295,22 +295,30 @@ def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, de
     best_run, tried = default, 0
     defaults = B._configs(rpe, dtype, bm, 2 * i, h, i, {})  # the table's, as the default runs them
     skipped = 0  # persistent candidates that don't apply (not counted in "of")
-    for gemm, cands in (("dgrad2", dgrad2), ("dgrad1", dgrad1)):
+    # GEMM2's split dgrad on torch._grouped_mm: one more dgrad2 candidate where it can run
+    # (B.grouped_mm_dgrad2_default's conditions but the rows per expert)
+    grouped2 = (B.grouped_mm_wgrad_default(args[0], 2 * i, i) and B.grouped_mm_unfit(args[0], 2 * i, i, args[5]) is None
+                and fused.pre_dtype(dtype, True, args[12]) == torch.bfloat16)
+    for gemm, cands in (("dgrad2", dgrad2 + (["grouped"] if grouped2 else [])), ("dgrad1", dgrad1)):
         for c in cands + [None]:
             if time.monotonic() > deadline:
                 break
             if c is None:  # the best so far, persistent: where it runs on the forward's GEMM
                 now = best.get(gemm, defaults[gemm])
-                triton_gemm = now.get("SPLIT", 0) if gemm == "dgrad2" else not now.get(
-                    "GROUPED_MM", B.grouped_mm_dgrad1_default(args[0], args[3], 2 * i, i))
+                if gemm == "dgrad2":
+                    triton_gemm = now.get("SPLIT", 0) and not now.get("GROUPED_MM", 0)
+                else:
+                    triton_gemm = not now.get("GROUPED_MM", B.grouped_mm_dgrad1_default(args[0], args[3], 2 * i, i))
                 if not triton_gemm or now.get("PERSISTENT", 0):
                     skipped += 1
                     continue
                 cand = {**now, "PERSISTENT": 1}
             else:
-                # a dgrad1 candidate is the Triton GEMM's, so it runs off torch._grouped_mm (the
-                # sm90 bf16 default): a winner beat that default and keeps GROUPED_MM 0 in the table
-                cand = {**_dgrad(c), "GROUPED_MM": 0} if gemm == "dgrad1" else _dgrad(c)
+                # a candidate tile is the Triton GEMM's, so it runs off torch._grouped_mm (the
+                # sm90 bf16 default of dgrad1, and of dgrad2 at many rows per expert): a winner
+                # beat that default and keeps GROUPED_MM 0 in the table
+                cand = ({**defaults["dgrad2"], "SPLIT": 1, "GROUPED_MM": 1} if c == "grouped"
+                        else {**_dgrad(c), "GROUPED_MM": 0})
             tried += 1
             fn = run({**best, gemm: cand})
             if _beats(fn, best_run, reps, device):

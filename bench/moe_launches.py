@@ -1,0 +1,126 @@
+"""Each GEMM of the fused MoE training step against CUTLASS's on the same shape (CUDA).
+
+    python bench/moe_launches.py [--tokens 4096] [--configs mixtral qwen3_moe olmoe]
+
+Per config (bf16, uniform routing, transformers' layout), in one process:
+
+* the fused op's forward+backward with GEMM2's split dgrad on ``torch._grouped_mm`` and on
+  Triton by default (``DGRAD2_GROUPED_MIN_ROWS`` moved), in turn over several rounds (CUDA
+  events; the default path, host work memoised);
+* the fused op's forward+backward, profiled once (torch.profiler): every kernel in launch
+  order with its device time, so each GEMM's time is its own (the profiler's table sums a
+  kernel name's launches);
+* the six GEMMs of a MoE training step on ``torch._grouped_mm`` (CUTLASS: what HF's
+  ``grouped_mm`` runs) over the same rows sorted by expert, each timed alone (CUDA events,
+  median): forward GEMM1 and GEMM2, the two dgrads, the two weight gradients; with TF/s.
+
+The question it answers: which of the fused path's Triton GEMMs trails CUTLASS on its
+shape, and by how much (the training step's GEMMs are ~85 % of its GPU time).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import opreg  # noqa: F401
+from opreg.backends.triton import moe_experts_backward as B
+from opreg.backends.triton import tune
+from opreg.testing.timing import median_us
+
+
+def launches(run) -> list[tuple[str, float]]:
+    """(kernel name, device µs) of one call of ``run``, in launch order (after a warm-up)."""
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    evs.sort(key=lambda e: e.time_range.start)
+    return [(e.name, e.time_range.elapsed_us()) for e in evs]
+
+
+def cutlass_gemms(e: int, h: int, i: int, k: int, t: int, reps: int) -> list[tuple[str, float, float]]:
+    """(GEMM, µs, GFLOP) of the six grouped GEMMs of a training step on torch._grouped_mm,
+    uniform random routing, rows sorted by expert (no padding)."""
+    dev, dt = "cuda", torch.bfloat16
+    s = t * k
+    ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
+    counts = torch.bincount(ids.reshape(-1), minlength=e)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    x = torch.randn(s, h, device=dev, dtype=dt)
+    act = torch.randn(s, i, device=dev, dtype=dt)
+    dout = torch.randn(s, h, device=dev, dtype=dt)
+    dpre = torch.randn(s, 2 * i, device=dev, dtype=dt)
+    w1 = torch.randn(e, 2 * i, h, device=dev, dtype=dt)  # transformers' gate_up_proj (E, 2I, H)
+    w2 = torch.randn(e, h, i, device=dev, dtype=dt)  # down_proj (E, H, I)
+    gemms = {
+        "fwd GEMM1 x @ W1^T": (lambda: torch._grouped_mm(x, w1.transpose(1, 2), offs=offs), s * h * 2 * i),
+        "fwd GEMM2 act @ W2^T": (lambda: torch._grouped_mm(act, w2.transpose(1, 2), offs=offs), s * i * h),
+        "dgrad2 dout @ W2": (lambda: torch._grouped_mm(dout, w2, offs=offs), s * h * i),
+        "dgrad1 dpre @ W1": (lambda: torch._grouped_mm(dpre, w1, offs=offs), s * 2 * i * h),
+        "wgrad2 dout^T @ act": (lambda: torch._grouped_mm(dout.t(), act, offs=offs), s * h * i),
+        "wgrad1 dpre^T @ x": (lambda: torch._grouped_mm(dpre.t(), x, offs=offs), s * 2 * i * h),
+    }
+    out = []
+    for name, (fn, macs) in gemms.items():
+        try:
+            us = median_us(fn, reps, True)
+        except Exception as err:  # noqa: BLE001 - a layout grouped_mm refuses: say so, go on
+            print(f"  {name}: not run ({type(err).__name__}: {err})")
+            continue
+        out.append((name, us, 2 * macs / 1e9))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--configs", nargs="*", default=["mixtral", "qwen3_moe", "olmoe"])
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5)
+    a = p.parse_args()
+    t = a.tokens
+    for name in a.configs:
+        e, h, i, k = tune.SHAPES[name]
+        args = list(tune.inputs(e, h, i, k, t, torch.bfloat16, "cuda"))
+        for j in (0, 2, 3, 5):
+            args[j] = args[j].detach().requires_grad_()
+        leaves = [args[j] for j in (0, 2, 3, 5)]
+        cot = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+
+        def run() -> None:
+            torch.autograd.grad(B.FusedExperts.apply(*args), leaves, cot)
+
+        step = median_us(run, a.reps, True)
+        print(f"\n{name} T={t} (E {e}, H {h}, I {i}, k {k}): fused fwd+bwd {step:.0f} us (CUDA events)")
+        # GEMM2's split dgrad on torch._grouped_mm or Triton by default (its rows-per-expert
+        # bound moved; the default path, host work memoised as a user's), in turn, a.rounds
+        # times (each a median of a.reps steps)
+        bound = B.DGRAD2_GROUPED_MIN_ROWS
+        variants = {"dgrad2 on CUTLASS": 0, "dgrad2 on Triton": float("inf")}
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        for _ in range(a.rounds):
+            for v, rows in variants.items():
+                B.DGRAD2_GROUPED_MIN_ROWS = rows
+                B._PLANS.clear()
+                times[v].append(median_us(run, a.reps, True))
+        B.DGRAD2_GROUPED_MIN_ROWS = bound
+        B._PLANS.clear()
+        for v, us in times.items():
+            print(f"  {sorted(us)[len(us) // 2]:8.1f} us  {v} (median of {a.rounds} rounds; "
+                  f"min {min(us):.1f})")
+        total = 0.0
+        for kname, us in launches(run):
+            total += us
+            print(f"  {us:8.1f} us  {kname[:90]}")
+        print(f"  {total:8.1f} us  sum of kernels (one profiled step)")
+        print("  torch._grouped_mm (CUTLASS) on the same GEMMs, each alone:")
+        for gname, us, gf in cutlass_gemms(e, h, i, k, t, a.reps):
+            print(f"  {us:8.1f} us  {gf / us * 1e3:6.0f} TF/s  {gname} ({gf:.0f} GFLOP)")
+
+
+if __name__ == "__main__":
+    main()
