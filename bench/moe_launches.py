@@ -10,6 +10,9 @@ Per config (bf16, uniform routing, transformers' layout), in one process:
 * the fused op's forward+backward, profiled once (torch.profiler): every kernel in launch
   order with its device time, so each GEMM's time is its own (the profiler's table sums a
   kernel name's launches);
+* with ``--block-m``, the same profile with the forward's rows padded to other block sizes
+  (the weight gradients reduce over the padded rows: ~20 % more than HF's at Qwen3-MoE's
+  ~256 rows per expert in 128-row blocks);
 * the six GEMMs of a MoE training step on ``torch._grouped_mm`` (CUTLASS: what HF's
   ``grouped_mm`` runs) over the same rows sorted by expert, each timed alone (CUDA events,
   median): forward GEMM1 and GEMM2, the two dgrads, the two weight gradients; with TF/s.
@@ -25,6 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import opreg  # noqa: F401
+from opreg.backends.triton import moe_experts as fused
 from opreg.backends.triton import moe_experts_backward as B
 from opreg.backends.triton import tune
 from opreg.testing.timing import median_us
@@ -81,6 +85,9 @@ def main() -> None:
     p.add_argument("--configs", nargs="*", default=["mixtral", "qwen3_moe", "olmoe"])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--block-m", type=int, nargs="*", default=[],
+                   help="also profile the step's kernels with the forward's BLOCK_M at these values (the "
+                        "padding of each expert's rows, which the weight gradients reduce over)")
     a = p.parse_args()
     t = a.tokens
     for name in a.configs:
@@ -117,6 +124,12 @@ def main() -> None:
             total += us
             print(f"  {us:8.1f} us  {kname[:90]}")
         print(f"  {total:8.1f} us  sum of kernels (one profiled step)")
+        for bm in a.block_m:  # the table's GEMM configs, the rows padded to bm
+            cfg = {g: {**fused.pick_config(g, t * k / e, n, kk, torch.bfloat16, block_m=bm), "BLOCK_M": bm}
+                   for g, n, kk in (("gemm1", 2 * i, h), ("gemm2", h, i))}
+            ks = launches(lambda cfg=cfg: torch.autograd.grad(B.FusedExperts.apply(*args, cfg), leaves, cot))
+            print(f"  BLOCK_M {bm}: {sum(us for _, us in ks):8.1f} us  sum of kernels; GEMMs "
+                  + " ".join(f"{us:.0f}" for kn, us in ks if "gemm" in kn or "cutlass" in kn))
         print("  torch._grouped_mm (CUTLASS) on the same GEMMs, each alone:")
         for gname, us, gf in cutlass_gemms(e, h, i, k, t, a.reps):
             print(f"  {us:8.1f} us  {gf / us * 1e3:6.0f} TF/s  {gname} ({gf:.0f} GFLOP)")

@@ -753,6 +753,10 @@ def test_grouped_mm_wgrad_choice() -> None:
                        (args, {"save": True, "keep_rows": True}, "not bfloat16")):
         with pytest.raises(ValueError, match=f"gemm1.*GROUPED_MM.*{why}"):
             TM.fused_experts_forward(*a, configs={"gemm1": {**SMALL["gemm1"], "GROUPED_MM": 1}}, **kw)
+    # a forward GEMM's config is given whole: a partial one names what it lacks
+    for gemm in ("gemm1", "gemm2"):
+        with pytest.raises(ValueError, match=f"{gemm}.*lacks.*BLOCK_N"):
+            TM.fused_experts_forward(*nobias, configs={gemm: {"GROUPED_MM": 1}}, save=True, keep_rows=True)
 
 
 # ------------------------------------------------------------------ CUDA

@@ -1621,9 +1621,17 @@ def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
     memo[key] = value
 
 
+_GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")  # a forward GEMM config's own
+
+
 def _configs(picked: dict[str, dict[str, int]], rows_per_expert: float, n1: int, h: int, i: int, k: int,
              dtype: torch.dtype) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-    """(gemm1, gemm2, combine) configs: ``picked``'s over the table's; gemm2's BLOCK_M is gemm1's."""
+    """(gemm1, gemm2, combine) configs: each given one whole, in place of the table's (a
+    partial one is a ValueError naming what it lacks); gemm2's BLOCK_M is gemm1's."""
+    for gemm, keys in (("gemm1", _GEMM_KEYS + ("BLOCK_M",)), ("gemm2", _GEMM_KEYS)):
+        if picked.get(gemm) and (missing := [key for key in keys if key not in picked[gemm]]):
+            raise ValueError(f"fused_experts_forward: configs[{gemm!r}] lacks {missing}: a forward GEMM's config "
+                             "is given whole (pick_config's, with the keys to change)")
     c1 = picked.get("gemm1") or pick_config("gemm1", rows_per_expert, n1, h, dtype)
     c2 = dict(picked.get("gemm2") or pick_config("gemm2", rows_per_expert, h, i, dtype, block_m=c1["BLOCK_M"]))
     c2["BLOCK_M"] = c1["BLOCK_M"]
