@@ -10,8 +10,6 @@ Per config (bf16, uniform routing, transformers' layout), in one process:
 * the fused op's forward+backward, profiled once (torch.profiler): every kernel in launch
   order with its device time, so each GEMM's time is its own (the profiler's table sums a
   kernel name's launches);
-* with ``--out-tma``, the step with GEMM1's act and pre and the split dgrad2's g stored
-  through tensor descriptors (``moe_experts.OUT_TMA``) off and on, in turn, and its kernels;
 * with ``--block-m``, the same profile with the forward's rows padded to other block sizes
   (the weight gradients reduce over the padded rows: ~20 % more than HF's at Qwen3-MoE's
   ~256 rows per expert in 128-row blocks);
@@ -34,13 +32,6 @@ from opreg.backends.triton import moe_experts as fused
 from opreg.backends.triton import moe_experts_backward as B
 from opreg.backends.triton import tune
 from opreg.testing.timing import median_us
-
-
-def set_out_tma(on: bool) -> None:
-    """moe_experts.OUT_TMA for the next launches (the memoised launch state dropped)."""
-    fused.OUT_TMA = on
-    fused._GEMM_STATIC.clear()
-    getattr(fused._moe_gemm, "_opreg_launch_cache", {}).clear()
 
 
 def launches(run) -> list[tuple[str, float]]:
@@ -94,8 +85,6 @@ def main() -> None:
     p.add_argument("--configs", nargs="*", default=["mixtral", "qwen3_moe", "olmoe"])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--out-tma", action="store_true",
-                   help="also time the step with moe_experts.OUT_TMA off and on, in turn, and profile it on")
     p.add_argument("--block-m", type=int, nargs="*", default=[],
                    help="also profile the step's kernels with the forward's BLOCK_M at these values (the "
                         "padding of each expert's rows, which the weight gradients reduce over)")
@@ -127,15 +116,6 @@ def main() -> None:
                 times[v].append(median_us(run, a.reps, True))
         B.DGRAD2_GROUPED_MIN_ROWS = bound
         B._PLANS.clear()
-        if a.out_tma:  # moe_experts.OUT_TMA off and on, in turn
-            for on in [False, True] * a.rounds:
-                set_out_tma(on)
-                times.setdefault(f"OUT_TMA {int(on)}", []).append(median_us(run, a.reps, True))
-            set_out_tma(True)
-            ks = launches(run)
-            print(f"  OUT_TMA 1: {sum(us for _, us in ks):8.1f} us  sum of kernels; GEMMs "
-                  + " ".join(f"{us:.0f}" for kn, us in ks if "gemm" in kn or "cutlass" in kn))
-            set_out_tma(False)
         for v, us in times.items():
             print(f"  {sorted(us)[len(us) // 2]:8.1f} us  {v} (median of {a.rounds} rounds; "
                   f"min {min(us):.1f})")

@@ -168,13 +168,6 @@ CASES: dict[str, dict] = {
     "pregathered rows, pointer loads, sentinel NaN weight": dict(
         dims=(10, 3, 24, 16, 4), opts=dict(sentinels=4), special="nan", dtypes=["float32"],
         configs={**PREGATHERED, "gemm1": {**PREGATHERED["gemm1"], "TMA": 0}}),
-    # GEMM1's act stored through a tensor descriptor (OUT_TMA): whole tiles, I = 24 in
-    # 16-wide tiles (the second clipped at the edge); persistent too
-    "act through a descriptor": dict(dims=(9, 3, 40, 24, 3), opts=dict(bias=True, sentinels=2), special="nan",
-                                     configs={**SMALL, "gemm1": {**SMALL["gemm1"], "OUT_TMA": 1}}),
-    "act through a descriptor, persistent, pregathered": dict(
-        dims=(9, 3, 40, 24, 3), opts=dict(activation="gelu", interleaved=True), dtypes=["float32"],
-        configs={**PERSISTENT, "gemm1": {**PERSISTENT["gemm1"], "PREGATHER": 1, "OUT_TMA": 1}}),
     # persistent GEMMs: gathered and pregathered GEMM1, sentinels and an unused expert's rows
     "persistent tiles": dict(dims=(9, 3, 40, 24, 3), opts=dict(bias=True), configs=PERSISTENT),
     "persistent tiles, pregathered gpt_oss transposed": dict(

@@ -283,24 +283,6 @@ CASES: dict[str, dict] = {
                     "dgrad2": {**SPLIT_BWD["dgrad2"], "GROUPED_MM": 1}},
         "dtypes": ["bfloat16"], "grouped": True, "grouped2": True, "pre_bf16": True, "pre": torch.bfloat16,
         "gemm1_grouped": True, "forbid": ("TB._dgrad_act_kernel",)},
-    # GEMM1's act and pre and the split dgrad2's g stored through tensor descriptors
-    # (OUT_TMA): whole tiles, I = 24 in 16-wide tiles (the second clipped at the tensor's,
-    # and pre's half's, edge), sentinels with NaN weights; interleaved halves keep pre's
-    # pointer stores; ungated
-    "out_tma: act, pre and g through descriptors": {
-        "dims": (30, 2, 24, 24, 3), "opts": {"bias": True, "sentinels": 2}, "special": "nan",
-        "configs": {**SPLIT_BWD, "gemm1": {**SMALL["gemm1"], "OUT_TMA": 1},
-                    "dgrad2": {**SPLIT_BWD["dgrad2"], "OUT_TMA": 1}},
-        "dtypes": ["float32", "bfloat16"], "forbid": ("TB._dgrad_act_kernel",)},
-    "out_tma, interleaved gelu_tanh transposed": {
-        "dims": (30, 2, 24, 24, 3), "opts": {"activation": "gelu_tanh", "interleaved": True, "transposed": True},
-        "configs": {**SPLIT_BWD, "gemm1": {**SMALL["gemm1"], "OUT_TMA": 1},
-                    "dgrad2": {**SPLIT_BWD["dgrad2"], "OUT_TMA": 1}},
-        "dtypes": ["float16"], "forbid": ("TB._dgrad_act_kernel",)},
-    "out_tma, relu2 ungated, empty expert": {
-        "dims": (9, 2, 24, 24, 5), "opts": {"activation": "relu2", "gated": False, "bias": True},
-        "special": "skip_expert", "configs": {**SMALL_BWD, "gemm1": {**SMALL["gemm1"], "OUT_TMA": 1}},
-        "dtypes": ["bfloat16"]},
     "grouped_mm wgrad, down_proj only, a full block": {
         "dims": (16, 2, 24, 16, 3), "opts": {"bias": True}, "special": "full_block", "configs": GROUPED_BWD,
         "dtypes": ["bfloat16"], "grouped": True, "requires": ("down_proj", "down_bias"),

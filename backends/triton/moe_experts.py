@@ -246,8 +246,8 @@ def _halves(cols, N, INTERLEAVED: tl.constexpr):
 
 @_jit
 def _moe_gemm(
-    a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, w_desc, a_desc, o_desc,
-    p_desc, used_ptr, num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
+    a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, w_desc, a_desc, used_ptr,
+    num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
     stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
     stride_be, stride_bn,
@@ -259,7 +259,6 @@ def _moe_gemm(
     INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr,
     SAVE_PRE: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     W_TMA: tl.constexpr, W_KMAJOR: tl.constexpr, A_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
-    O_TMA: tl.constexpr = False, P_TMA: tl.constexpr = False,
 ):
     """One (BLOCK_M sorted rows) x (BLOCK_N output columns) tile of an expert's GEMM, or
     with PERSISTENT every tile of the work list, a program per SM striding over them.
@@ -274,12 +273,7 @@ def _moe_gemm(
     weight. ROUTED without SCALED: the backward's dgrad of GEMM1 (no routing weight). Either
     layout of either weight is just strides (stride_wn, stride_wk). W_TMA / A_TMA: W's tiles
     / A's (sorted, not GATHER) rows come through the tensor descriptors ``w_desc`` / ``a_desc``
-    (see :func:`_mma`; ``launch_gemm`` decides where they apply). O_TMA / P_TMA (not ROUTED:
-    the sorted rows): ``out`` / ``pre`` are stored through the descriptors ``o_desc`` (out,
-    a box of BLOCK_M x BLOCK_N) / ``p_desc`` (pre seen as (rows, halves, N), a box of BLOCK_M
-    x 1 x BLOCK_N per half), whole tiles: the padding rows of a block in use are written
-    too (``out``'s as 0, as the pointer stores write them; ``pre``'s with the GEMM of
-    their zero rows, where the pointer stores leave them, and no reader visits them).
+    (see :func:`_mma`; ``launch_gemm`` decides where they apply).
 
     PERSISTENT: the grid is a program per SM, each walking tiles pid, pid + programs, ...
     of the blocks in use (``*used_ptr``: the last expert's padded end, a multiple of BLOCK_M;
@@ -292,11 +286,11 @@ def _moe_gemm(
         for tile in tl.range(tl.program_id(0), used_m * num_n, tl.num_programs(0), flatten=True):
             pid_m, pid_n, expert = _tile_of(tile, block_expert_ptr, used_m, num_n, GROUP_M)
             _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr,
-                       w_desc, a_desc, o_desc, p_desc, num_pairs, top_k, N, K, alpha, limit, stride_am,
-                       stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_rt, stride_rk,
-                       stride_om, stride_on, stride_pm, stride_pn, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, ROUTED,
-                       SCALED, GATED, INTERLEAVED, ACT, HAS_BIAS, HAS_LIMIT, SAVE_PRE, DOT_PRECISION, EVEN_K,
-                       W_TMA, W_KMAJOR, A_TMA, O_TMA, P_TMA)
+                       w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak, stride_we,
+                       stride_wn, stride_wk, stride_be, stride_bn, stride_rt, stride_rk, stride_om, stride_on,
+                       stride_pm, stride_pn, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, ROUTED, SCALED, GATED,
+                       INTERLEAVED, ACT, HAS_BIAS, HAS_LIMIT, SAVE_PRE, DOT_PRECISION, EVEN_K, W_TMA,
+                       W_KMAJOR, A_TMA)
     else:
         # the same call as above, not one loop for both: a one-trip loop with the tile under
         # an `if` would change the default kernel's code (the K loop's pipelining) untimed
@@ -304,23 +298,22 @@ def _moe_gemm(
         if expert < 0:
             return  # past the padded work list: nothing to compute, nothing to write
         _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr,
-                   w_desc, a_desc, o_desc, p_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak,
-                   stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_rt, stride_rk, stride_om,
-                   stride_on, stride_pm, stride_pn, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, ROUTED, SCALED, GATED,
+                   w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak, stride_we,
+                   stride_wn, stride_wk, stride_be, stride_bn, stride_rt, stride_rk, stride_om, stride_on,
+                   stride_pm, stride_pn, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, ROUTED, SCALED, GATED,
                    INTERLEAVED, ACT, HAS_BIAS, HAS_LIMIT, SAVE_PRE, DOT_PRECISION, EVEN_K, W_TMA,
-                   W_KMAJOR, A_TMA, O_TMA, P_TMA)
+                   W_KMAJOR, A_TMA)
 
 
 @_jit
 def _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr,
-               w_desc, a_desc, o_desc, p_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak, stride_we,
-               stride_wn,
+               w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak, stride_we, stride_wn,
                stride_wk, stride_be, stride_bn, stride_rt, stride_rk, stride_om, stride_on, stride_pm, stride_pn,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr,
                ROUTED: tl.constexpr, SCALED: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
                ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr, SAVE_PRE: tl.constexpr,
                DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
-               A_TMA: tl.constexpr, O_TMA: tl.constexpr, P_TMA: tl.constexpr):
+               A_TMA: tl.constexpr):
     """:func:`_moe_gemm`'s tile (pid_m, pid_n) of ``expert``: main loop, epilogue, store."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # < num_m_blocks * BLOCK_M: the buffer's size
     pair = tl.load(pair_ids_ptr + rows)
@@ -350,17 +343,11 @@ def _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_pt
             acc0 = acc0.to(pre_ptr.dtype.element_ty).to(tl.float32)
             if GATED:
                 acc1 = acc1.to(pre_ptr.dtype.element_ty).to(tl.float32)
-        if P_TMA:  # pre seen as (rows, halves, N): gate half 0, up half 1 (not INTERLEAVED)
-            m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N
-            p_desc.store([m0, 0, n0], acc0.to(pre_ptr.dtype.element_ty).reshape(BLOCK_M, 1, BLOCK_N))
-            if GATED:
-                p_desc.store([m0, 1, n0], acc1.to(pre_ptr.dtype.element_ty).reshape(BLOCK_M, 1, BLOCK_N))
-        else:
-            pre_mask = row_ok[:, None] & col_ok[None, :]
-            pre_rows = pre_ptr + rows.to(tl.int64)[:, None] * stride_pm
-            tl.store(pre_rows + wcol0[None, :] * stride_pn, acc0.to(pre_ptr.dtype.element_ty), mask=pre_mask)
-            if GATED:
-                tl.store(pre_rows + wcol1[None, :] * stride_pn, acc1.to(pre_ptr.dtype.element_ty), mask=pre_mask)
+        pre_mask = row_ok[:, None] & col_ok[None, :]
+        pre_rows = pre_ptr + rows.to(tl.int64)[:, None] * stride_pm
+        tl.store(pre_rows + wcol0[None, :] * stride_pn, acc0.to(pre_ptr.dtype.element_ty), mask=pre_mask)
+        if GATED:
+            tl.store(pre_rows + wcol1[None, :] * stride_pn, acc1.to(pre_ptr.dtype.element_ty), mask=pre_mask)
     y = _gate(acc0, acc1, alpha, limit, GATED, ACT, HAS_LIMIT)
 
     if ROUTED:
@@ -381,11 +368,8 @@ def _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_pt
         out_row = rows.to(tl.int64)
         y = tl.where(row_ok[:, None], y, 0.0)
         out_mask = col_ok[None, :]
-    if O_TMA:  # not ROUTED: the sorted rows, every one written (0 at padding rows)
-        o_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], y.to(out_ptr.dtype.element_ty))
-    else:
-        out_ptrs = out_ptr + out_row[:, None] * stride_om + cols[None, :] * stride_on
-        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+    out_ptrs = out_ptr + out_row[:, None] * stride_om + cols[None, :] * stride_on
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 _INTERPRETING = triton is not None and type(_moe_gemm).__name__ == "InterpretedFunction"
@@ -1239,10 +1223,7 @@ def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
     BLOCK_M). ``w_nk``: the weight seen as (E, N, K) (a view: either layout); ``bias``/``pre``
     None: none. ``cfg["TMA"]`` (default 1): load W's tiles, and A's where A is the sorted
     rows (not ``gather``), through tensor descriptors where :func:`_tma_ok` allows (not for
-    interleaved gate/up columns). ``cfg["OUT_TMA"]`` (default :data:`OUT_TMA`): where the rows
-    are the sorted ones (not ``routed``), store ``out``'s tiles, and ``pre``'s where its
-    halves are not interleaved, through tensor descriptors (whole tiles: padding rows
-    too). ``cfg["PERSISTENT"]`` (default 0): a program per SM walks
+    interleaved gate/up columns). ``cfg["PERSISTENT"]`` (default 0): a program per SM walks
     the tiles; it needs ``used``, the routing tables' last padded end (``tables[3, -1:]``).
     ``spec``: a key that determines every argument's metadata (see :func:`.launch.launch`):
     what follows from metadata alone is then reused."""
@@ -1256,28 +1237,17 @@ def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
                               gated, interleaved, act, bias is not None, pre is not None, limit)
         if spec is not None:
             _remember(_GEMM_STATIC, spec, static)
-    grid, kmajor, w_box, a_box, w_key, a_key, o_box, p_box, o_key, p_key, halves, head, tail, kwargs = static
+    grid, kmajor, w_box, a_box, w_key, a_key, head, tail, kwargs = static
     # built only where the launch needs the descriptor objects (not Triton's C launcher)
     w_desc = None if w_box is None else LazyDescriptor(w_nk if kmajor else w_nk.transpose(1, 2), w_box, w_key)
     a_desc = None if a_box is None else LazyDescriptor(a, a_box, a_key)
-    o_desc = None if o_box is None else LazyDescriptor(out, o_box, o_key)
-    p_desc = None if p_box is None else LazyDescriptor(p.view(p.shape[0], halves, n), p_box, p_key)
     finite = kwargs["HAS_LIMIT"]
     u = used if used is not None else block_expert  # a valid pointer, read only when PERSISTENT
-    launch_args(_moe_gemm, grid, (a, w_nk, b, rw, out, p, sorted_pair_ids, block_expert, w_desc, a_desc, o_desc,
-                                  p_desc, u,
+    launch_args(_moe_gemm, grid, (a, w_nk, b, rw, out, p, sorted_pair_ids, block_expert, w_desc, a_desc, u,
                                   *head, float(alpha), float(limit) if finite else 0.0, *tail), spec, kwargs)
 
 
 _GEMM_STATIC: dict[Any, tuple[Any, ...]] = {}
-
-# The default of launch_gemm's cfg["OUT_TMA"]: GEMM1's act and pre, and the split dgrad2's g,
-# stored through tensor descriptors. Why it might pay: on the H200 (bench/moe_launches.py,
-# thirty-second session) Mixtral's GEMM1 took 512 us in a training forward, which also
-# stores pre (134 MB of bf16 through masked pointer stores), and ~400 in the no-grad one.
-# Off until it is timed there (`moe_launches.py --out-tma`). Read where a launch's state is
-# first built (memoised per input spec): the bench drops that state when it flips this.
-OUT_TMA = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -1310,14 +1280,6 @@ def _gemm_static(cfg: dict[str, int], a: torch.Tensor, w_nk: torch.Tensor, b: to
     up_ok = kmajor or not gated or (n * w_nk.element_size()) % 16 == 0
     use_w = tma and not (gated and interleaved) and up_ok and _tma_ok(w_tiles, tuple(w_box))
     use_a = tma and not gather and _tma_ok(a, (bm, bk)) and a.shape[0] >= nb * bm
-    # the sorted rows' stores through tensor descriptors (cfg["OUT_TMA"], default OUT_TMA):
-    # out's tiles, and pre's seen as (rows, halves, N), where its gate/up halves are not interleaved
-    store_tma = tma and not routed and bool(cfg.get("OUT_TMA", OUT_TMA))
-    use_o = store_tma and _tma_ok(out, (bm, bn)) and out.shape[0] >= nb * bm
-    halves = 2 if gated else 1
-    p3 = p.view(p.shape[0], halves, n) if (store_tma and save_pre and not (gated and interleaved)
-                                           and p.is_contiguous() and p.shape[1] == halves * n) else None
-    use_p = p3 is not None and _tma_ok(p3, (bm, 1, bn)) and p.shape[0] >= nb * bm
     sw = w_nk.stride()
     head = (rw.shape[0] * top_k, top_k, n, k, nb)
     tail = (a.stride(0), a.stride(1), sw[0], sw[1], sw[2], b.stride(0), b.stride(-1),
@@ -1327,17 +1289,15 @@ def _gemm_static(cfg: dict[str, int], a: torch.Tensor, w_nk: torch.Tensor, b: to
                   GATHER=gather, ROUTED=routed, SCALED=scaled, GATED=gated, INTERLEAVED=gated and interleaved,
                   ACT=act, HAS_BIAS=has_bias, HAS_LIMIT=gated and math.isfinite(limit), SAVE_PRE=save_pre,
                   DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", EVEN_K=k % bk == 0,
-                  W_TMA=use_w, W_KMAJOR=kmajor, A_TMA=use_a, PERSISTENT=persistent, O_TMA=use_o, P_TMA=use_p,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  W_TMA=use_w, W_KMAJOR=kmajor, A_TMA=use_a, PERSISTENT=persistent, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
     # what a descriptor's encoding reads besides the address (LazyDescriptor.key)
     w_key = (w_tiles.dtype, tuple(w_tiles.shape), w_tiles.stride(), tuple(w_box)) if use_w else None
     a_key = (a.dtype, tuple(a.shape), a.stride(), (bm, bk)) if use_a else None
     tiles = nb * cdiv(n, bn)  # the static worst case; a persistent program per SM at most
     grid = (min(tiles, _num_sms(a.device)) if persistent else tiles,)
-    o_key = (out.dtype, tuple(out.shape), out.stride(), (bm, bn)) if use_o else None
-    p_key = (p.dtype, tuple(p3.shape), p3.stride(), (bm, 1, bn)) if use_p else None
     return (grid, kmajor, w_box if use_w else None, [bm, bk] if use_a else None, w_key, a_key,
-            [bm, bn] if use_o else None, [bm, 1, bn] if use_p else None, o_key, p_key, halves, head, tail, kwargs)
+            head, tail, kwargs)
 
 
 # The copy's tile (rows, columns, warps) per program. H200, T = 4096, bf16 (bench/sorted_rows.py,
