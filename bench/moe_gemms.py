@@ -1,15 +1,15 @@
 """The fused MoE GEMMs alone, per block config, with and without tensor-descriptor (TMA) loads,
-beside ``torch._grouped_mm`` (CUTLASS, what HF's ``grouped_mm`` runs) on the same padded rows.
+beside ``torch._grouped_mm`` (CUTLASS, what HF's ``grouped_mm`` runs) on the same sorted rows.
 
     python bench/moe_gemms.py [--configs mixtral qwen3_moe olmoe] [--tokens 4096,16384]
 
 Per config and T (bf16, uniform routing, SiLU-gated, transformers' layout; CUDA only):
 GEMM1 (gathered rows x gate_up, the gate in the epilogue) for each candidate of ``GEMM1``,
 GEMM2 (activation x down, the routing weight on the store) for each of ``GEMM2`` at each
-BLOCK_M (both GEMMs walk the same padded rows, so they share it); each candidate's output
+BLOCK_M (both GEMMs' tiles walk the same padded pair list, so they share it); each candidate's output
 against the first one's (bit-identical expected: same tiles, same order); then
 GEMM1 on a sorted copy of its rows (``PREGATHER``: the copy and the GEMM timed apart), then
-``torch._grouped_mm`` on the gathered copy of the same padded rows, and the whole fused
+``torch._grouped_mm`` on the gathered copy of the same sorted rows, and the whole fused
 forward with its default configs, TMA on and off, and GEMM1 pregathered. GPU time: CUDA events around back-to-back
 launches (the GEMMs are GPU-bound), median of ``--reps``.
 """
@@ -52,13 +52,12 @@ def one(name: str, t: int, reps: int) -> None:
     print(f"\n{name} T={t} (E {e}, H {h}, I {i}, k {k})")
     for bm in sorted({c[0] for c in GEMM1}, reverse=True):
         spi, be, tables = F.routing_tables(ids, e, bm)
-        nb = be.shape[0]
-        routing = dict(rw=rw, sorted_pair_ids=spi, block_expert=be, top_k=k)
-        real = spi < s
+        routing = dict(rw=rw, sorted_pair_ids=spi, block_expert=be, shift=tables[4], top_k=k)
+        real = slice(0, int(tables[0, -1]))  # the sorted rows in use (unpadded)
         first = None
         for c in (c for c in GEMM1 if c[0] == bm):
             cfg = dict(zip(KEYS, c))
-            act = torch.full((nb * bm, i), float("nan"), dtype=x.dtype, device="cuda")
+            act = torch.full((s, i), float("nan"), dtype=x.dtype, device="cuda")
             us = timed(f"gemm1 {c}", lambda: F.launch_gemm(cfg, a=x, w_nk=w1, bias=None, out=act, pre=None, n=i,
                                                            k=h, gather=True, routed=False, gated=True, act=0,
                                                            **routing), f1, reps)
@@ -71,9 +70,9 @@ def one(name: str, t: int, reps: int) -> None:
         # with its A through a tensor descriptor, at this BLOCK_M's first TMA tile
         c = next(c for c in GEMM1 if c[0] == bm and c[6])
         cfg = dict(zip(KEYS, c))
-        xsorted = F.sorted_rows(x, rw, spi, tables, k, False)
-        act = torch.full((nb * bm, i), float("nan"), dtype=x.dtype, device="cuda")
-        copy_us = median_us(lambda: F.sorted_rows(x, rw, spi, tables, k, False), reps, True)
+        xsorted = F.sorted_rows(x, rw, spi, be, tables, k, False)
+        act = torch.full((s, i), float("nan"), dtype=x.dtype, device="cuda")
+        copy_us = median_us(lambda: F.sorted_rows(x, rw, spi, be, tables, k, False), reps, True)
         us = timed(f"gemm1 pregathered {c}", lambda: F.launch_gemm(
             cfg, a=xsorted, w_nk=w1, bias=None, out=act, pre=None, n=i, k=h, gather=False, routed=False, gated=True,
             act=0, **routing), f1, reps)
@@ -90,10 +89,9 @@ def one(name: str, t: int, reps: int) -> None:
             if us < float("inf"):
                 ref = pairs.clone() if ref is None else ref
                 print(f"   max |diff| vs the first {float((pairs - ref).abs().max()):.3g}")
-        # CUTLASS's grouped GEMM on the gathered copy of the same padded rows
-        tok = torch.where(real, spi // k, 0).long()
-        rows = torch.bincount(be[be >= 0].long(), minlength=e) * bm
-        offs = rows.cumsum(0).to(torch.int32)
+        # CUTLASS's grouped GEMM on the gathered copy of the same sorted rows
+        tok = (spi[spi < s] // k).long()
+        offs = tables[0]
         xs = x[tok]
         timed("torch._grouped_mm gemm1", lambda: torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs), f1, reps)
         timed("   gemm2", lambda: torch._grouped_mm(first, w2.transpose(1, 2), offs=offs), f2, reps)

@@ -10,9 +10,10 @@ Per config (bf16, uniform routing, transformers' layout), in one process:
 * the fused op's forward+backward, profiled once (torch.profiler): every kernel in launch
   order with its device time, so each GEMM's time is its own (the profiler's table sums a
   kernel name's launches);
-* with ``--block-m``, the same profile with the forward's rows padded to other block sizes
-  (the weight gradients reduce over the padded rows: ~20 % more than HF's at Qwen3-MoE's
-  ~256 rows per expert in 128-row blocks);
+* with ``--block-m``, the same profile with the forward's tiles of other block sizes (before
+  the thirty-third session the sorted rows were padded to the block, and the weight
+  gradients reduced over the padding: 17-19 % slower at Qwen3-MoE's ~256 rows per expert
+  in 128-row blocks);
 * the six GEMMs of a MoE training step on ``torch._grouped_mm`` (CUTLASS: what HF's
   ``grouped_mm`` runs) over the same rows sorted by expert, each timed alone (CUDA events,
   median): forward GEMM1 and GEMM2, the two dgrads, the two weight gradients; with TF/s.

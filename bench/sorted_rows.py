@@ -57,16 +57,16 @@ def main() -> None:
     for name in a.configs:
         e, h, i, k = tune.SHAPES[name]
         x, ids, rw = tune.inputs(e, h, i, k, a.tokens, torch.bfloat16, "cuda")[:3]
-        spi, _, tables = F.routing_tables(ids, e, 128)
-        used = int(tables[3, -1])
+        spi, be, tables = F.routing_tables(ids, e, 128)
+        used = int(tables[0, -1])  # the sorted rows written (unpadded)
         moved = used * h * 2 + a.tokens * k * h * 2  # written + read (bytes)
-        want = F.sorted_rows(x, rw, spi, tables, k, False, tile=F.ROWS_TILE)[:used]
-        print(f"\n{name}: {used} rows in use of {spi.shape[0]}, {moved / 1e6:.0f} MB moved")
+        want = F.sorted_rows(x, rw, spi, be, tables, k, False, tile=F.ROWS_TILE)[:used]
+        print(f"\n{name}: {used} rows written ({spi.shape[0]} padded rows walked), {moved / 1e6:.0f} MB moved")
         for tile in TILES:
             for scaled in (False, True):
-                us = graph_us(lambda: F.sorted_rows(x, rw, spi, tables, k, scaled, tile=tile))
+                us = graph_us(lambda: F.sorted_rows(x, rw, spi, be, tables, k, scaled, tile=tile))
                 if not scaled:
-                    got = F.sorted_rows(x, rw, spi, tables, k, False, tile=tile)[:used]
+                    got = F.sorted_rows(x, rw, spi, be, tables, k, False, tile=tile)[:used]
                     assert torch.equal(got, want), f"tile {tile} copied other bits"
                 print(f"  tile {tile}{' scaled' if scaled else '       '}: {us:7.1f} us  "
                       f"{moved / us / 1e3:6.0f} GB/s")  # bytes / us / 1e3 = GB/s

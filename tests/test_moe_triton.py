@@ -283,15 +283,16 @@ def _check_routing(ids: torch.Tensor, e: int, bm: int) -> None:
     assert sorted_ids.dtype == block_expert.dtype == torch.int32
     assert sorted_ids.shape == (nb * bm,) and block_expert.shape == (nb,)
     want = []  # the valid pairs by expert, each run in increasing pair order, padded
-    starts, pstarts, counts, pends = [], [], [], []
+    ends, pstarts, counts, pends, shifts = [], [], [], [], []
     for x in range(e):
         run = [p for p in range(s) if flat[p] == x]
-        starts.append(sum(counts))
+        shifts.append(sum(counts) - len(want))  # its first sorted (unpadded) row - its first padded row
         pstarts.append(len(want))
         counts.append(len(run))
+        ends.append(sum(counts))
         want += run + [s] * (-len(run) % bm)
         pends.append(len(want))
-    assert tables.dtype == torch.int32 and tables.tolist() == [starts, pstarts, counts, pends], tables
+    assert tables.dtype == torch.int32 and tables.tolist() == [ends, pstarts, counts, pends, shifts], tables
     got = sorted_ids.tolist()
     assert got[:len(want)] == want and all(v == s for v in got[len(want):]), (got, want)
     used = len(want) // bm

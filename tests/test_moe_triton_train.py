@@ -102,8 +102,8 @@ def _case_compiled(seed: int) -> None:
 def _case_keep_rows(seed: int) -> None:
     """``keep_rows``: GEMM1 reads a sorted copy of the token rows and the op returns it for
     the backward's dW1. Right gradients eager and traced (the fake kernel gives the copy's
-    shape; the same bits both ways), and the copy holds x's row for each sorted pair, 0 at
-    every padding row."""
+    shape; the same bits both ways), and the copy holds x's row for each real pair in sorted
+    order (unpadded: S = T*k rows, the pairs of a sentinel slot's id past the last run end)."""
     dims, opts = FAMILIES["gpt_oss biases"]
     torch.manual_seed(seed)
     args = make(*dims, torch.float32, "cpu", **opts)
@@ -117,11 +117,12 @@ def _case_keep_rows(seed: int) -> None:
     (t, k), e = ids.shape, w1.shape[0]
     spi, _, tables = TM.routing_views(routing, t * k, e, TR._block_m(x, ids, w1, gated, transposed))
     spi = spi.long()
-    assert rows.shape == (spi.shape[0], x.shape[1]), rows.shape
+    assert rows.shape == (t * k, x.shape[1]), rows.shape
     real = spi < t * k
-    assert torch.equal(rows[real], x[spi[real] // k]), "a kept row is not x's row of its pair"
-    padding = ~real & (torch.arange(spi.shape[0]) < int(tables[3, -1]))  # in the experts' padded runs
-    assert bool(padding.any()) and bool((rows[padding] == 0).all()), "a padding row of the kept copy is not 0"
+    assert bool((~real[:int(tables[3, -1])]).any()), "no padding row: the case does not test the unpadded layout"
+    n = int(tables[0, -1])  # the real pairs, in the list's order
+    assert n == int(real.sum())
+    assert torch.equal(rows[:n], x[spi[real] // k]), "a kept row is not x's row of its pair"
     assert torch.ops.opreg.moe_experts_fused(*args)[4].shape == (0, x.shape[1]), "rows kept, not asked for"
     torch._dynamo.reset()
     compiled = _check_grads(torch.compile(kept, backend="aot_eager", fullgraph=True), args, seed=seed)

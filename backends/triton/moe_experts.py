@@ -32,7 +32,7 @@ On sm90+ both GEMMs load the weight's tiles, and GEMM2 its sorted activation row
 tensor descriptors (TMA) instead of pointer arithmetic (:func:`launch_gemm` decides per
 launch): 11-14 % faster forward on the H200 (``bench/moe_gemms.py``); GEMM1's gathered token
 rows stay pointer loads (a row gather by TMA needs Blackwell), unless its config says
-``PREGATHER``: then one copy kernel (:func:`sorted_rows`) puts the rows in sorted-padded
+``PREGATHER``: then one copy kernel (:func:`sorted_rows`) puts the rows in sorted
 order first and GEMM1 loads them as GEMM2 loads its A (a config for the tuner to weigh:
 the copy's bytes against GEMM1's faster loads; on for Mixtral's shape in the shipped
 table). A training forward whose backward would make that copy for dW1 anyway
@@ -203,7 +203,8 @@ def _mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_o
     wn1.. of ``expert``: (E, N, K) when W_KMAJOR, else (E, K, N)); the descriptor zero-fills
     past its edges, and a column past N reads a row that only feeds a column never stored.
     A_TMA: A's rows are the contiguous a_row0 .. a_row0 + BLOCK_M of ``a_desc`` (the sorted
-    rows; a padding row's garbage only feeds its own output row, never stored). EVEN_K: K is
+    rows; a padding row reads the next expert's row, or the descriptor's zeros past the
+    end, which only feeds its own output row, never stored). EVEN_K: K is
     a multiple of BLOCK_K, so A's loads need no K mask."""
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :] * stride_ak
@@ -246,8 +247,8 @@ def _halves(cols, N, INTERLEAVED: tl.constexpr):
 
 @_jit
 def _moe_gemm(
-    a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, w_desc, a_desc, used_ptr,
-    num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
+    a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr, w_desc, a_desc,
+    used_ptr, num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
     stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
     stride_be, stride_bn,
@@ -263,17 +264,21 @@ def _moe_gemm(
     """One (BLOCK_M sorted rows) x (BLOCK_N output columns) tile of an expert's GEMM, or
     with PERSISTENT every tile of the work list, a program per SM striding over them.
 
+    The tiles walk the padded pair list (each expert's run padded to BLOCK_M, so a tile is
+    one expert's); the sorted rows a GEMM reads or writes (not ``GATHER`` / not ``ROUTED``)
+    are unpadded: padded row r of expert e is sorted row r + shift[e] (``shift_ptr``, the
+    routing's fifth table), and a padding row has none.
+
     GEMM1 (GATHER, not ROUTED): A = hidden_states (T, K), row = pair // top_k; W = gate_up
-    seen as (E, 2N or N, K) through strides; out = activation (padded rows, N), row = the
-    sorted row, 0 at a padding row; with SAVE_PRE also the pre-activation (after the bias,
-    before the gate) into ``pre`` (padded rows, 2N or N) in gate_up's column order, for the
-    backward. GEMM2
-    (ROUTED and SCALED, not GATHER): A = activation (padded rows, K), row = the sorted row;
-    W = down seen as (E, N, K); out = (S, N) pair buffer, row = pair, scaled by the routing
-    weight. ROUTED without SCALED: the backward's dgrad of GEMM1 (no routing weight). Either
-    layout of either weight is just strides (stride_wn, stride_wk). W_TMA / A_TMA: W's tiles
-    / A's (sorted, not GATHER) rows come through the tensor descriptors ``w_desc`` / ``a_desc``
-    (see :func:`_mma`; ``launch_gemm`` decides where they apply).
+    seen as (E, 2N or N, K) through strides; out = activation (sorted rows, N); with
+    SAVE_PRE also the pre-activation (after the bias, before the gate) into ``pre`` (sorted
+    rows, 2N or N) in gate_up's column order, for the backward. GEMM2 (ROUTED and SCALED,
+    not GATHER): A = activation (sorted rows, K); W = down seen as (E, N, K); out = (S, N)
+    pair buffer, row = pair, scaled by the routing weight. ROUTED without SCALED: the
+    backward's dgrad of GEMM1 (no routing weight). Either layout of either weight is just
+    strides (stride_wn, stride_wk). W_TMA / A_TMA: W's tiles / A's (sorted, not GATHER) rows
+    come through the tensor descriptors ``w_desc`` / ``a_desc`` (see :func:`_mma`;
+    ``launch_gemm`` decides where they apply).
 
     PERSISTENT: the grid is a program per SM, each walking tiles pid, pid + programs, ...
     of the blocks in use (``*used_ptr``: the last expert's padded end, a multiple of BLOCK_M;
@@ -286,7 +291,7 @@ def _moe_gemm(
         for tile in tl.range(tl.program_id(0), used_m * num_n, tl.num_programs(0), flatten=True):
             pid_m, pid_n, expert = _tile_of(tile, block_expert_ptr, used_m, num_n, GROUP_M)
             _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr,
-                       w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak, stride_we,
+                       shift_ptr, w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak, stride_we,
                        stride_wn, stride_wk, stride_be, stride_bn, stride_rt, stride_rk, stride_om, stride_on,
                        stride_pm, stride_pn, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, ROUTED, SCALED, GATED,
                        INTERLEAVED, ACT, HAS_BIAS, HAS_LIMIT, SAVE_PRE, DOT_PRECISION, EVEN_K, W_TMA,
@@ -298,7 +303,7 @@ def _moe_gemm(
         if expert < 0:
             return  # past the padded work list: nothing to compute, nothing to write
         _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr,
-                   w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak, stride_we,
+                   shift_ptr, w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak, stride_we,
                    stride_wn, stride_wk, stride_be, stride_bn, stride_rt, stride_rk, stride_om, stride_on,
                    stride_pm, stride_pn, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, ROUTED, SCALED, GATED,
                    INTERLEAVED, ACT, HAS_BIAS, HAS_LIMIT, SAVE_PRE, DOT_PRECISION, EVEN_K, W_TMA,
@@ -307,21 +312,24 @@ def _moe_gemm(
 
 @_jit
 def _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr,
-               w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak, stride_we, stride_wn,
-               stride_wk, stride_be, stride_bn, stride_rt, stride_rk, stride_om, stride_on, stride_pm, stride_pn,
+               shift_ptr, w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak, stride_we,
+               stride_wn, stride_wk, stride_be, stride_bn, stride_rt, stride_rk, stride_om, stride_on, stride_pm,
+               stride_pn,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr,
                ROUTED: tl.constexpr, SCALED: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
                ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr, SAVE_PRE: tl.constexpr,
                DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
                A_TMA: tl.constexpr):
     """:func:`_moe_gemm`'s tile (pid_m, pid_n) of ``expert``: main loop, epilogue, store."""
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # < num_m_blocks * BLOCK_M: the buffer's size
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # < num_m_blocks * BLOCK_M: the pair list's size
     pair = tl.load(pair_ids_ptr + rows)
     row_ok = pair < num_pairs  # padding rows hold the sentinel num_pairs
+    srow0 = pid_m * BLOCK_M + tl.load(shift_ptr + expert)  # the tile's first sorted row
+    srows = (srow0 + tl.arange(0, BLOCK_M)).to(tl.int64)  # a padding row's: the next expert's, never stored
     if GATHER:
         a_row = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
     else:
-        a_row = rows.to(tl.int64)
+        a_row = srows
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     wcol0, wcol1 = _halves(cols, N, INTERLEAVED)
@@ -329,7 +337,7 @@ def _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_pt
     acc0, acc1 = _mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_ok,
                       stride_wn, stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, GATED, DOT_PRECISION, EVEN_K,
                       w_desc, expert, pid_n * BLOCK_N, N + pid_n * BLOCK_N, W_TMA, W_KMAJOR,
-                      a_desc, pid_m * BLOCK_M, A_TMA)
+                      a_desc, srow0, A_TMA)
 
     if HAS_BIAS:
         b_base = bias_ptr + expert.to(tl.int64) * stride_be
@@ -344,7 +352,7 @@ def _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_pt
             if GATED:
                 acc1 = acc1.to(pre_ptr.dtype.element_ty).to(tl.float32)
         pre_mask = row_ok[:, None] & col_ok[None, :]
-        pre_rows = pre_ptr + rows.to(tl.int64)[:, None] * stride_pm
+        pre_rows = pre_ptr + srows[:, None] * stride_pm
         tl.store(pre_rows + wcol0[None, :] * stride_pn, acc0.to(pre_ptr.dtype.element_ty), mask=pre_mask)
         if GATED:
             tl.store(pre_rows + wcol1[None, :] * stride_pn, acc1.to(pre_ptr.dtype.element_ty), mask=pre_mask)
@@ -359,15 +367,9 @@ def _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_pt
                          mask=row_ok, other=0.0).to(tl.float32)
             y = y * rw[:, None]
         out_row = p.to(tl.int64)
-        out_mask = row_ok[:, None] & col_ok[None, :]  # a padding row maps to pair 0: never stored
     else:
-        # GEMM1's activation: a padding row of a block in use is stored as 0 (its value here
-        # is the gate of the bias alone): the backward's grouped weight gradients
-        # (torch._grouped_mm) read every row of an expert's padded run, and 0 * NaN of an
-        # unwritten row would poison them. GEMM2 masks padding rows on load either way.
-        out_row = rows.to(tl.int64)
-        y = tl.where(row_ok[:, None], y, 0.0)
-        out_mask = col_ok[None, :]
+        out_row = srows
+    out_mask = row_ok[:, None] & col_ok[None, :]  # a padding row: no pair, no sorted row
     out_ptrs = out_ptr + out_row[:, None] * stride_om + cols[None, :] * stride_on
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -382,7 +384,7 @@ def _combine_kernel(
     BLOCK_H: tl.constexpr, MAPPED: tl.constexpr,
 ):
     """out[t, cols] = sum over j = 0..top_k-1, in that order, in fp32, of pair p = t*k + j's
-    row: row p, or where MAPPED row ``rows[p]`` (:func:`_pair_rows_kernel`: a sorted-padded
+    row: row p, or where MAPPED row ``rows[p]`` (:func:`_pair_rows_kernel`: a sorted
     row), for the slots whose expert id is in [0, E); a skipped slot's row is never read (it
     was never written, and its weight may be NaN)."""
     t = tl.program_id(0).to(tl.int64)
@@ -593,19 +595,17 @@ def interpreting() -> bool:
 
 @_jit
 def _sorted_rows_kernel(
-    src_ptr, route_w_ptr, out_ptr, pair_ids_ptr, used_ptr, num_pairs, top_k, num_rows, C,
-    stride_st, stride_sc, stride_rt, stride_rk, stride_om, stride_oc,
+    src_ptr, route_w_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr, used_ptr, num_pairs, top_k, C,
+    block_m, stride_st, stride_sc, stride_rt, stride_rk, stride_om, stride_oc,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SCALED: tl.constexpr,
 ):
-    """Token rows in sorted-padded order: out[r] = src[t] for the sorted row r holding pair
-    p = t*k + j (GEMM1's pre-gathered A; the grouped weight gradients' gathered operand);
-    SCALED: times rw[t, j] in fp32, then rounded to out's dtype (the backward's
-    ``_moe_wgrad`` L_SCALED operand, the same bits). 0 at a padding row (its id is the
-    sentinel), so every row of an expert's padded run is written and a sentinel slot's weight
-    is never read. Rows at or past ``*used_ptr`` (the last expert's padded end: the blocks
-    past the work list, up to a fifth of the static worst case at uniform routing) are left
-    unwritten: no reader goes there (GEMM1 skips those blocks, ``torch._grouped_mm`` stops at
-    its last offset). Grid: (row blocks, C blocks)."""
+    """Token rows in sorted order: out[r + shift[e]] = src[t] for padded row r (of a block of
+    expert e) holding pair p = t*k + j (GEMM1's pre-gathered A; the grouped weight
+    gradients' gathered operand); SCALED: times rw[t, j] in fp32, then rounded to out's
+    dtype (the backward's ``_moe_wgrad`` L_SCALED operand, the same bits). A padding row (its
+    id is the sentinel) has no sorted row: nothing read, nothing written, and a sentinel
+    slot's weight is never read. Padded rows at or past ``*used_ptr`` (the last expert's
+    padded end) hold no pair: those programs return. Grid: (padded row blocks, C blocks)."""
     r0 = tl.program_id(0) * BLOCK_R
     used = tl.load(used_ptr)
     if r0 >= used:
@@ -616,20 +616,22 @@ def _sorted_rows_kernel(
     pair = tl.load(pair_ids_ptr + rows, mask=in_list, other=num_pairs)
     row_ok = pair < num_pairs
     p = tl.where(row_ok, pair, 0)
+    expert = tl.load(block_expert_ptr + rows // block_m, mask=row_ok, other=0)
+    srow = (rows + tl.load(shift_ptr + expert, mask=row_ok, other=0)).to(tl.int64)
     tok = (p // top_k).to(tl.int64)
     col_ok = cols < C
-    v = tl.load(src_ptr + tok[:, None] * stride_st + cols[None, :] * stride_sc,
-                mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-    if SCALED:  # 0 * 0 at a padding row: neither load reads there
+    m = row_ok[:, None] & col_ok[None, :]
+    v = tl.load(src_ptr + tok[:, None] * stride_st + cols[None, :] * stride_sc, mask=m, other=0.0)
+    if SCALED:
         w = tl.load(route_w_ptr + tok * stride_rt + (p % top_k) * stride_rk, mask=row_ok, other=0.0)
         v = v.to(tl.float32) * w.to(tl.float32)[:, None]
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_oc,
-             v.to(out_ptr.dtype.element_ty), mask=in_list[:, None] & col_ok[None, :])
+    tl.store(out_ptr + srow[:, None] * stride_om + cols[None, :] * stride_oc, v.to(out_ptr.dtype.element_ty),
+             mask=m)
 
 
 @_jit
 def _act_kernel(
-    pre_ptr, act_ptr, pair_ids_ptr, block_expert_ptr, num_pairs, N, block_m, alpha, limit,
+    pre_ptr, act_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr, num_pairs, N, block_m, alpha, limit,
     stride_pm, stride_pn, stride_am, stride_an,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr,
@@ -637,40 +639,45 @@ def _act_kernel(
     """GEMM1's epilogue as a pass of its own, where GEMM1 ran on ``torch._grouped_mm``
     (``configs["gemm1"]["GROUPED_MM"]``): act[r, cols] = the gate of ``pre``'s row r (the
     GEMM's 16-bit output, which is the gate's input, as the fused epilogue's rounded one
-    under ``PRE_BF16``), 0 at padding rows, for BLOCK_R padded rows (a slice of one M block
-    of ``block_m`` rows) x BLOCK_N columns. Rows of blocks past the work list: nothing."""
+    under ``PRE_BF16``), for the sorted rows of BLOCK_R padded rows (a slice of one M block
+    of ``block_m`` rows; padded row r of expert e is sorted row r + shift[e], a padding row
+    none) x BLOCK_N columns. Rows of blocks past the work list: nothing."""
     r0 = tl.program_id(0) * BLOCK_R
     expert = tl.load(block_expert_ptr + r0 // block_m)
     if expert < 0:
         return
     rows = r0 + tl.arange(0, BLOCK_R)
     row_ok = tl.load(pair_ids_ptr + rows) < num_pairs
+    srows = (rows + tl.load(shift_ptr + expert)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     c0, c1 = _halves(cols, N, INTERLEAVED)
     m = row_ok[:, None] & col_ok[None, :]
-    pre_rows = pre_ptr + rows.to(tl.int64)[:, None] * stride_pm
+    pre_rows = pre_ptr + srows[:, None] * stride_pm
     p0 = tl.load(pre_rows + c0[None, :] * stride_pn, mask=m, other=0.0).to(tl.float32)
     p1 = p0
     if GATED:
         p1 = tl.load(pre_rows + c1[None, :] * stride_pn, mask=m, other=0.0).to(tl.float32)
-    y = tl.where(row_ok[:, None], _gate(p0, p1, alpha, limit, GATED, ACT, HAS_LIMIT), 0.0)
-    tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_am + cols[None, :] * stride_an,
-             y.to(act_ptr.dtype.element_ty), mask=col_ok[None, :])
+    y = _gate(p0, p1, alpha, limit, GATED, ACT, HAS_LIMIT)
+    tl.store(act_ptr + srows[:, None] * stride_am + cols[None, :] * stride_an, y.to(act_ptr.dtype.element_ty),
+             mask=m)
 
 
 @_jit
-def _pair_rows_kernel(pair_ids_ptr, used_ptr, rows_ptr, num_pairs, BLOCK: tl.constexpr):
-    """rows[p] = the sorted-padded row r holding pair p (``pair_ids[r] == p``), for each row
-    before ``*used_ptr`` (the last expert's padded end) that holds a pair; a pair routed
-    nowhere (a sentinel slot) keeps its entry unwritten, and its readers skip it by its id.
-    Each pair sits at one row, so every entry is written at most once."""
+def _pair_rows_kernel(pair_ids_ptr, block_expert_ptr, shift_ptr, used_ptr, rows_ptr, num_pairs, block_m,
+                      BLOCK: tl.constexpr):
+    """rows[p] = the sorted row of pair p: r + shift[e] for the padded row r holding it
+    (``pair_ids[r] == p``, in a block of expert e), for each padded row before ``*used_ptr``
+    (the last expert's padded end) that holds a pair; a pair routed nowhere (a sentinel
+    slot) keeps its entry unwritten, and its readers skip it by its id. Each pair sits at
+    one row, so every entry is written at most once."""
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     used = tl.load(used_ptr)
     ok = r < used
     p = tl.load(pair_ids_ptr + r, mask=ok, other=num_pairs)
     ok = ok & (p < num_pairs)
-    tl.store(rows_ptr + tl.where(ok, p, 0), r, mask=ok)
+    expert = tl.load(block_expert_ptr + r // block_m, mask=ok, other=0)
+    tl.store(rows_ptr + tl.where(ok, p, 0), r + tl.load(shift_ptr + expert, mask=ok, other=0), mask=ok)
 
 
 # ----------------------------------------------------------------------------- routing
@@ -683,6 +690,8 @@ def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 MAX_EXPERTS = 8192  # the routing kernels hold one lane per expert (BINS = next power of 2 >= E)
 
+
+TABLES = 5  # the routing's per-expert tables (routing_tables): run end, padded start, count, padded end, shift
 
 ROUTE_CHUNK = 128  # pairs per program of the routing's count and place kernels
 # Up to this many chunks (T*k <= 512: T = 64 at top-8), one program places every pair
@@ -759,9 +768,10 @@ def _route_place_kernel(ids_ptr, offsets_ptr, tables_ptr, out_ptr, block_expert_
                         num_pairs, top_k, stride_t, stride_k, num_experts, num_chunks, num_m_blocks,
                         CHUNK: tl.constexpr, BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
                         ONE_PROGRAM: tl.constexpr):
-    """Program c: the experts' run starts, padded starts and padded ends (runs padded to
-    BLOCK_M, laid end to end) from their totals, into tables[0], [1] and [3] (every program
-    writes the same values); chunk c's pairs go to out[padded start of e + offsets[e, c] + their rank
+    """Program c: the experts' run ends (unpadded runs end to end), padded starts, padded
+    ends (runs padded to BLOCK_M, laid end to end) and row shifts (run start - padded
+    start) from their totals, into tables[0], [1], [3] and [4] (every program writes the
+    same values); chunk c's pairs go to out[padded start of e + offsets[e, c] + their rank
     among the chunk's pairs of expert e] (pair order kept: a stable counting sort); then
     the expert of M blocks [c * bpp, (c+1) * bpp) (-1 past the last padded row) and the
     sentinel S in their padding rows. Every out entry is written once.
@@ -785,9 +795,11 @@ def _route_place_kernel(ids_ptr, offsets_ptr, tables_ptr, out_ptr, block_expert_
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pstart = tl.cumsum(padded, 0) - padded
     pend = pstart + padded
-    tl.store(tables_ptr + e, tl.cumsum(total, 0) - total, mask=real)
+    end = tl.cumsum(total, 0)
+    tl.store(tables_ptr + e, end, mask=real)
     tl.store(tables_ptr + num_experts + e, pstart, mask=real)
     tl.store(tables_ptr + 3 * num_experts + e, pend, mask=real)
+    tl.store(tables_ptr + 4 * num_experts + e, end - total - pstart, mask=real)
     tl.debug_barrier()  # this program's stores seen by its own threads' loads below
     if ONE_PROGRAM:
         run = tl.zeros((BINS,), dtype=tl.int32)
@@ -832,17 +844,23 @@ def _route_place_kernel(ids_ptr, offsets_ptr, tables_ptr, out_ptr, block_expert_
 def routing_tables(top_k_index: torch.Tensor, num_experts: int,
                    block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(T, k) expert ids -> ``sorted_pair_ids`` (num_blocks * block_m,) int32,
-    ``block_expert`` (num_blocks,) int32 and ``tables`` (4, E) int32, on the ids' device,
+    ``block_expert`` (num_blocks,) int32 and ``tables`` (5, E) int32, on the ids' device,
     without a host sync.
 
     ``sorted_pair_ids`` lists the pairs (t*k + j) whose id is in [0, E), grouped by expert
     in increasing pair order (a stable sort), each expert's run padded with the sentinel
     S = T*k to a multiple of block_m; unused tail entries are S too. ``block_expert[b]`` is
     the expert of rows [b*block_m, (b+1)*block_m), or -1 past the last padded row.
-    ``tables`` = each expert's run start among the sorted real pairs, its padded start (its
-    first row in ``sorted_pair_ids``), its count (the backward's weight gradients walk an
-    expert's rows [padded start, padded start + count): all real pairs) and its padded end
-    (``torch._grouped_mm``'s group ends in the backward). Sizes are static
+    ``tables`` = each expert's run end among the sorted real pairs (its group end for
+    ``torch._grouped_mm``), its padded start (its first row in ``sorted_pair_ids``), its
+    count (the backward's weight gradients walk an expert's rows [padded start, padded
+    start + count): all real pairs), its padded end, and its shift: run start - padded
+    start. The GEMMs' tiles walk the padded list (a tile is one expert's); the buffers of
+    sorted rows they read and write (GEMM1's output and pre-activation, the sorted copies,
+    the backward's d_pre) hold the real pairs only, S rows: padded row r of expert e is
+    sorted row r + shift[e] (the grouped weight gradients then reduce over no padding:
+    on the H200 CUTLASS's took 17-19 % longer over Qwen3-MoE's rows padded to 128,
+    ``bench/moe_launches.py``, thirty-second session). Sizes are static
     (:func:`num_blocks`), so this can be captured in a CUDA graph. All three are views of
     one int32 buffer (:func:`routing_views`; the forward keeps it as ``Saved.routing``).
 
@@ -860,23 +878,23 @@ def routing_views(buf: torch.Tensor, num_pairs: int, num_experts: int,
     routing's one int32 buffer (a saved buffer is one tensor to keep)."""
     nb = num_blocks(num_pairs, num_experts, block_m)
     cap = nb * block_m
-    return buf[:cap], buf[cap:cap + nb], buf[cap + nb:cap + nb + 4 * num_experts].view(4, num_experts)
+    return buf[:cap], buf[cap:cap + nb], buf[cap + nb:cap + nb + TABLES * num_experts].view(TABLES, num_experts)
 
 
 def routing_size(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Length of the routing's int32 buffer: the padded pair list, the block
-    experts, the (4, E) tables, then the count kernel's per-chunk counts (E per chunk)."""
+    experts, the (5, E) tables, then the count kernel's per-chunk counts (E per chunk)."""
     nb = num_blocks(num_pairs, num_experts, block_m)
     if nb == 0:
-        return 4 * num_experts
-    return nb * block_m + nb + 4 * num_experts + num_experts * cdiv(num_pairs, ROUTE_CHUNK)
+        return TABLES * num_experts
+    return nb * block_m + nb + TABLES * num_experts + num_experts * cdiv(num_pairs, ROUTE_CHUNK)
 
 
 def _route(top_k_index: torch.Tensor, num_experts: int, block_m: int, spec: Any = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(buffer, sorted_pair_ids, block_expert, tables). ``spec``: as :func:`launch_gemm`'s."""
     buf, sorted_pair_ids, block_expert, flat = _route_flat(top_k_index, num_experts, block_m, spec)
-    return buf, sorted_pair_ids, block_expert, flat.view(4, num_experts)
+    return buf, sorted_pair_ids, block_expert, flat.view(TABLES, num_experts)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -892,7 +910,7 @@ _route_layout = traced_constant(_route_layout)
 
 def _route_flat(top_k_index: torch.Tensor, num_experts: int, block_m: int, spec: Any = None
                 ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_route` with the tables as one (4 E,) view (each view is ~3 us of host on the
+    """:func:`_route` with the tables as one (5 E,) view (each view is ~3 us of host on the
     2-core box, and the forward alone reads no table). Traced by Dynamo: four buffers of
     their own and no common one (None): functionalized, a kernel's write into a view of one
     buffer becomes a copy of that buffer with the view's part replaced."""
@@ -901,18 +919,18 @@ def _route_flat(top_k_index: torch.Tensor, num_experts: int, block_m: int, spec:
     nb, cap, length, nc, bins = _route_layout(s, num_experts, block_m)
     dev = top_k_index.device
     if nb == 0:  # no real pair can be routed: empty lists, zero tables
-        buf = torch.zeros((4 * num_experts,), dtype=torch.int32, device=dev)
+        buf = torch.zeros((TABLES * num_experts,), dtype=torch.int32, device=dev)
         return buf, buf[:0], buf[:0], buf
     t0 = cap + nb
     if _dynamo_tracing():
         buf = None
         sorted_pair_ids, block_expert, tables, counts = (
-            torch.empty((n,), dtype=torch.int32, device=dev) for n in (cap, nb, 4 * num_experts,
-                                                                         length - t0 - 4 * num_experts))
+            torch.empty((n,), dtype=torch.int32, device=dev) for n in (cap, nb, TABLES * num_experts,
+                                                                         length - t0 - TABLES * num_experts))
     else:
         buf = torch.empty((length,), dtype=torch.int32, device=dev)
-        sorted_pair_ids, block_expert, tables = buf[:cap], buf[cap:t0], buf[t0:t0 + 4 * num_experts]
-        counts = buf[t0 + 4 * num_experts:]  # per (expert, chunk); one program's scratch (E entries)
+        sorted_pair_ids, block_expert, tables = buf[:cap], buf[cap:t0], buf[t0:t0 + TABLES * num_experts]
+        counts = buf[t0 + TABLES * num_experts:]  # per (expert, chunk); one program's scratch (E entries)
     st, sk = top_k_index.stride()
     # decode-sized (T*k <= ROUTE_ONE_PROGRAM_CHUNKS * ROUTE_CHUNK): one launch instead of
     # three (each ~15-25 us of host on the H200 box), one program walking the chunks
@@ -1077,14 +1095,14 @@ def _device_ctx(x: torch.Tensor) -> Any:
 
 class Saved(NamedTuple):
     """What :func:`fused_experts_forward` keeps for the backward (``save=True``): the
-    routing (``sorted_pair_ids`` (R,), ``block_expert`` (R / BLOCK_M,), ``tables`` (4, E):
-    run start, padded start, count, padded end; int32), GEMM1's output ``act`` (R, I) in hidden_states'
-    dtype and its pre-activation ``pre`` (R, N) float32, or bf16 (:func:`pre_dtype`) in
-    gate_up_proj's column order (R = the padded rows; a padding row of a block in use is 0
-    in ``act`` and unwritten in ``pre``; blocks past the work list unwritten in both), the
+    routing (``sorted_pair_ids`` (R,) padded, ``block_expert`` (R / BLOCK_M,), ``tables``
+    (5, E): run end, padded start, count, padded end, shift; int32: :func:`routing_tables`),
+    GEMM1's output ``act`` (S, I) in hidden_states' dtype and its pre-activation ``pre``
+    (S, N) float32, or bf16 (:func:`pre_dtype`) in gate_up_proj's column order (S = T*k
+    sorted rows, the real pairs' by expert; rows past the last run end unwritten), the
     block configs used, ``routing``, the one buffer the three routing tables view
     (:func:`routing_views` rebuilds them from it; None where the caller kept the views), and
-    ``rows``, GEMM1's sorted copy of the token rows (R, H) where the forward kept it
+    ``rows``, GEMM1's sorted copy of the token rows (S, H) where the forward kept it
     (``keep_rows``; else None): the backward's dW1 reads it instead of making it again."""
 
     sorted_pair_ids: torch.Tensor
@@ -1215,18 +1233,21 @@ _DESCRIPTORS = DESCRIPTORS
 
 def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
                 bias: Optional[torch.Tensor], rw: torch.Tensor, out: torch.Tensor, pre: Optional[torch.Tensor],
-                sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, top_k: int, n: int, k: int,
-                gather: bool, routed: bool, scaled: bool = False, gated: bool = False, interleaved: bool = False,
+                sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, shift: torch.Tensor, top_k: int, n: int,
+                k: int, gather: bool, routed: bool, scaled: bool = False, gated: bool = False,
+                interleaved: bool = False,
                 act: int = _IDENTITY, alpha: float = 1.0, limit: float = math.inf, spec: Any = None,
                 used: Optional[torch.Tensor] = None) -> None:
     """One :func:`_moe_gemm` launch over the padded rows (``cfg["BLOCK_M"]`` = the routing's
-    BLOCK_M). ``w_nk``: the weight seen as (E, N, K) (a view: either layout); ``bias``/``pre``
+    BLOCK_M); ``shift``: the routing's fifth table (sorted row = padded row + shift[e]),
+    for ``a`` where not ``gather`` and ``out`` and ``pre`` where not ``routed``.
+    ``w_nk``: the weight seen as (E, N, K) (a view: either layout); ``bias``/``pre``
     None: none. ``cfg["TMA"]`` (default 1): load W's tiles, and A's where A is the sorted
-    rows (not ``gather``), through tensor descriptors where :func:`_tma_ok` allows (not for
-    interleaved gate/up columns). ``cfg["PERSISTENT"]`` (default 0): a program per SM walks
-    the tiles; it needs ``used``, the routing tables' last padded end (``tables[3, -1:]``).
-    ``spec``: a key that determines every argument's metadata (see :func:`.launch.launch`):
-    what follows from metadata alone is then reused."""
+    rows (not ``gather``), through tensor descriptors where :func:`_tma_ok` allows (not
+    for interleaved gate/up columns). ``cfg["PERSISTENT"]`` (default 0): a program per SM
+    walks the tiles; it needs ``used``, the routing tables' last padded end
+    (``tables[3, -1:]``). ``spec``: a key that determines every argument's metadata (see
+    :func:`.launch.launch`): what follows from metadata alone is then reused."""
     if cfg.get("PERSISTENT", 0) and used is None:
         raise ValueError("launch_gemm: a PERSISTENT config needs `used` (the routing's tables[3, -1:])")
     b = bias if bias is not None else w_nk  # a valid pointer, never read
@@ -1243,7 +1264,7 @@ def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
     a_desc = None if a_box is None else LazyDescriptor(a, a_box, a_key)
     finite = kwargs["HAS_LIMIT"]
     u = used if used is not None else block_expert  # a valid pointer, read only when PERSISTENT
-    launch_args(_moe_gemm, grid, (a, w_nk, b, rw, out, p, sorted_pair_ids, block_expert, w_desc, a_desc, u,
+    launch_args(_moe_gemm, grid, (a, w_nk, b, rw, out, p, sorted_pair_ids, block_expert, shift, w_desc, a_desc, u,
                                   *head, float(alpha), float(limit) if finite else 0.0, *tail), spec, kwargs)
 
 
@@ -1279,7 +1300,8 @@ def _gemm_static(cfg: dict[str, int], a: torch.Tensor, w_nk: torch.Tensor, b: to
     # bytes (Triton's interpreter asserts it; a gated I = 18 transposed fp32 weight failed there)
     up_ok = kmajor or not gated or (n * w_nk.element_size()) % 16 == 0
     use_w = tma and not (gated and interleaved) and up_ok and _tma_ok(w_tiles, tuple(w_box))
-    use_a = tma and not gather and _tma_ok(a, (bm, bk)) and a.shape[0] >= nb * bm
+    # (a box past the last sorted row reads the descriptor's zeros: only padding rows meet them)
+    use_a = tma and not gather and _tma_ok(a, (bm, bk)) and a.shape[0] >= bm
     sw = w_nk.stride()
     head = (rw.shape[0] * top_k, top_k, n, k, nb)
     tail = (a.stride(0), a.stride(1), sw[0], sw[1], sw[2], b.stride(0), b.stride(-1),
@@ -1306,23 +1328,24 @@ def _gemm_static(cfg: dict[str, int], a: torch.Tensor, w_nk: torch.Tensor, b: to
 ROWS_TILE = (32, 128, 4)
 
 
-def sorted_rows(src: torch.Tensor, rw: torch.Tensor, sorted_pair_ids: torch.Tensor, tables: torch.Tensor,
-                top_k: int, scaled: bool, spec: Any = None, tile: Optional[tuple[int, int, int]] = None
-                ) -> torch.Tensor:
-    """(R, C) copy of ``src``'s token rows (T, C) in sorted-padded order (times the routing
-    weight if ``scaled``), 0 at padding rows, unwritten past the last expert's padded end
-    (``tables`` (4, E), the routing's) (:func:`_sorted_rows_kernel`): GEMM1's A where its
+def sorted_rows(src: torch.Tensor, rw: torch.Tensor, sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor,
+                tables: torch.Tensor, top_k: int, scaled: bool, spec: Any = None,
+                tile: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+    """(S, C) copy of ``src``'s token rows (T, C) in sorted order (times the routing weight
+    if ``scaled``), S = T*k, unwritten past the last run end (``tables[0, -1]``; the
+    routing's, :func:`routing_tables`) (:func:`_sorted_rows_kernel`): GEMM1's A where its
     config says ``PREGATHER``, and a grouped weight gradient's gathered operand. ``spec``:
     as :func:`launch_gemm`'s; ``tile``: (rows, columns, warps) per program, default
     :data:`ROWS_TILE` (``bench/sorted_rows.py`` times others)."""
     r, c = sorted_pair_ids.shape[0], src.shape[1]
-    out = _new_buffer((r, c), src.dtype, src.device)
+    s = rw.shape[0] * top_k
+    out = _new_buffer((s, c), src.dtype, src.device)
     br, bc, warps = tile or ROWS_TILE
     bc = min(bc, next_pow2(c))
-    used = tables[3, -1:]  # the last expert's padded end: the rows in use
+    used = tables[3, -1:]  # the last expert's padded end: the padded rows in use
     launch(_sorted_rows_kernel, (cdiv(r, br), cdiv(c, bc)),
-           src, rw, out, sorted_pair_ids, used, rw.shape[0] * top_k, top_k, r, c, src.stride(0), src.stride(1),
-           rw.stride(0), rw.stride(1), out.stride(0), out.stride(1), spec_key=spec,
+           src, rw, out, sorted_pair_ids, block_expert, tables[4], used, s, top_k, c, r // block_expert.shape[0],
+           src.stride(0), src.stride(1), rw.stride(0), rw.stride(1), out.stride(0), out.stride(1), spec_key=spec,
            BLOCK_R=br, BLOCK_C=bc, SCALED=scaled, num_warps=warps)
     return out
 
@@ -1331,31 +1354,31 @@ ACT_TILE = (8, 256, 4)  # _act_kernel's (rows, columns, warps) per program: the 
 
 
 def act_pass(pre: torch.Tensor, act: torch.Tensor, sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor,
-             num_pairs: int, i: int, block_m: int, gated: bool, interleaved: bool, activation: str, alpha: float,
-             limit: float, spec: Any = None) -> None:
-    """act (R, I) = the gate of ``pre`` (R, N1), 0 at padding rows, for the blocks in the work
-    list (:func:`_act_kernel`): GEMM1's epilogue where GEMM1 ran on ``torch._grouped_mm``.
-    ``spec``: as :func:`launch_gemm`'s."""
+             shift: torch.Tensor, num_pairs: int, i: int, block_m: int, gated: bool, interleaved: bool,
+             activation: str, alpha: float, limit: float, spec: Any = None) -> None:
+    """act (S, I) = the gate of ``pre`` (S, N1) at every sorted row (``shift``: the
+    routing's fifth table) (:func:`_act_kernel`): GEMM1's epilogue where GEMM1 ran on
+    ``torch._grouped_mm``. ``spec``: as :func:`launch_gemm`'s."""
     br, bn, warps = ACT_TILE
     br, bn = min(br, block_m), min(bn, next_pow2(i))
     finite = gated and math.isfinite(limit)
-    launch(_act_kernel, (cdiv(act.shape[0], br), cdiv(i, bn)),
-           pre, act, sorted_pair_ids, block_expert, num_pairs, i, block_m, float(alpha),
+    launch(_act_kernel, (cdiv(sorted_pair_ids.shape[0], br), cdiv(i, bn)),
+           pre, act, sorted_pair_ids, block_expert, shift, num_pairs, i, block_m, float(alpha),
            float(limit) if finite else 0.0, pre.stride(0), pre.stride(1), act.stride(0), act.stride(1),
            spec_key=spec, BLOCK_R=br, BLOCK_N=bn, GATED=gated, INTERLEAVED=gated and interleaved,
            ACT=ACT_IDS[activation], HAS_LIMIT=finite, num_warps=warps)
 
 
-def pair_rows(sorted_pair_ids: torch.Tensor, tables: torch.Tensor, num_pairs: int, spec: Any = None
-              ) -> torch.Tensor:
-    """(S,) int32: each routed pair's row in sorted-padded order (the inverse of
-    ``sorted_pair_ids``; :func:`_pair_rows_kernel`), unwritten at a sentinel slot's pair.
-    ``tables``: the routing's (4, E). ``spec``: as :func:`launch_gemm`'s."""
+def pair_rows(sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, tables: torch.Tensor, num_pairs: int,
+              spec: Any = None) -> torch.Tensor:
+    """(S,) int32: each routed pair's sorted row (:func:`_pair_rows_kernel`), unwritten at a
+    sentinel slot's pair. ``block_expert``, ``tables``: the routing's. ``spec``: as
+    :func:`launch_gemm`'s."""
     r = sorted_pair_ids.shape[0]
     out = _new_buffer((num_pairs,), torch.int32, sorted_pair_ids.device)
     block = 1024
-    launch(_pair_rows_kernel, (cdiv(r, block),), sorted_pair_ids, tables[3, -1:], out, num_pairs, spec_key=spec,
-           BLOCK=block, num_warps=4)
+    launch(_pair_rows_kernel, (cdiv(r, block),), sorted_pair_ids, block_expert, tables[4], tables[3, -1:], out,
+           num_pairs, r // block_expert.shape[0], spec_key=spec, BLOCK=block, num_warps=4)
     return out
 
 
@@ -1363,7 +1386,7 @@ def combine(pairs: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_exper
             cfg: dict[str, int], spec: Any = None, rows: Optional[torch.Tensor] = None) -> None:
     """out[t] = the sum over t's slots with an id in [0, E) of pair p = t*k + j's row of
     ``pairs``, in slot order, fp32 (:func:`_combine_kernel`); a token with none gets 0. The
-    row is p, or ``rows[p]`` where given (:func:`pair_rows`: ``pairs`` in sorted-padded
+    row is p, or ``rows[p]`` where given (:func:`pair_rows`: ``pairs`` in sorted
     order). ``spec``: as :func:`launch_gemm`'s."""
     t, h = out.shape
     bh = min(cfg["BLOCK_H"], next_pow2(h))
@@ -1696,24 +1719,29 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     bm = c1["BLOCK_M"]
     with _device_ctx(x):
         route_buf, sorted_pair_ids, block_expert, tables = _route_flat(ids, e, bm, spec and (spec, "routing"))
-        nb = block_expert.shape[0]
-        act = _new_buffer((nb * bm, i), x.dtype, x.device)
-        pre = _new_buffer((nb * bm, n1), pre_dt, x.device) if save and not grouped1 else None
+        # GEMM1's output and pre-activation (and the sorted copies) hold the real pairs' rows
+        # alone, unpadded: S rows (routing_tables)
+        act = _new_buffer((s, i), x.dtype, x.device)
+        pre = _new_buffer((s, n1), pre_dt, x.device) if save and not grouped1 else None
         pairs = _new_buffer((s, h), x.dtype, x.device)
         out = _new_buffer((t, h), x.dtype, x.device)
+        # tables: one (5 E,) view; its last padded end tables[3, E - 1], its shifts tables[4]
+        # (the (5, E) view only where read: a view is ~3 us of host on the 2-core box)
         routing = dict(rw=rw, sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k,
-                       used=tables[-1:])  # (4 E,) flat: its last entry is tables[3, E - 1], the last padded end
+                       used=tables[4 * e - 1:4 * e], shift=tables[4 * e:])
         # PREGATHER: GEMM1 reads a sorted copy of the token rows (its A then loads through a
         # tensor descriptor, as GEMM2's does) instead of gathering them on its load
         pregather = bool(c1.get("PREGATHER", 0))
-        a1 = sorted_rows(x, rw, sorted_pair_ids, tables.view(4, e), k, False,
+        if save or pregather or grouped1:
+            tables = tables.view(TABLES, e)
+        a1 = sorted_rows(x, rw, sorted_pair_ids, block_expert, tables, k, False,
                          spec and (spec, "rows")) if pregather else x
         if grouped1:
-            # CUTLASS over the sorted-padded rows (0 at padding rows, so pre is 0 there;
-            # unwritten past the last padded end, which no reader visits), then the gate
-            pre = torch._grouped_mm(a1, _nk_view(w1, transposed).transpose(1, 2), offs=tables.view(4, e)[3])
-            act_pass(pre, act, sorted_pair_ids, block_expert, s, i, bm, gated, interleaved, activation, alpha,
-                     limit, spec and (spec, "act"))
+            # CUTLASS over the sorted rows (unwritten past the last run end, which it does
+            # not read: its groups end there), then the gate
+            pre = torch._grouped_mm(a1, _nk_view(w1, transposed).transpose(1, 2), offs=tables[0])
+            act_pass(pre, act, sorted_pair_ids, block_expert, tables[4], s, i, bm, gated, interleaved, activation,
+                     alpha, limit, spec and (spec, "act"))
         else:
             launch_gemm(c1, a=a1, w_nk=_nk_view(w1, transposed), bias=gate_up_bias, out=act, pre=pre,
                         n=i, k=h, gather=not pregather, routed=False, gated=gated, interleaved=interleaved,
@@ -1724,7 +1752,7 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         combine(pairs, ids, out, e, cc, spec=spec and (spec, "combine"))
     if not save:
         return out
-    return out, Saved(sorted_pair_ids, block_expert, tables.view(4, e), act, pre,
+    return out, Saved(sorted_pair_ids, block_expert, tables, act, pre,
                       {"gemm1": dict(c1), "gemm2": c2, "combine": dict(cc)}, route_buf,
                       a1 if keep_rows else None)
 

@@ -1,10 +1,13 @@
 """Fused Triton backward of ``moe_experts`` (the forward: :mod:`.moe_experts`; the meaning:
 :mod:`opreg.ops.moe_experts`).
 
-The forward with ``save=True`` keeps the routing (the padded, expert-sorted pair list and
-each expert's padded start and count), GEMM1's output ``act`` and its pre-activation
-``pre``; the backward recomputes no GEMM. With dout = the output's gradient (T, H), per
-padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
+The forward with ``save=True`` keeps the routing (the padded, expert-sorted pair list,
+each expert's padded start, count, run end and shift), GEMM1's output ``act`` and its
+pre-activation ``pre`` (at the sorted rows: the real pairs alone, by expert, unpadded;
+padded row r of expert e is sorted row r + shift[e]); the backward recomputes no GEMM.
+Its tiles walk the padded list as the forward's do; what it writes in sorted order (g,
+d_pre, the sorted copies) is unpadded too. With dout = the output's gradient (T, H), per
+row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
 
 1. **dgrad of GEMM2** (:func:`_dgrad_act_kernel`, grid = M blocks x I blocks like the
    forward's): g[r] = dout[t] @ down_proj[e] (dout rows gathered through the pair ids),
@@ -12,14 +15,14 @@ padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    order) from dact = rw * g, and per row and I block the partial sum of g * gate(pre)
    for d top_k_weights into a (S, I blocks) fp32 buffer at the pair's row. **Split**
    (``configs["dgrad2"]["SPLIT"]``, the table's default at many rows per expert): g comes
-   from the forward's GEMM (``_moe_gemm``, gathered rows, any tile width) into a (padded
+   from the forward's GEMM (``_moe_gemm``, gathered rows, any tile width) into a (sorted
    rows, I) buffer in the saved ``pre``'s dtype (fp32; bf16 under
    ``moe_experts.PRE_BF16``), and :func:`_gate_grad_kernel` runs the same epilogue as its own
    pass (one partial per pair). **On torch._grouped_mm** (``configs["dgrad2"]["GROUPED_MM"]``;
    default :func:`grouped_mm_dgrad2_default`: bf16 g on sm90 from
    :data:`DGRAD2_GROUPED_MIN_ROWS` rows per expert): g from CUTLASS over a sorted copy of
-   dout's rows (:func:`.moe_experts.sorted_rows`, unscaled, 0 at padding rows), then the
-   same pass. (The 2026-12-03 try, fp32 ``pre`` then, took 7-22 % longer; with bf16 ``pre``
+   dout's rows (:func:`.moe_experts.sorted_rows`, unscaled), then the same pass. (The
+   2026-12-03 try, fp32 ``pre`` then, took 7-22 % longer; with bf16 ``pre``
    and g, Mixtral's GEMM went 307 -> 233 us plus the copy's 15, thirty-second session.) The
    fused kernel's tile is 64 wide (its epilogue holds g, both pre halves and both gradient
    halves) and ran at ~190 TF/s on the H200; ``SUBTILE`` 2 or 4 runs its epilogue in
@@ -35,7 +38,7 @@ padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    d_pre[r] @ gate_up_proj[e] at the pair's row of a (S, H) buffer, then the forward's
    combine: d hidden_states[t] = the sum of t's valid slots in slot order, fp32.
    **bf16 on sm90** (:func:`grouped_mm_dgrad1_default`; ``configs["dgrad1"]["GROUPED_MM"]``
-   forces it either way): ``torch._grouped_mm`` (CUTLASS) over d_pre's sorted-padded rows
+   forces it either way): ``torch._grouped_mm`` (CUTLASS) over d_pre's sorted rows
    instead, its (R, H) result in that order, and the combine reads each pair's row through
    the inverse of the pair list (:func:`.moe_experts.pair_rows`). The same rounding: each
    row's dot accumulates in fp32 and is rounded once to bf16, and the sum over slots is the
@@ -50,13 +53,12 @@ padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    separate bias-only launch. An expert with no rows writes exact zeros.
    **bf16 on sm90** (:func:`grouped_mm_wgrad_default`; ``configs["wgrad"]["GROUPED_MM"]``
    forces it either way): the weight gradients are ``torch._grouped_mm`` (CUTLASS) in its
-   2-D x 2-D form instead, groups along the reduction dim = each expert's padded run of
-   sorted rows (``offs`` = the padded ends). The gathered operands (x[t], and rw * dout[t]
-   rounded to bf16 as ``_moe_wgrad`` rounds it) are first copied into sorted-padded order
-   by :func:`.moe_experts.sorted_rows`, 0 at padding rows; ``act`` and ``d_pre`` are 0 at the
-   padding rows of blocks in use (so a padding row adds exact zeros, and no unwritten NaN
-   meets a 0). Rows past the last used block (the ``offs[-1]``-th on) are unwritten in
-   ``act`` and ``d_pre``: this assumes ``torch._grouped_mm`` reads no row past
+   2-D x 2-D form instead, groups along the reduction dim = each expert's run of sorted
+   rows (``offs`` = the run ends; no padding to reduce over: over Qwen3-MoE's rows padded
+   to 128 CUTLASS took 17-19 % longer, H200, thirty-second session). The gathered operands
+   (x[t], and rw * dout[t] rounded to bf16 as ``_moe_wgrad`` rounds it) are first copied
+   into sorted order by :func:`.moe_experts.sorted_rows`. Rows past the last run end (the
+   ``offs[-1]``-th on) are unwritten in ``act`` and ``d_pre``: this assumes ``torch._grouped_mm`` reads no row past
    ``offs[-1]`` (its groups end there), which the tests check with NaN-filled buffers (the
    CPU's bf16 path in the interpreter cases, torch 2.14; CUTLASS in the CUDA tests).
    The bias gradients stay on ``_moe_wgrad``'s bias-only launch.
@@ -64,8 +66,8 @@ padded row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
 Deterministic (every sum in a fixed order, no atomics), fp32 accumulation, fp32 GEMMs in
 IEEE fp32; every launch on the current stream, no host sync, static buffer sizes (CUDA-graph
 capturable). Sentinel slots are never read (a NaN routing weight there reaches no
-gradient); padding rows are read only as the zeros written there (``act``, ``d_pre`` and
-the gathered rows of the grouped weight gradients). Kernels run under
+gradient); a padding row of the list has no sorted row, and no GEMM stores one. Kernels
+run under
 ``TRITON_INTERPRET=1`` as the forward's do (``tests/test_moe_triton_backward.py``).
 
 **The transformers integration's training path** (:mod:`.moe_experts_train`; tests and
@@ -162,19 +164,18 @@ def _gate_grad(p0, p1, dy, alpha, limit, GATED: tl.constexpr, ACT: tl.constexpr,
 
 
 @_jit
-def _gate_grad_tile(g, rw, rows, row_ok, cols, col_ok, pre_ptr, stride_pm, stride_pn, dpre_ptr, stride_gm,
+def _gate_grad_tile(g, rw, srows, row_ok, cols, col_ok, pre_ptr, stride_pm, stride_pn, dpre_ptr, stride_gm,
                     stride_gn, N, alpha, limit, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
                     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, GATE_TIE: tl.constexpr,
                     UP_LO_TIE: tl.constexpr, UP_HI_TIE: tl.constexpr, WRITE_DPRE: tl.constexpr):
     """GEMM2's dgrad epilogue on one (rows x cols) tile of g = dL/d(gate output) (fp32,
-    before the routing weight ``rw``, one per row): d_pre (padded rows, N or 2N, gate_up's
-    column order) from rw * g and ``pre``, written at every row, a padding row as 0 (the
-    grouped weight gradients, torch._grouped_mm, read all of an expert's padded run, where
-    an unwritten NaN would poison the sum even times a zero row of x). Returns each row's
-    sum over the tile's columns of g * gate(pre) (d top_k_weights' partial sum)."""
+    before the routing weight ``rw``, one per row): d_pre (sorted rows ``srows`` (int64),
+    N or 2N, gate_up's column order) from rw * g and ``pre``, at the rows that are
+    ``row_ok`` (a padding row has no sorted row). Returns each row's sum over the tile's
+    columns of g * gate(pre) (d top_k_weights' partial sum)."""
     pcol0, pcol1 = _halves(cols, N, INTERLEAVED)
     mask = row_ok[:, None] & col_ok[None, :]
-    pre_rows = pre_ptr + rows.to(tl.int64)[:, None] * stride_pm
+    pre_rows = pre_ptr + srows[:, None] * stride_pm
     p0 = tl.load(pre_rows + pcol0[None, :] * stride_pn, mask=mask, other=0.0).to(tl.float32)
     if GATED:
         p1 = tl.load(pre_rows + pcol1[None, :] * stride_pn, mask=mask, other=0.0).to(tl.float32)
@@ -183,12 +184,10 @@ def _gate_grad_tile(g, rw, rows, row_ok, cols, col_ok, pre_ptr, stride_pm, strid
     d0, d1, y = _gate_grad(p0, p1, g * rw[:, None], alpha, limit, GATED, ACT, HAS_LIMIT,
                            GATE_TIE, UP_LO_TIE, UP_HI_TIE)
     if WRITE_DPRE:
-        d_rows = dpre_ptr + rows.to(tl.int64)[:, None] * stride_gm
-        d0 = tl.where(row_ok[:, None], d0, 0.0)
-        tl.store(d_rows + pcol0[None, :] * stride_gn, d0.to(dpre_ptr.dtype.element_ty), mask=col_ok[None, :])
+        d_rows = dpre_ptr + srows[:, None] * stride_gm
+        tl.store(d_rows + pcol0[None, :] * stride_gn, d0.to(dpre_ptr.dtype.element_ty), mask=mask)
         if GATED:
-            d1 = tl.where(row_ok[:, None], d1, 0.0)
-            tl.store(d_rows + pcol1[None, :] * stride_gn, d1.to(dpre_ptr.dtype.element_ty), mask=col_ok[None, :])
+            tl.store(d_rows + pcol1[None, :] * stride_gn, d1.to(dpre_ptr.dtype.element_ty), mask=mask)
     return tl.sum(tl.where(mask, g * y, 0.0), axis=1)
 
 
@@ -200,8 +199,8 @@ def _column_halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 @_jit
 def _dgrad_act_kernel(
-    dout_ptr, w_ptr, pre_ptr, route_w_ptr, dpre_ptr, part_ptr, pair_ids_ptr, block_expert_ptr, w_desc, a_desc,
-    num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
+    dout_ptr, w_ptr, pre_ptr, route_w_ptr, dpre_ptr, part_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr, w_desc,
+    a_desc, num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
     stride_dt, stride_dh,
     stride_we, stride_wn, stride_wk,
     stride_pm, stride_pn,
@@ -217,15 +216,16 @@ def _dgrad_act_kernel(
 ):
     """One (BLOCK_M padded rows) x (BLOCK_N of the I columns) tile of GEMM2's dgrad:
     g = dout[token] @ down[e] (W = down seen as (E, I, H): N = I, K = H), then the gate's
-    backward: d_pre (padded rows, N or 2N, gate_up's column order) from rw * g and ``pre``;
-    and part[pair, pid_n] = sum over the tile's columns of g * gate(pre) (d top_k_weights'
-    partial sum). Padding rows: nothing read; d_pre written as 0 there. W_TMA: W's tiles
+    backward: d_pre (sorted rows: padded row r of expert e is r + shift[e], N or 2N,
+    gate_up's column order) from rw * g and ``pre`` (sorted rows too); and part[pair, pid_n]
+    = sum over the tile's columns of g * gate(pre) (d top_k_weights' partial sum). Padding
+    rows: nothing read or written. W_TMA: W's tiles
     through the descriptor ``w_desc``, as the forward's (:func:`_mma`). SUBTILE (1, 2 or 4):
     the epilogue walks the tile in that many column slices, left to right (the partial sum
     adds them in that order), so that a wide tile's epilogue holds one slice's g, pre halves
     and gradient halves at a time. GATHER: dout's rows gathered through the pair ids; else
-    ``dout_ptr`` is their sorted-padded copy (``configs["dgrad2"]["PREGATHER"]``), read at
-    the tile's own rows, through the descriptor ``a_desc`` where A_TMA."""
+    ``dout_ptr`` is their sorted copy (``configs["dgrad2"]["PREGATHER"]``), read at the
+    tile's own sorted rows, through the descriptor ``a_desc`` where A_TMA."""
     pid_m, pid_n, expert = _tile(block_expert_ptr, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if expert < 0:
         return
@@ -233,21 +233,23 @@ def _dgrad_act_kernel(
     pair = tl.load(pair_ids_ptr + rows)
     row_ok = pair < num_pairs
     p = tl.where(row_ok, pair, 0)
+    srow0 = pid_m * BLOCK_M + tl.load(shift_ptr + expert)
+    srows = (srow0 + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     if GATHER:
         a_row = (p // top_k).to(tl.int64)
     else:
-        a_row = rows.to(tl.int64)
+        a_row = srows
     g, _unused = _mma(dout_ptr, a_row, row_ok, stride_dt, stride_dh, w_base, cols, cols, col_ok, stride_wn,
                       stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_PRECISION, EVEN_K, w_desc, expert,
-                      pid_n * BLOCK_N, pid_n * BLOCK_N, W_TMA, W_KMAJOR, a_desc, pid_m * BLOCK_M, A_TMA)
+                      pid_n * BLOCK_N, pid_n * BLOCK_N, W_TMA, W_KMAJOR, a_desc, srow0, A_TMA)
 
     rw = tl.load(route_w_ptr + (p // top_k).to(tl.int64) * stride_rt + (p % top_k) * stride_rk,
                  mask=row_ok, other=0.0).to(tl.float32)
     if SUBTILE == 1:
-        part = _gate_grad_tile(g, rw, rows, row_ok, cols, col_ok, pre_ptr, stride_pm, stride_pn, dpre_ptr,
+        part = _gate_grad_tile(g, rw, srows, row_ok, cols, col_ok, pre_ptr, stride_pm, stride_pn, dpre_ptr,
                                stride_gm, stride_gn, N, alpha, limit, GATED, INTERLEAVED, ACT, HAS_LIMIT, GATE_TIE,
                                UP_LO_TIE, UP_HI_TIE, WRITE_DPRE)
     else:
@@ -260,7 +262,7 @@ def _dgrad_act_kernel(
         part = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for j in tl.static_range(SUBTILE):
             cj = pid_n * BLOCK_N + j * width + tl.arange(0, width)
-            part += _gate_grad_tile(slices[j], rw, rows, row_ok, cj, cj < N, pre_ptr, stride_pm, stride_pn,
+            part += _gate_grad_tile(slices[j], rw, srows, row_ok, cj, cj < N, pre_ptr, stride_pm, stride_pn,
                                     dpre_ptr, stride_gm, stride_gn, N, alpha, limit, GATED, INTERLEAVED, ACT,
                                     HAS_LIMIT, GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE)
     if ROUTE_GRAD:
@@ -269,7 +271,7 @@ def _dgrad_act_kernel(
 
 @_jit
 def _gate_grad_kernel(
-    g_ptr, pre_ptr, route_w_ptr, dpre_ptr, part_ptr, pair_ids_ptr, block_expert_ptr,
+    g_ptr, pre_ptr, route_w_ptr, dpre_ptr, part_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr,
     num_pairs, top_k, N, block_m, alpha, limit, group_cols,
     stride_fm, stride_fn,
     stride_pm, stride_pn,
@@ -283,9 +285,10 @@ def _gate_grad_kernel(
 ):
     """GEMM2's dgrad, split (``configs["dgrad2"]["SPLIT"]``), second pass: for BLOCK_R padded
     rows (a slice of one M block of ``block_m`` rows) the gate's backward of
-    :func:`_dgrad_act_kernel`'s epilogue on g (padded rows x N, the GEMM's output, in the
-    saved pre-activation's dtype):
-    d_pre from rw * g and ``pre`` (0 at padding rows), and part[pair, q] = the sum of g *
+    :func:`_dgrad_act_kernel`'s epilogue on g (sorted rows x N, the GEMM's output, in the
+    saved pre-activation's dtype; padded row r of expert e is sorted row r + shift[e]):
+    d_pre from rw * g and ``pre`` (at sorted rows; a padding row has none), and part[pair, q]
+    = the sum of g *
     gate(pre) over the columns of group q = program_id(1) (``group_cols`` of them, a multiple
     of BLOCK_N, from q * group_cols), in column order. Rows of blocks past the work list:
     nothing."""
@@ -298,15 +301,16 @@ def _gate_grad_kernel(
     pair = tl.load(pair_ids_ptr + rows)
     row_ok = pair < num_pairs
     p = tl.where(row_ok, pair, 0)
+    srows = (rows + tl.load(shift_ptr + expert)).to(tl.int64)
     rw = tl.load(route_w_ptr + (p // top_k).to(tl.int64) * stride_rt + (p % top_k) * stride_rk,
                  mask=row_ok, other=0.0).to(tl.float32)
     part = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for n0 in range(n_lo, tl.minimum(N, n_lo + group_cols), BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_fm + cols[None, :] * stride_fn,
+        g = tl.load(g_ptr + srows[:, None] * stride_fm + cols[None, :] * stride_fn,
                     mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        part += _gate_grad_tile(g, rw, rows, row_ok, cols, col_ok, pre_ptr, stride_pm, stride_pn, dpre_ptr,
+        part += _gate_grad_tile(g, rw, srows, row_ok, cols, col_ok, pre_ptr, stride_pm, stride_pn, dpre_ptr,
                                 stride_gm, stride_gn, N, alpha, limit, GATED, INTERLEAVED, ACT, HAS_LIMIT,
                                 GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE)
     if ROUTE_GRAD:
@@ -345,7 +349,7 @@ def _route_grad_kernel(
 
 @_jit
 def _moe_wgrad(
-    l_ptr, r_ptr, route_w_ptr, out_ptr, bias_out_ptr, pair_ids_ptr, pstart_ptr, count_ptr,
+    l_ptr, r_ptr, route_w_ptr, out_ptr, bias_out_ptr, pair_ids_ptr, pstart_ptr, count_ptr, shift_ptr,
     top_k, M, N,
     stride_lr, stride_lm, stride_rr, stride_rn, stride_rt, stride_rk,
     stride_oe, stride_om, stride_on, stride_be, stride_bm,
@@ -354,8 +358,8 @@ def _moe_wgrad(
     WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """out[e][m, n] = sum over expert e's rows r (padded rows [pstart, pstart + count), all
-    real pairs, in order) of L[r, m] * R[r, n], fp32; an operand's row is r itself or,
-    GATHERed, the pair's token; L_SCALED: L times the pair's routing weight (fp32, then the
+    real pairs, in order) of L[r, m] * R[r, n], fp32; an operand's row is its sorted row
+    r + shift[e] or, GATHERed, the pair's token; L_SCALED: L times the pair's routing weight (fp32, then the
     operand's dtype for the dot). BIAS_GRAD: bias_out[e][m] = sum over r of L[r, m] (the
     scaled fp32 values), written by the programs of N tile 0. Grid: (M tiles x N tiles, E)."""
     expert = tl.program_id(1)
@@ -367,6 +371,7 @@ def _moe_wgrad(
     pid_n = tl.program_id(0) % num_n
     start = tl.load(pstart_ptr + expert)
     count = tl.load(count_ptr + expert)
+    shift = tl.load(shift_ptr + expert)
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = ms < M
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -382,7 +387,7 @@ def _moe_wgrad(
         if L_GATHER:
             l_row = tok
         else:
-            l_row = r.to(tl.int64)
+            l_row = (r + shift).to(tl.int64)
         lt = tl.load(l_ptr + l_row[None, :] * stride_lr + ms[:, None] * stride_lm,
                      mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
         if L_SCALED:
@@ -397,7 +402,7 @@ def _moe_wgrad(
             if R_GATHER:
                 r_row = tok
             else:
-                r_row = r.to(tl.int64)
+                r_row = (r + shift).to(tl.int64)
             rt = tl.load(r_ptr + r_row[:, None] * stride_rr + ns[None, :] * stride_rn,
                          mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # (BLOCK_K, BLOCK_N)
             acc = tl.dot(lt, rt, acc, input_precision=DOT_PRECISION)
@@ -690,7 +695,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             gate_n = min(c.get("GATE_N", 256), F.next_pow2(i))
             group_cols = max(gate_n, F.cdiv(F.cdiv(i, c.get("GATE_GROUPS", 1)), gate_n) * gate_n)
             nnb = max(1, F.cdiv(i, group_cols)) if split else F.cdiv(i, c["BLOCK_N"])
-            d_pre = F._new_buffer((nb * bm, n1), x.dtype, dev) if need_dpre else saved.act
+            d_pre = F._new_buffer((s, n1), x.dtype, dev) if need_dpre else saved.act  # sorted rows
             part = F._new_buffer((s, nnb), torch.float32, dev) if need_rw else saved.act
             w_nk = F._nk_view(w2, not transposed)  # down seen as (E, I, H)
             pre = saved.pre
@@ -699,19 +704,21 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             # tensor descriptor where it can, instead of gathering them on its load
             grouped2 = bool(c.get("GROUPED_MM", 0))
             pregather = bool(c.get("PREGATHER", 0)) or grouped2
-            a2 = F.sorted_rows(dout, rw, sorted_pair_ids, tables, k, False, key("dout rows")) if pregather else dout
+            a2 = (F.sorted_rows(dout, rw, sorted_pair_ids, block_expert, tables, k, False, key("dout rows"))
+                  if pregather else dout)
             if split:
                 # g = dout[t] @ down[e] on the forward's GEMM (a plain tile, any width) at the
-                # padded rows, in the saved pre-activation's dtype (fp32; bf16 under
+                # sorted rows, in the saved pre-activation's dtype (fp32; bf16 under
                 # F.PRE_BF16, g's rounding then HF's bf16 autograd's and its write and the
                 # gate pass's read half); then the gate's backward as its own pass (see the
                 # table's about)
-                if grouped2:  # CUTLASS over the sorted copy (0 at padding rows; past offs[-1] unread)
-                    g = torch._grouped_mm(a2, w_nk.transpose(1, 2), offs=tables[3])
+                if grouped2:  # CUTLASS over the sorted copy (past offs[-1] unwritten and unread)
+                    g = torch._grouped_mm(a2, w_nk.transpose(1, 2), offs=tables[0])
                 else:
-                    g = F._new_buffer((nb * bm, i), pre.dtype, dev)
+                    g = F._new_buffer((s, i), pre.dtype, dev)
                     F.launch_gemm(c, a=a2, w_nk=w_nk, bias=None, rw=rw, out=g, pre=None,
-                                  sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k, n=i, k=h,
+                                  sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, shift=tables[4],
+                                  top_k=k, n=i, k=h,
                                   gather=not pregather, routed=False, act=_IDENTITY, spec=key("dgrad2"),
                                   used=used)
                 # the gate's pass: BLOCK_R rows (a power of 2 dividing BLOCK_M) x BLOCK_N
@@ -729,8 +736,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                     (s, k, i, bm, *fl, group_cols, g.stride(0), g.stride(1), pre.stride(0), pre.stride(1),
                      rw.stride(0), rw.stride(1), d_pre.stride(0), d_pre.stride(1), part.stride(0), part.stride(-1)),
                     dict(BLOCK_R=br, BLOCK_N=gate_n, num_warps=c.get("GATE_WARPS", 4), **gate_options())))
-                launch_args(_gate_grad_kernel, grid, (g, pre, rw, d_pre, part, sorted_pair_ids, block_expert) + tail,
-                            site, opts)
+                launch_args(_gate_grad_kernel, grid,
+                            (g, pre, rw, d_pre, part, sorted_pair_ids, block_expert, tables[4]) + tail, site, opts)
             else:
                 site = key("dgrad2")
 
@@ -739,7 +746,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                     kmajor, box, dkey = _w_tiles(w_nk, c)
                     a_box = [bm, c["BLOCK_K"]]
                     use_a = (pregather and c.get("TMA", 1) and F._tma_ok(a2, tuple(a_box))
-                             and a2.shape[0] >= nb * bm)
+                             and a2.shape[0] >= bm)
                     a_key = (a2.dtype, tuple(a2.shape), a2.stride(), tuple(a_box)) if use_a else None
                     return ((nb * nnb,),
                             (s, k, i, h, nb, *fl, a2.stride(0), a2.stride(1), sw[0], sw[1], sw[2],
@@ -757,7 +764,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                 w_desc = None if box is None else LazyDescriptor(w_nk if kmajor else w_nk.transpose(1, 2), box, dkey)
                 a_desc = None if a_box is None else LazyDescriptor(a2, a_box, a_key)
                 launch_args(_dgrad_act_kernel, grid,
-                            (a2, w2, pre, rw, d_pre, part, sorted_pair_ids, block_expert, w_desc, a_desc) + tail,
+                            (a2, w2, pre, rw, d_pre, part, sorted_pair_ids, block_expert, tables[4], w_desc,
+                             a_desc) + tail,
                             site, opts)
         if need_rw:
             drw = F._new_buffer(tuple(rw.shape), rw.dtype, dev)
@@ -774,38 +782,39 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
         if need_x:
             dx = F._new_buffer((t, h), x.dtype, dev)
             if grouped1:
-                # CUTLASS over the sorted-padded rows of d_pre (0 at padding rows, unwritten
-                # past offs[-1], which it does not read), its result in that order: the
-                # combine finds each pair's row through the inverse of the pair list
-                rows = torch._grouped_mm(d_pre, w1.transpose(1, 2) if transposed else w1, offs=saved.tables[3])
-                where = F.pair_rows(sorted_pair_ids, saved.tables, s, key("pair rows"))
+                # CUTLASS over the sorted rows of d_pre (unwritten past offs[-1], which it
+                # does not read), its result in that order: the combine finds each pair's
+                # row through pair_rows
+                rows = torch._grouped_mm(d_pre, w1.transpose(1, 2) if transposed else w1, offs=tables[0])
+                where = F.pair_rows(sorted_pair_ids, block_expert, tables, s, key("pair rows"))
                 F.combine(rows, ids, dx, e, cfg["combine"], spec=key(("combine", "rows")), rows=where)
             else:
                 pairs = F._new_buffer((s, h), x.dtype, dev)
                 F.launch_gemm(cfg["dgrad1"], a=d_pre, w_nk=F._nk_view(w1, not transposed), bias=None,
                               rw=rw, out=pairs, pre=None, sorted_pair_ids=sorted_pair_ids,
-                              block_expert=block_expert, top_k=k, n=h, k=n1, gather=False, routed=True,
+                              block_expert=block_expert, shift=tables[4], top_k=k, n=h, k=n1, gather=False, routed=True,
                               scaled=False, act=_IDENTITY, spec=key("dgrad1"), used=used)
                 F.combine(pairs, ids, dx, e, cfg["combine"], spec=key("combine"))
             out[0] = dx
 
-        # torch._grouped_mm's groups along the reduction dim: each expert's padded end row
-        # (the padded runs lie end to end from row 0; the routing's fourth table). An expert
+        # torch._grouped_mm's groups along the reduction dim: each expert's run end (the
+        # runs lie end to end from row 0, unpadded; the routing's first table). An expert
         # with no rows is an empty group: zeros from the CPU's grouped_mm (the interpreter
         # cases) and from CUTLASS on sm90 (pytorch/pytorch#172439 saw zeros on the H800; the
         # CUDA cases check it).
-        offs = saved.tables[3] if grouped and (need_w1 or need_w2) else None
+        offs = tables[0] if grouped and (need_w1 or need_w2) else None
 
         def wgrad(lhs: torch.Tensor, rhs: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, m: int, n: int,
                   l_gather: bool, l_scaled: bool, r_gather: bool, do_w: bool, do_b: bool) -> tuple[Any, Any]:
             c = cfg["wgrad"]
             dw = None
-            if do_w and grouped:  # CUTLASS over the sorted-padded rows (the module docstring)
-                lrows = (F.sorted_rows(lhs, rw, sorted_pair_ids, saved.tables, k, l_scaled, key(("rows", l_scaled)))
+            if do_w and grouped:  # CUTLASS over the sorted rows (the module docstring)
+                lrows = (F.sorted_rows(lhs, rw, sorted_pair_ids, block_expert, tables, k, l_scaled,
+                                       key(("rows", l_scaled)))
                          if l_gather else lhs)
                 # x's rows in sorted order: the forward's copy where it kept one (keeps_rows)
                 rrows = ((saved.rows if saved.rows is not None
-                          else F.sorted_rows(rhs, rw, sorted_pair_ids, saved.tables, k, False,
+                          else F.sorted_rows(rhs, rw, sorted_pair_ids, block_expert, tables, k, False,
                                              key(("rows", False))))
                          if r_gather else rhs)
                 # out[e] = L_e^T R_e is (E, out, in); the (E, in, out) weight takes R_e^T L_e
@@ -837,8 +846,9 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                                  DOT_PRECISION=precision, num_warps=c["num_warps"], num_stages=c["num_stages"]))
 
                 grid, tail, opts = _static(site, wgrad_static)
-                launch_args(_moe_wgrad, grid, (lhs, rhs, rw, do, dob, sorted_pair_ids, tables[1], tables[2]) + tail,
-                            site, opts)
+                launch_args(_moe_wgrad, grid,
+                            (lhs, rhs, rw, do, dob, sorted_pair_ids, tables[1], tables[2], tables[4]) + tail, site,
+                            opts)
             return dw, db
 
         if need_w2 or need_b2:  # d down_proj[e] = (rw * dout[t])^T act, d down_bias[e] = sum rw * dout[t]

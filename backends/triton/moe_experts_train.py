@@ -48,8 +48,8 @@ __all__ = ["INLINE_KERNELS", "TRACED_MIN_FLOPS", "fused_trains", "inline_forward
 
 def _layout(x: Tensor, ids: Tensor, w1: Tensor, gated: bool, transposed: bool
             ) -> Optional[tuple[int, int, int, int]]:
-    """(padded rows, routing buffer length, I, N1) of the forward's saved tensors, or None
-    where it saves nothing (no slot, or H = 0). The same config pick as the forward's."""
+    """(sorted rows S = T*k, routing buffer length, I, N1) of the forward's saved tensors, or
+    None where it saves nothing (no slot, or H = 0). The same config pick as the forward's."""
     t, h = x.shape
     k, e = ids.shape[1], w1.shape[0]
     n1 = w1.shape[2] if transposed else w1.shape[1]
@@ -58,7 +58,7 @@ def _layout(x: Tensor, ids: Tensor, w1: Tensor, gated: bool, transposed: bool
     if s == 0 or h == 0:
         return None
     bm = _block_m(x, ids, w1, gated, transposed)
-    return F.num_blocks(s, e, bm) * bm, F.routing_size(s, e, bm), i, n1
+    return s, F.routing_size(s, e, bm), i, n1
 
 
 # The two ops are defined on a Library of their own, not with torch.library.custom_op: in a
