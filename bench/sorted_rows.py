@@ -1,4 +1,4 @@
-"""GPU time of the MoE copy of token rows into sorted-padded order, by tile (CUDA).
+"""GPU time of the MoE copy of token rows into sorted order, by tile (CUDA).
 
     python bench/sorted_rows.py [--tokens 4096] [--configs mixtral qwen3_moe olmoe]
 

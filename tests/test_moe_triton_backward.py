@@ -53,7 +53,7 @@ SMALL_BWD = {**SMALL,
 # bf16 grouped_mm), the rest as SMALL_BWD: BLOCK_M = 16 padded runs.
 GROUPED_BWD = {**SMALL_BWD, "wgrad": {**SMALL_BWD["wgrad"], "GROUPED_MM": 1}}
 # GEMM1's dgrad forced onto torch._grouped_mm (the sm90 bf16 default; here the CPU's): its
-# rows come back in sorted-padded order and the combine reads them through pair_rows
+# rows come back in sorted order and the combine reads them through pair_rows
 GROUPED_DGRAD1 = {**SMALL_BWD, "dgrad1": {**SMALL_BWD["dgrad1"], "GROUPED_MM": 1}}
 # The gradients each GEMM's torch._grouped_mm path changes, and whether it is one call per
 # gradient (the weight gradients) or one call for all
@@ -880,7 +880,7 @@ def test_cuda_grouped_mm(gemm: str, shape: str, family: str) -> None:
     torch._grouped_mm (CUTLASS; the sm90 default) and on Triton both match float64 and each
     other; every other gradient is the same bits either way (the same kernels; the other
     GEMM pinned to Triton); two grouped runs are bit-identical. NaN-filled buffers: a
-    padding row left unwritten, one read past offs[-1], or a pair's row missed by
+    sorted row left unwritten, one read past offs[-1], or a pair's row missed by
     pair_rows, fails."""
     args = _big_args(shape, family, torch.bfloat16)
     w1, gated, transposed = args[3], args[8], args[9]

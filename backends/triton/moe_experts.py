@@ -5,13 +5,14 @@ current stream (Triton launches on torch's current stream of the current device)
 
 1. **Routing** (:func:`align_block_size`: a three-kernel counting sort of the ids, one
    kernel where T*k <= 512): the S = T*k (token, slot) pairs, pair = t*k + j, sorted by
-   expert (stable), each expert's segment padded to BLOCK_M.
+   expert (stable), each expert's segment padded to BLOCK_M: the GEMMs' tiles walk this
+   list, while the buffers of sorted rows hold the real pairs alone (:func:`routing_tables`).
    Ids outside [0, E) (the expert-parallel sentinel >= E; negative ids, the caller's error)
    never enter the work list. Buffers have static worst-case sizes, so no size is read back.
 2. **GEMM1** (:func:`_moe_gemm` with ``GATHER``): hidden_states rows read through the sorted
    pair ids (token = pair // k; no gathered copy) times gate_up_proj[e] (+ bias), the gate
    in the epilogue (two accumulators when gated), fp32 accumulation; writes the activation
-   (padded sorted rows, I) in hidden_states' dtype.
+   (sorted rows, I) in hidden_states' dtype.
 3. **GEMM2** (:func:`_moe_gemm` with ``ROUTED``): activation rows times down_proj[e] (+ bias),
    times the pair's routing weight in fp32, stored at the pair's row of a (S, H) buffer:
    every row is written by one program, so no atomics.
@@ -858,9 +859,10 @@ def routing_tables(top_k_index: torch.Tensor, num_experts: int,
     start. The GEMMs' tiles walk the padded list (a tile is one expert's); the buffers of
     sorted rows they read and write (GEMM1's output and pre-activation, the sorted copies,
     the backward's d_pre) hold the real pairs only, S rows: padded row r of expert e is
-    sorted row r + shift[e] (the grouped weight gradients then reduce over no padding:
-    on the H200 CUTLASS's took 17-19 % longer over Qwen3-MoE's rows padded to 128,
-    ``bench/moe_launches.py``, thirty-second session). Sizes are static
+    sorted row r + shift[e] (the grouped weight gradients reduce over no padding, and the
+    buffers are S rows, not the padded worst case: on the H200, Qwen3-MoE's training step
+    1.4 % faster, its sorted buffers a third smaller; Mixtral and OLMoE unchanged, thirty-third
+    session, bench/RESULTS.md). Sizes are static
     (:func:`num_blocks`), so this can be captured in a CUDA graph. All three are views of
     one int32 buffer (:func:`routing_views`; the forward keeps it as ``Saved.routing``).
 

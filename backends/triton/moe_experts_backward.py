@@ -54,8 +54,7 @@ row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    **bf16 on sm90** (:func:`grouped_mm_wgrad_default`; ``configs["wgrad"]["GROUPED_MM"]``
    forces it either way): the weight gradients are ``torch._grouped_mm`` (CUTLASS) in its
    2-D x 2-D form instead, groups along the reduction dim = each expert's run of sorted
-   rows (``offs`` = the run ends; no padding to reduce over: over Qwen3-MoE's rows padded
-   to 128 CUTLASS took 17-19 % longer, H200, thirty-second session). The gathered operands
+   rows (``offs`` = the run ends: no padding to reduce over). The gathered operands
    (x[t], and rw * dout[t] rounded to bf16 as ``_moe_wgrad`` rounds it) are first copied
    into sorted order by :func:`.moe_experts.sorted_rows`. Rows past the last run end (the
    ``offs[-1]``-th on) are unwritten in ``act`` and ``d_pre``: this assumes ``torch._grouped_mm`` reads no row past
@@ -699,7 +698,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             part = F._new_buffer((s, nnb), torch.float32, dev) if need_rw else saved.act
             w_nk = F._nk_view(w2, not transposed)  # down seen as (E, I, H)
             pre = saved.pre
-            # PREGATHER: dout's rows copied into sorted-padded order first (as GEMM1's
+            # PREGATHER: dout's rows copied into sorted order first (as GEMM1's
             # PREGATHER copies x's), so that the GEMM reads them as plain rows, through a
             # tensor descriptor where it can, instead of gathering them on its load
             grouped2 = bool(c.get("GROUPED_MM", 0))
