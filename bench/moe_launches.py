@@ -14,6 +14,12 @@ Per config (bf16, uniform routing, transformers' layout), in one process:
   the thirty-third session the sorted rows were padded to the block, and the weight
   gradients reduced over the padding: 17-19 % slower at Qwen3-MoE's ~256 rows per expert
   in 128-row blocks);
+* with ``--variant NAME=JSON`` (repeatable), the step with those block configs over the
+  table's (``{"gemm1": {"PERSISTENT": 1}}``: forward GEMMs' keys merged into the table's pick,
+  the backward's ``dgrad2`` / ``dgrad1`` / ``wgrad`` / ``combine`` passed as they are) in the
+  same rounds, beside the table's configs passed the same way (the control: a call given
+  configs skips the launch memo, so its host path differs from the default's), then each
+  variant's kernels profiled once;
 * the six GEMMs of a MoE training step on ``torch._grouped_mm`` (CUTLASS: what HF's
   ``grouped_mm`` runs) over the same rows sorted by expert, each timed alone (CUDA events,
   median): forward GEMM1 and GEMM2, the two dgrads, the two weight gradients; with TF/s.
@@ -24,6 +30,7 @@ shape, and by how much (the training step's GEMMs are ~85 % of its GPU time).
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -80,6 +87,17 @@ def cutlass_gemms(e: int, h: int, i: int, k: int, t: int, reps: int) -> list[tup
     return out
 
 
+def variant_configs(spec: dict, rows: float, h: int, i: int) -> dict:
+    """The step's configs for ``--variant``: ``spec``'s forward GEMM keys over the table's
+    pick at this shape (GEMM2 at GEMM1's BLOCK_M), its backward entries as given."""
+    bm = spec.get("gemm1", {}).get("BLOCK_M")
+    out = {g: {**fused.pick_config(g, rows, n, kk, torch.bfloat16, block_m=bm), **spec.get(g, {})}
+           for g, n, kk in (("gemm1", 2 * i, h), ("gemm2", h, i))}
+    out["gemm2"]["BLOCK_M"] = out["gemm1"]["BLOCK_M"]
+    out.update({g: dict(c) for g, c in spec.items() if g not in ("gemm1", "gemm2")})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4096)
@@ -89,7 +107,14 @@ def main() -> None:
     p.add_argument("--block-m", type=int, nargs="*", default=[],
                    help="also profile the step's kernels with the forward's BLOCK_M at these values (the "
                         "padding of each expert's rows, which the weight gradients reduce over)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                   help="also time the step with these configs (JSON: {gemm: {key: value}}) beside the table's "
+                        "given the same way, in the same rounds, and profile its kernels")
     a = p.parse_args()
+    given = {"table's configs, given": {}}
+    for v in a.variant:
+        vname, _, js = v.partition("=")
+        given[vname] = json.loads(js)
     t = a.tokens
     for name in a.configs:
         e, h, i, k = tune.SHAPES[name]
@@ -109,14 +134,18 @@ def main() -> None:
         # times (each a median of a.reps steps)
         bound = B.DGRAD2_GROUPED_MIN_ROWS
         variants = {"dgrad2 on CUTLASS": 0, "dgrad2 on Triton": float("inf")}
-        times: dict[str, list[float]] = {v: [] for v in variants}
+        cfgs = {v: variant_configs(spec, t * k / e, h, i) for v, spec in given.items()} if a.variant else {}
+        times: dict[str, list[float]] = {v: [] for v in [*variants, *cfgs]}
         for _ in range(a.rounds):
             for v, rows in variants.items():
                 B.DGRAD2_GROUPED_MIN_ROWS = rows
                 B._PLANS.clear()
                 times[v].append(median_us(run, a.reps, True))
-        B.DGRAD2_GROUPED_MIN_ROWS = bound
-        B._PLANS.clear()
+            B.DGRAD2_GROUPED_MIN_ROWS = bound
+            B._PLANS.clear()
+            for v, cfg in cfgs.items():
+                times[v].append(median_us(lambda cfg=cfg: torch.autograd.grad(B.FusedExperts.apply(*args, cfg),
+                                                                              leaves, cot), a.reps, True))
         for v, us in times.items():
             print(f"  {sorted(us)[len(us) // 2]:8.1f} us  {v} (median of {a.rounds} rounds; "
                   f"min {min(us):.1f})")
@@ -130,6 +159,10 @@ def main() -> None:
                    for g, n, kk in (("gemm1", 2 * i, h), ("gemm2", h, i))}
             ks = launches(lambda cfg=cfg: torch.autograd.grad(B.FusedExperts.apply(*args, cfg), leaves, cot))
             print(f"  BLOCK_M {bm}: {sum(us for _, us in ks):8.1f} us  sum of kernels; GEMMs "
+                  + " ".join(f"{us:.0f}" for kn, us in ks if "gemm" in kn or "cutlass" in kn))
+        for v, cfg in cfgs.items():
+            ks = launches(lambda cfg=cfg: torch.autograd.grad(B.FusedExperts.apply(*args, cfg), leaves, cot))
+            print(f"  {v}: {sum(us for _, us in ks):8.1f} us  sum of kernels; GEMMs "
                   + " ".join(f"{us:.0f}" for kn, us in ks if "gemm" in kn or "cutlass" in kn))
         print("  torch._grouped_mm (CUTLASS) on the same GEMMs, each alone:")
         for gname, us, gf in cutlass_gemms(e, h, i, k, t, a.reps):
