@@ -39,7 +39,7 @@ row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    combine: d hidden_states[t] = the sum of t's valid slots in slot order, fp32.
    **bf16 on sm90** (:func:`grouped_mm_dgrad1_default`; ``configs["dgrad1"]["GROUPED_MM"]``
    forces it either way): ``torch._grouped_mm`` (CUTLASS) over d_pre's sorted rows
-   instead, its (R, H) result in that order, and the combine reads each pair's row through
+   instead, its (S, H) result in that order, and the combine reads each pair's row through
    the inverse of the pair list (:func:`.moe_experts.pair_rows`). The same rounding: each
    row's dot accumulates in fp32 and is rounded once to bf16, and the sum over slots is the
    combine's, in slot order. The op's forward + backward at T = 4096 (H200, 2026-12-03,

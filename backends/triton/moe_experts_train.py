@@ -87,9 +87,9 @@ def _fused(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, ga
            gate_up_bias: Optional[Tensor], down_proj: Tensor, down_bias: Optional[Tensor], activation: str,
            gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float, keep_rows: bool = False
            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out (T, H), routing (int32), act (R, I), pre (R, N1) (``pre_dtype``), rows (R, H) or (0, H)):
+    """(out (T, H), routing (int32), act (S, I), pre (S, N1) (``pre_dtype``), rows (S, H) or (0, H)):
     the fused forward and what its backward reads (empty where it saves nothing; ``rows``
-    where ``keep_rows``)."""
+    where ``keep_rows``; S = T*k sorted rows)."""
     args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias,
             activation, gated, transposed, interleaved, alpha, limit)
     out, saved = F.fused_experts_forward(*args, save=True, keep_rows=keep_rows)
