@@ -330,7 +330,7 @@ def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, de
                 for g, w in zip(got, want))
     return {"default_us": default_us, "best_us": best_us, "dgrad2": best.get("dgrad2"),
             "dgrad1": best.get("dgrad1"), "rows_per_expert": rpe, "error": error, "tried": tried,
-            "of": len(dgrad2) + len(dgrad1) + 2 - skipped}
+            "of": len(dgrad2) + int(grouped2) + len(dgrad1) + 2 - skipped}
 
 
 def tune_decode(e: int, h: int, i: int, k: int, dtype: torch.dtype, device: str, reps: int, deadline: float,
