@@ -82,13 +82,13 @@ def estimate_us(v: Variant, device: str, nsets: int, calls: int = 3) -> float:
     return max(t.elapsed_us() / calls, 1e-3)
 
 
-def batch_for(est_us: float, target_us: float, max_batch: int = 200) -> int:
-    """Calls per batch so that a batch lasts about ``target_us`` (>= 1 call)."""
-    return max(1, min(max_batch, math.ceil(target_us / est_us)))
+def batch_for(est_us: float, target_us: float, max_batch: int = 200, min_batch: int = 1) -> int:
+    """Calls per batch so that a batch lasts about ``target_us`` (>= ``min_batch`` calls)."""
+    return max(1, min_batch, min(max_batch, math.ceil(target_us / est_us)))
 
 
 def interleaved(variants: dict[str, Variant], device: str, *, nsets: int = 1, rounds: int = 7,
-                target_us: float = 1000.0, warmup: int = 2) -> dict[str, list[float]]:
+                target_us: float = 1000.0, warmup: int = 2, min_batch: int = 1) -> dict[str, list[float]]:
     """Per-call µs of every variant in each of ``rounds`` rounds. Each variant's batch
     lasts about ``target_us`` (its own batch size: a host-bound variant timed over a
     handful of calls would be dominated by the first call's start-up). Round r starts at
@@ -96,9 +96,13 @@ def interleaved(variants: dict[str, Variant], device: str, *, nsets: int = 1, ro
     often: with the former order (forwards, then backwards) the middle one of three never
     ran first or last, so whatever a place costs (what ran just before it: the previous
     round's last variant, its allocations and its gradients' frees) fell on the other two
-    only, and cat_linear's sweep compares opreg, the first, with eager, the middle one."""
+    only, and cat_linear's sweep compares opreg, the first, with eager, the middle one.
+    ``min_batch``: at least this many calls a batch, however long a call is. A batch of one
+    call starts on an empty queue and ends when its last kernel does, so it costs the host's
+    time to its first kernels plus the device's time: the sum, where back-to-back calls (a
+    model's layers) cost the larger of the two."""
     names = list(variants)
-    batch = {k: batch_for(estimate_us(variants[k], device, nsets), target_us) for k in names}
+    batch = {k: batch_for(estimate_us(variants[k], device, nsets), target_us, min_batch=min_batch) for k in names}
     for _ in range(warmup):
         for k in names:
             _run_batch(variants[k], device, 1, 0, nsets)

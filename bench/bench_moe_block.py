@@ -191,14 +191,16 @@ def expert_flops(config: str, tokens: int, mode: str, cpu: bool) -> float:
     return fwd if mode == "fwd" else 3 * fwd
 
 
-def interleaved_us(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+def interleaved_us(steps: dict[str, Callable[[], None]], rounds: int, min_batch: int = 1) -> dict[str, float]:
     """Median µs per call of each step, by the project's timer (bench/_timing.py:
     ``rounds`` rounds, each timing every step, the order rotated). Why not one step after
     the other: the H200's clock sags under sustained load (the fused forward at T = 16384:
     2435-2458 µs in its first ~65 ms after an idle gap, 2700-2750 after, 2026-12-03), so
-    the step timed first (HF's) ran up to ~11 % faster for it."""
+    the step timed first (HF's) ran up to ~11 % faster for it. ``min_batch``: calls a batch
+    at least (a batch lasts ~2 ms: one call at T = 16384, or a training step at T = 4096,
+    where a batch then also costs the host's start-up, see ``tm.interleaved``)."""
     variants = {v: tm.Variant(lambda i, f=f: f()) for v, f in steps.items()}
-    times = tm.interleaved(variants, DEVICE, rounds=rounds, target_us=2000.0)
+    times = tm.interleaved(variants, DEVICE, rounds=rounds, target_us=2000.0, min_batch=min_batch)
     return {v: tm.median(t) for v, t in times.items()}
 
 
@@ -209,6 +211,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--configs", nargs="*", default=list(CONFIGS))
     p.add_argument("--rounds", type=int, default=7,
                    help="rounds, each timing every variant (a batch of ~2 ms of calls), the order rotated")
+    p.add_argument("--min-batch", default="1",
+                   help="calls a timed batch at least, comma-separated to time each in turn (1: a batch of "
+                        "~2 ms, one call where a call is longer: it then costs the host's start-up as well; "
+                        "a larger value gives back-to-back calls, as a model's layers run)")
     p.add_argument("--accumulate-grads", action="store_true",
                    help="fwd+bwd adds into the kept .grad of every weight each step (the tables before "
                         "2026-12-02's fourteenth session); default: set to None first, as zero_grad() does")
@@ -223,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pre-bf16", type=int, choices=(0, 1), default=None,
                    help="moe_experts.PRE_BF16 for this process (1: a bf16 training step whose gate has no clamp "
                         "saves its pre-activation in bf16, rounded before the forward's gate)")
+    p.add_argument("--traced-combine", type=int, choices=(0, 1), default=None,
+                   help="moe_experts_grouped.TRACED_TORCH_COMBINE for this process (1: the grouped path traced "
+                        "by torch.compile gathers and combines with torch's ops; 0: through scatter_combine)")
     p.add_argument("--decode-max-tokens", type=int, default=DECODE_TRY,
                    help="opreg_decode's bound: its forward takes the decode kernels up to this many tokens")
     p.add_argument("--variants", nargs="*", default=[v for v in VARIANTS if v != "hf_eager"],
@@ -241,7 +250,14 @@ def main(argv: list[str] | None = None) -> None:
         from opreg.backends.triton import moe_experts
         moe_experts.PRE_BF16 = bool(a.pre_bf16)
         print(f"moe_experts.PRE_BF16 = {moe_experts.PRE_BF16}")
+    if a.traced_combine is not None:
+        from opreg.ops import moe_experts_grouped
+        moe_experts_grouped.TRACED_TORCH_COMBINE = bool(a.traced_combine)
+        print(f"moe_experts_grouped.TRACED_TORCH_COMBINE = {bool(a.traced_combine)}")
     DECODE_TRY = a.decode_max_tokens
+    min_batches = [int(b) for b in a.min_batch.split(",")]
+    if any(b < 1 for b in min_batches):
+        p.error(f"--min-batch {a.min_batch}: each value a positive int")
     variants = [v for v in VARIANTS + EXTRA_VARIANTS if v in a.variants]
     if "hf_grouped_mm_inductor" not in variants:
         p.error("the ratios are against hf_grouped_mm_inductor: keep it among --variants")
@@ -269,11 +285,14 @@ def main(argv: list[str] | None = None) -> None:
                 for f in steps.values():  # compile (once per grad mode), allocator
                     for _ in range(3):
                         f()
-                us = interleaved_us(steps, a.rounds)
-                base, flops = us["hf_grouped_mm_inductor"], expert_flops(config, tokens, mode, cpu)
-                cells = [f"{us[v]:.0f} ({base / us[v]:.2f}x, {flops / us[v] / 1e6:.0f} TF/s)" for v in variants]
-                floor = flops / (PEAK_TFLOPS * 1e6)
-                print(f"| {config} | {tokens} | {mode} | " + " | ".join(cells) + f" | {floor:.1f} |", flush=True)
+                for mb in min_batches:
+                    us = interleaved_us(steps, a.rounds, mb)
+                    base, flops = us["hf_grouped_mm_inductor"], expert_flops(config, tokens, mode, cpu)
+                    cells = [f"{us[v]:.0f} ({base / us[v]:.2f}x, {flops / us[v] / 1e6:.0f} TF/s)" for v in variants]
+                    floor = flops / (PEAK_TFLOPS * 1e6)
+                    label = mode if min_batches == [1] else f"{mode}, batch >= {mb}"
+                    print(f"| {config} | {tokens} | {label} | " + " | ".join(cells) + f" | {floor:.1f} |",
+                          flush=True)
 
 
 if __name__ == "__main__":

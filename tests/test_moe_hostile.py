@@ -345,6 +345,66 @@ def test_compiled_training_through_grouped(backend):
         assert_matches(g, w.double(), torch.float32)
 
 
+def _recording_backend(seen: list[str]):
+    """aot_autograd whose forward and backward compilers record every call's target."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def rec(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+    return aot_autograd(fw_compiler=rec, bw_compiler=rec)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t,k,e", [(9, 2, 4), (1, 1, 3), (7, 3, 2)], ids=["T9k2", "T1k1", "T7k3"])
+def test_compiled_grouped_gathers_and_combines_with_torch_ops(t, k, e, dtype):
+    """Traced, grouped's gather and combine are torch's own ops (no scatter_combine in the
+    forward or backward graph: Inductor fuses them), deterministic (two runs bit-identical),
+    output and every gradient within the dtype's tolerance of the float64 reference, a
+    sentinel slot included."""
+    a = moe_args(t, k, 16, 8, e, dtype)
+    a[1] = a[1].clone()
+    a[1][0, k - 1] = e                             # a sentinel: no expert
+    cot = torch.randn(t, 16)
+    want, want_g = grads_of(M.reference, [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point()
+                                          else x for x in a], cot.double())
+    seen: list[str] = []
+    torch._dynamo.reset()
+    fn = torch.compile(G.grouped, backend=_recording_backend(seen), fullgraph=True)
+    got, got_g = grads_of(fn, a, cot.to(dtype))
+    assert seen and not [s for s in seen if "scatter_combine" in s], seen
+    assert_matches(got, want, dtype)
+    assert len(got_g) == len(want_g) == 4
+    for g, w in zip(got_g, want_g):
+        assert_matches(g, w, dtype)
+    again, again_g = grads_of(fn, a, cot.to(dtype))
+    assert torch.equal(again, got) and all(torch.equal(x, y) for x, y in zip(again_g, got_g))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
+                    reason="needs a CUDA device of sm90 or newer (torch._grouped_mm: the path traced whole)")
+def test_cuda_compiled_grouped_under_inductor_matches_float64():
+    """The same through Inductor on the GPU (bf16: torch._grouped_mm, the form the
+    transformers integration compiles below moe_experts_train.TRACED_MIN_FLOPS), where
+    Inductor fuses the gather and the combine (on the CPU it cannot compile the per-expert
+    GEMMs' unbacked sizes in backward, with or without this form)."""
+    a = [x.cuda() if isinstance(x, torch.Tensor) else x for x in moe_args(64, 2, 64, 32, 8, torch.bfloat16)]
+    a[1] = a[1].clone()
+    a[1][3, 0] = 8                                 # a sentinel
+    cot = torch.randn(64, 64, device="cuda")
+    want, want_g = grads_of(M.reference, [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point()
+                                          else x for x in a], cot.double())
+    torch._dynamo.reset()
+    fn = torch.compile(G.grouped, fullgraph=True)
+    got, got_g = grads_of(fn, a, cot.bfloat16())
+    assert_matches(got, want, torch.bfloat16)
+    for g, w in zip(got_g, want_g):
+        assert_matches(g, w, torch.bfloat16)
+    again, again_g = grads_of(fn, a, cot.bfloat16())
+    assert torch.equal(again, got) and all(torch.equal(x, y) for x, y in zip(again_g, got_g))
+
+
 # ------------------------------------------------------------------ 5. the registry's explicit pin
 
 @pytest.fixture

@@ -4,9 +4,10 @@ meaning, checks and reference are in :mod:`opreg.ops.moe_experts`.
 Rows grouped by expert on the device (stable sort, offsets by ``searchsorted``: no host
 sync), grouped GEMMs (``torch._grouped_mm`` for bf16 on sm90+, which is CUDA-graph
 capturable; elsewhere one GEMM per expert after one host read of the offsets), the gate, and
-``scatter_combine`` for the weighted combine (deterministic, fp32 accumulation); sentinel
-rows are zero going in and zeroed coming out. As the op's kernel it records no autograd
-(the op's gradients are its reference's); :func:`grouped` itself is differentiable (torch
+``scatter_combine`` for the weighted combine (deterministic, fp32 accumulation; traced by
+``torch.compile``, the gather and the combine are torch's own ops instead, as deterministic:
+see :func:`grouped`); sentinel rows are zero going in and zeroed coming out. As the op's
+kernel it records no autograd (the op's gradients are its reference's); :func:`grouped` itself is differentiable (torch
 autograd, scatter_combine's own; under ``torch.func`` transforms torch's ``index_add``
 instead, and under ``torch.compile`` one GEMM per expert of unbacked size), which the
 transformers integration trains through where the fused kernels don't run, and the
@@ -83,6 +84,11 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``x[idx]`` for (R, C) ``x``, deterministic in backward."""
     return (_GatherRows if torch.compiler.is_compiling() else _Gather).apply(x, idx)
 
+
+# Traced by torch.compile, :func:`grouped` gathers and combines with torch's own ops (True)
+# rather than through scatter_combine (False: the form before 2026-12-04, kept for A/B
+# runs, ``bench/bench_moe_block.py --traced-combine``).
+TRACED_TORCH_COMBINE = True
 
 _SM90_OR_NEWER: dict[int, bool] = {}
 
@@ -168,12 +174,36 @@ def grouped(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     offs = torch.searchsorted(expert_of_row, torch.arange(e, device=ids.device), right=True).int()
     token_of_row = perm // k
     real = valid[perm].unsqueeze(-1)
-    x = torch.where(real, gather_rows(hidden_states, token_of_row), 0)
+    # Traced (torch.compile), the gather and the combine are torch's own ops, which Inductor
+    # fuses with their neighbours; eager, the scatter_combine op does both in one kernel
+    # each way. Under compile that op is a kernel and a dispatcher crossing of its own in
+    # the forward and twice in the backward, and a compiled training step on this path
+    # (below moe_experts_train.TRACED_MIN_FLOPS) waits on its host: at T = 64 on the H200,
+    # Qwen3-MoE's step went from 0.93x to 0.975x of HF's compiled one (median of four
+    # processes each; Mixtral's and OLMoE's within the processes' spread, RESULTS.md). Both
+    # forms are deterministic: every token has k slots, and sorted row r is slot perm[r].
+    traced = torch.compiler.is_compiling() and TRACED_TORCH_COMBINE
+    if traced:
+        # x's copy per slot, then sorted: backward puts each row's gradient at its own slot
+        # (distinct positions) and sums a token's k slots
+        h = hidden_states.shape[1]
+        x = hidden_states.unsqueeze(1).expand(t, k, h).reshape(t * k, h)[perm]
+    else:
+        x = gather_rows(hidden_states, token_of_row)
+    x = torch.where(real, x, 0)
     up = grouped_linear(x, gate_up_proj, offs, gate_up_bias, expert_of_row, transposed)
     act = apply_gate(up, activation, gated, interleaved, alpha, limit)
     down = grouped_linear(act, down_proj, offs, down_bias, expert_of_row, transposed)
     down = torch.where(real, down, 0)
-    return _scatter_add_rows(down, token_of_row, weights[perm].to(gate_dtype), t)
+    if not traced:
+        return _scatter_add_rows(down, token_of_row, weights[perm].to(gate_dtype), t)
+    # the rows back in slot order (a gather by the inverse permutation), weighted and summed
+    # over each token's k slots in the accumulation dtype (fp32 for half), as scatter_combine
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.shape[0], device=perm.device)
+    acc = accumulate_dtype(down.dtype)
+    slots = down[inv].to(acc) * weights.to(acc).unsqueeze(-1)
+    return slots.view(t, k, -1).sum(1).to(down.dtype)
 
 
 def _kernel(*args: Any) -> torch.Tensor:
