@@ -19,7 +19,8 @@
 #                                          grouped_mm, the eager block's host side (moe_profile --host-profile)
 #   STAGE=table bash bench/device_run.sh   issue 18's block table: every variant but HF's eager loop at
 #                                          TOKENS_TABLE (default 1,64,512; the large T in a second call,
-#                                          TOKENS_TABLE=4096,16384), forward and training, 5 rounds
+#                                          TOKENS_TABLE=4096,16384), forward and training, 5 rounds,
+#                                          at MIN_BATCH (default 1,5: bench_moe_block.py --min-batch)
 #   STAGE=compiled bash bench/device_run.sh  the compiled training step's path (moe_experts_train.TRACED_MIN_FLOPS):
 #                                          the block's training step at TOKENS_COMPILED (default 64,512,4096)
 #                                          on the grouped path (--traced-min-flops 1e30), then on the fused
@@ -130,8 +131,10 @@ fi
 
 if [ "$STAGE" = table ]; then
   python3 -m opreg build >/dev/null 2>&1
-  timeout ${TABLE_S:-480} python3 bench/bench_moe_block.py --tokens "${TOKENS_TABLE:-1,64,512}" --rounds 5 2>&1 \
-    | tee "$OUT/moe_table.log" | grep "^|"
+  # both batch regimes (a batch of one call charges each call the host's start-up; five
+  # back-to-back calls cost the larger of host and GPU, as a model's layers do)
+  timeout ${TABLE_S:-480} python3 bench/bench_moe_block.py --tokens "${TOKENS_TABLE:-1,64,512}" --rounds 5 \
+    --min-batch "${MIN_BATCH:-1,5}" 2>&1 | tee "$OUT/moe_table.log" | grep "^|"
 fi
 
 if [ "$STAGE" = decode ]; then
