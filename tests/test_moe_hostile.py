@@ -65,6 +65,11 @@ def _double(v: torch.Tensor | None) -> torch.Tensor | None:
     return None if v is None else v.double()
 
 
+def args64(a: list) -> list:
+    """``a`` with every floating tensor in float64."""
+    return [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in a]
+
+
 def _linear(v: torch.Tensor, m: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
     """One expert's projection: ``v @ m`` (``m`` (K, N) if ``transposed``, else (N, K)) + ``b``."""
     return (v @ m if transposed else v @ m.T) + (0 if b is None else b)
@@ -366,8 +371,7 @@ def test_compiled_grouped_gathers_and_combines_with_torch_ops(t, k, e, dtype):
     a[1] = a[1].clone()
     a[1][0, k - 1] = e                             # a sentinel: no expert
     cot = torch.randn(t, 16)
-    want, want_g = grads_of(M.reference, [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point()
-                                          else x for x in a], cot.double())
+    want, want_g = grads_of(M.reference, args64(a), cot.double())
     seen: list[str] = []
     torch._dynamo.reset()
     fn = torch.compile(G.grouped, backend=_recording_backend(seen), fullgraph=True)
@@ -393,8 +397,7 @@ def test_cuda_compiled_grouped_under_inductor_matches_float64():
     a[1] = a[1].clone()
     a[1][3, 0] = 8                                 # a sentinel
     cot = torch.randn(64, 64, device="cuda")
-    want, want_g = grads_of(M.reference, [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point()
-                                          else x for x in a], cot.double())
+    want, want_g = grads_of(M.reference, args64(a), cot.double())
     torch._dynamo.reset()
     fn = torch.compile(G.grouped, fullgraph=True)
     got, got_g = grads_of(fn, a, cot.bfloat16())
@@ -530,7 +533,7 @@ def test_property_every_path_agrees_with_float64(a):
     if a[0].shape[0] == 0:
         return
     cot = torch.randn(want.shape, dtype=torch.float64).to(dtype).double()
-    a64 = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in a]
+    a64 = args64(a)
     _, g64 = grads_of(lambda *b: eager64(*b, rounding=rounding), a64, cot)
     for name, fn in (("op autograd", OP), ("grouped autograd", G.grouped)):
         out, g = grads_of(fn, a, cot.to(dtype))
