@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opreg.ops.cat_linear import reference_stacked
+from opreg.ops.cat_linear import reference, reference_stacked
 from opreg.testing import OpTestSuite, Sample
 
 from _util import DEVICES, FLOAT_DTYPES, assert_matches, poison, set_requires_grad, skip_without
@@ -231,12 +231,13 @@ def test_stacked_device_mismatch():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["simt", "gemm"])
+@pytest.mark.parametrize("path", ["dot", "simt", "gemm"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("shape,dim,k", STACKED_SHAPES[:5], ids=str)
 def test_cuda_both_paths(monkeypatch, path, dtype, shape, dim, k):
-    """Each CUDA path (single-launch SIMT, cat + cuBLAS), forced, for both ops: the
-    stacked op describes flat slices straight from x's strides on the SIMT path."""
+    """Each CUDA path (the single-launch dot and SIMT kernels, cat + cuBLAS), forced, for
+    both ops: the stacked op describes flat slices straight from x's strides on the fused
+    paths."""
     skip_without("cuda")
     monkeypatch.setenv("OPREG_CAT_LINEAR_PATH", path)
     x, d, weight, bias = stacked_inputs(shape, dim, k, dtype, "cuda")
@@ -244,3 +245,39 @@ def test_cuda_both_paths(monkeypatch, path, dtype, shape, dim, k):
     poison(want.numel() * dtype.itemsize, "cuda")
     assert_matches(STACKED(x, d, weight, bias), want, dtype)
     assert_matches(OP(list(x.unbind(d)), weight, bias), want, dtype)
+
+
+# The dot kernel's own edges: K over several rounds of 2 x 32 vectors per lane (fp32: 256
+# columns a round), parts whose widths split a lane's vectors between parts, outputs not a
+# multiple of its 4 columns per warp, one row, many rows, misaligned parts (one element per
+# load), strided parts; plus the list SHAPES (zero-width parts, no rows).
+DOT_SHAPES = [((5,), [300, 212, 500], 7), ((1,), [8] * 64, 3), ((2, 3), [1024, 8], 13),
+              ((130,), [16, 48], 5), ((4,), [3, 7, 11], 6)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_cuda_dot_path(monkeypatch, dtype):
+    """The dot kernel, forced, against float64 on every shape above, with and without bias,
+    poisoned output memory; two runs bit-identical (a fixed reduction order)."""
+    skip_without("cuda")
+    monkeypatch.setenv("OPREG_CAT_LINEAR_PATH", "dot")
+    cases = [make_inputs(lead, widths, k, dtype, "cuda", bias)
+             for lead, widths, k in DOT_SHAPES + SHAPES for bias in (True, False)]
+    cases.append(non_contiguous(dtype, "cuda"))
+    for parts, weight, bias in cases:
+        want = reference([p.double() for p in parts], weight.double(), None if bias is None else bias.double())
+        poison(want.numel() * dtype.itemsize, "cuda")
+        got = OP(parts, weight, bias)
+        assert_matches(got, want, dtype)
+        torch.testing.assert_close(OP(parts, weight, bias), got, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_path_override_rejects_unknown(monkeypatch):
+    """A misspelt OPREG_CAT_LINEAR_PATH is an error naming it, not the model in silence."""
+    skip_without("cuda")
+    monkeypatch.setenv("OPREG_CAT_LINEAR_PATH", "simd")
+    parts, weight, bias = make_inputs((12,), [32] * 4, 56, torch.float32, "cuda")
+    with pytest.raises(ValueError, match="OPREG_CAT_LINEAR_PATH"):
+        OP(parts, weight, bias)

@@ -77,7 +77,7 @@ bool cuda_runs_gemm(int64_t M, const at::Tensor& weight, int64_t R, int64_t chun
   const int64_t elt = static_cast<int64_t>(weight.element_size());
   const model::Work w{M, weight.size(0), weight.size(1), R, chunks, elt,
                       vec && weight.size(1) % (16 / elt) == 0};
-  return !model::use_simt(w, model::kH200Sms);
+  return !model::use_fused(w, model::kH200Sms);
 }
 
 // cat_linear's call on CUDA with gradients: eager's ops where the kernel would run them

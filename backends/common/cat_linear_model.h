@@ -1,5 +1,6 @@
 // Which CUDA path opreg::cat_linear (and cat_linear_stacked) runs: the fused single-launch
-// SIMT kernel (backends/cuda/cat_linear_simt.cu) or eager's at::cat + cuBLAS (the "GEMM
+// SIMT kernel (backends/cuda/cat_linear_simt.cu), for the tiniest calls the warp-per-outputs
+// dot kernel (backends/cuda/cat_linear_dot.cu), or eager's at::cat + cuBLAS (the "GEMM
 // path"), from a model of each path's time per call. Shared by the CUDA kernel
 // (backends/cuda/cat_linear.cu, the forward's choice) and the autograd kernel
 // (backends/autograd/cat_linear.cpp: with gradients, where the GEMM path would run, it runs
@@ -24,7 +25,16 @@
 //       Hg is the host time of the op call on this path (argument parsing, at::cat of R
 //       tensors, addmm): the GEMM path is host-bound at every small shape.
 //   SIMT's own host time (op call + one launch) is below Hg, so SIMT is faster iff its device
-//   time is below the GEMM path's whole time: use SIMT iff simt_us < gemm_us.
+//   time is below the GEMM path's whole time: a fused kernel runs iff simt_us < gemm_us.
+//   DOT, device: d0 + dL * U * W + dI * E / S + dR * R * W, where the call's kDotCols-output
+//       warp tiles number G = M ceil(N / 4), W = ceil(G / (64 S)) waves of them, each walking
+//       ceil(K / 32 v) steps of one v-element vector per lane (v = 16 bytes, or 1 element on
+//       misaligned parts), U = ceil(K / 64 v) rounds of 2 steps whose loads are in flight
+//       together (a memory round trip each), E = G ceil(K / 32 v) v elements a lane multiplies
+//       by 4 weight rows, R parts its cursor walks. It has SIMT's host time, so it replaces
+//       SIMT where it is faster on the device: where a fused kernel runs, the dot kernel
+//       does iff 1.5 dot_us < simt_us. It never takes a call from the GEMM path (in a CUDA graph
+//       cuBLAS is often faster; back to back the host decides: the choice stays as it was).
 //
 // CONSTANTS (H200, torch 2.11; the sweep is bench/sweep.py --json, 2026-12-01, its forced
 // OPREG_CAT_LINEAR_PATH=simt|gemm columns, list form, no_grad):
@@ -52,6 +62,23 @@
 //                 peak: allow_tf32 off, as eager's default), 50 fp64 (0.75 x 67 FP64 tensor
 //                 cores). Measured: bf16 R32 B8192 H512 K2048 ~800 after the cat, fp32 49.8.
 //
+// DOT constants (H200, torch 2.11; bench/cat_linear_paths.py, 2026-12-04: each path forced,
+// device time from CUDA graphs, 134 shapes with the dot path timed; least squares on the
+// relative error):
+//   d0   1.54 us  launch and one round trip (the seeds' R4 B12 H32 K56: 2.2 us measured)
+//   dL   0.44 us  per round of a wave
+//   dI   4.1 ns fp32 / 4.8 ns 16-bit / 8.2 ns fp64 (FP64 FMAs at half the FP32 rate) per
+//                 lane element per SM: its 4 FMAs, 5 loads and (16-bit) 5 conversions
+//   dR   0.082 us per part per wave (the per-lane cursor over the parts)
+//   1.5  the model's worst under-prediction where the SIMT kernel was the pick (measured /
+//        modelled 0.81-1.51, R2 B16-B1024 H64); the rest of the sweep 0.59-1.41.
+//   With these, against the former choice between SIMT and GEMM on the same sweep in CUDA
+//   graphs: 71 shapes go from SIMT to the dot kernel, geometric mean 0.71x of the former time;
+//   two are slower by more than 3 % (R2 B16 H64 K2048 fp32 3.5 -> 4.6 us, R2 B64 H64 K256
+//   bf16 3.7 -> 3.9: below the host's time per call back to back); the shapes more than 3 %
+//   slower than eager's cat + linear in a graph go from 64 to 20 (cuBLAS where the GEMM path's
+//   host decides the choice).
+//
 // CHECK against that sweep's 180 list-form forward shapes (152 with both paths forced; the
 // other 28, above 2^31 MACs, run the GEMM path under both rules; counts from medians):
 //   pick > 3 % slower than the better forced path: model 11, the former thresholds (SIMT up to
@@ -74,6 +101,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 namespace opreg {
 namespace cat_linear_model {
@@ -111,6 +140,13 @@ struct Work {
 constexpr double kT0 = 3.0, kL = 0.75, kS0 = 0.22, kWaveEpilogue = 0.9, kScalarCol = 0.042;
 constexpr double kHost0 = 22.0, kHostPerPart = 0.4, kKernel = 2.0;
 constexpr double kBytesPerUs = 4.17e6;
+// The dot kernel (cat_linear_dot.cu's constants, asserted there; the DOT section above).
+constexpr int64_t kDotCols = 4, kDotUnroll = 2, kDotWarpsPerSm = 64;
+constexpr double kDotT0 = 1.54, kDotRound = 0.44, kDotPart = 0.082, kDotMargin = 1.5;
+
+constexpr double dot_us_per_elem(int64_t elt) {  // dI
+  return elt == 8 ? 0.0082 : elt == 4 ? 0.0041 : 0.0048;
+}
 
 constexpr double simt_us_per_col(int64_t elt) {  // s1
   return elt == 8 ? 0.0094 : elt == 4 ? 0.0047 : 0.0059;
@@ -145,28 +181,63 @@ inline double gemm_us(const Work& w) {
   return std::max(host, cat + mm);
 }
 
+// Device time of the dot kernel, us (the DOT section above).
+inline double dot_us(const Work& w, int sms) {
+  if (w.M == 0 || w.N == 0) return 0.0;
+  const int64_t v = w.vec ? 16 / w.elt : 1, sm = std::max(sms, 1);
+  const int64_t warps = w.M * cdiv(w.N, kDotCols);
+  const double rounds = static_cast<double>(cdiv(w.K, 32 * v * kDotUnroll));
+  const double waves = static_cast<double>(cdiv(warps, kDotWarpsPerSm * sm));
+  const double elems = static_cast<double>(warps) * static_cast<double>(cdiv(w.K, 32 * v) * v);
+  return kDotT0 + kDotRound * rounds * waves + dot_us_per_elem(w.elt) * elems / static_cast<double>(sm) +
+         kDotPart * static_cast<double>(w.R) * waves;
+}
+
 // Can one SIMT launch take this call (kernel-argument and grid limits)?
 inline bool fits_simt(const Work& w) {
   return w.R <= kMaxParts && w.M < int64_t(65535) * kTileM && w.N < INT_MAX && w.K < INT_MAX;
 }
 
-// Benchmark/debug override: OPREG_CAT_LINEAR_PATH=simt|gemm (0 = the model). Read per call:
-// bench/sweep.py sets it between batches.
-inline int forced_path() {
-  const char* e = std::getenv("OPREG_CAT_LINEAR_PATH");
-  if (e == nullptr || e[0] == '\0') return 0;
-  if (std::strcmp(e, "simt") == 0) return 1;
-  if (std::strcmp(e, "gemm") == 0) return 2;
-  return 0;
+// ... and one dot launch (its grid: one warp per kDotCols outputs)?
+inline bool fits_dot(const Work& w) {
+  return fits_simt(w) && w.M * cdiv(w.N, kDotCols) < int64_t(INT_MAX) / 2;
 }
 
-// The choice: the override, else the model. Sizes only, never whether a CUDA graph is being
-// captured (backends/cuda/cat_linear.cu says why).
-inline bool use_simt(const Work& w, int sms) {
-  if (!fits_simt(w)) return false;
-  const int path = forced_path();
-  if (path != 0) return path == 1;
-  return simt_us(w, sms) < gemm_us(w);
+enum class Path { kDot, kSimt, kGemm };
+
+// Benchmark/debug override: OPREG_CAT_LINEAR_PATH=dot|simt|gemm (empty = the model). Read per
+// call: bench/sweep.py sets it between batches. An unknown value is an error, not the model.
+inline bool forced_path(Path* out) {
+  const char* e = std::getenv("OPREG_CAT_LINEAR_PATH");
+  if (e == nullptr || e[0] == '\0') return false;
+  if (std::strcmp(e, "dot") == 0) {
+    *out = Path::kDot;
+  } else if (std::strcmp(e, "simt") == 0) {
+    *out = Path::kSimt;
+  } else if (std::strcmp(e, "gemm") == 0) {
+    *out = Path::kGemm;
+  } else {
+    throw std::invalid_argument(std::string("OPREG_CAT_LINEAR_PATH must be dot, simt or gemm, got '") +
+                                e + "'");
+  }
+  return true;
+}
+
+// The choice: the override (where the path can take the call), else the model's fastest.
+// Sizes only, never whether a CUDA graph is being captured (backends/cuda/cat_linear.cu says
+// why).
+inline Path choose_path(const Work& w, int sms) {
+  if (!fits_simt(w)) return Path::kGemm;
+  Path forced;
+  if (forced_path(&forced)) return forced == Path::kDot && !fits_dot(w) ? Path::kSimt : forced;
+  const double simt = simt_us(w, sms);
+  if (!(simt < gemm_us(w))) return Path::kGemm;
+  return fits_dot(w) && kDotMargin * dot_us(w, sms) < simt ? Path::kDot : Path::kSimt;
+}
+
+// Does one of the fused kernels (dot or SIMT) take the call?
+inline bool use_fused(const Work& w, int sms) {
+  return choose_path(w, sms) != Path::kGemm;
 }
 
 }  // namespace cat_linear_model

@@ -107,6 +107,9 @@ namespace model = cat_linear_model;
 static_assert(model::kTileM == kTM && model::kTileN == kTN && model::kMaxParts == kMaxParts &&
                   model::kChunkBytes == kVPR * 16,
               "cat_linear_model.h describes the SIMT kernel's tile, chunk and part limit");
+static_assert(model::kDotCols == kDotCols && model::kDotUnroll == kDotUnroll &&
+                  model::kDotWarpsPerSm * 32 == 2048,
+              "cat_linear_model.h describes the dot kernel's warp tile and residency");
 
 // The device's SM count, read once per device (an attribute query: legal while capturing).
 int sm_count(c10::DeviceIndex dev) {
@@ -119,14 +122,15 @@ int sm_count(c10::DeviceIndex dev) {
   return n;
 }
 
-// The tensors unpacked for launch_simt_kernel (cat_linear_simt.cu), on the current stream.
+// The tensors unpacked for launch_dot_kernel (cat_linear_dot.cu) or launch_simt_kernel
+// (cat_linear_simt.cu), on the current stream.
 template <typename scalar_t, bool VEC, int MAXR>
-void launch_simt(
-    const PartArgs<kMaxParts>& all, int R, const at::Tensor& w, int64_t ldw, const scalar_t* bias,
-    at::Tensor& out, int64_t M, int64_t N) {
-  launch_simt_kernel<scalar_t, VEC, MAXR>(all, R, w.const_data_ptr<scalar_t>(), ldw, bias,
-                                          out.mutable_data_ptr<scalar_t>(), M, N, w.get_device(),
-                                          c10::cuda::getCurrentCUDAStream());
+void launch_fused(
+    bool dot, const PartArgs<kMaxParts>& all, int R, const at::Tensor& w, int64_t ldw,
+    const scalar_t* bias, at::Tensor& out, int64_t M, int64_t N) {
+  const auto launch = dot ? launch_dot_kernel<scalar_t, VEC, MAXR> : launch_simt_kernel<scalar_t, VEC, MAXR>;
+  launch(all, R, w.const_data_ptr<scalar_t>(), ldw, bias, out.mutable_data_ptr<scalar_t>(), M, N,
+         w.get_device(), c10::cuda::getCurrentCUDAStream());
 }
 
 // The model (cat_linear_model.h), or the OPREG_CAT_LINEAR_PATH override. The choice never
@@ -134,8 +138,8 @@ void launch_simt(
 // run the path the capture records, or the capture makes the first cuBLAS call of the process
 // (handle, workspace) inside the graph, which fails it (seen on the H200, 2026-12-01,
 // tests/test_cat_linear.py::test_cuda_graphs under xdist).
-bool use_simt_path(const model::Work& w, const at::Tensor& weight) {
-  return model::use_simt(w, sm_count(weight.get_device()));
+model::Path choose_path(const model::Work& w, const at::Tensor& weight) {
+  return model::choose_path(w, sm_count(weight.get_device()));
 }
 
 // Part i starts at ptr, its rows rs elements apart, wi wide; vec_ok stays true
@@ -149,10 +153,11 @@ void set_part(PartArgs<kMaxParts>& pa, int64_t i, const void* ptr, int64_t rs, i
   vec_ok = vec_ok && wi % V == 0 && rs % V == 0 && (wi == 0 || cuda::aligned16(ptr));
 }
 
-// The SIMT path over parts already described in pa: (M, N) output of shape out_shape.
-at::Tensor run_simt(const PartArgs<kMaxParts>& pa, int64_t R, bool vec_ok, const at::Tensor& weight,
-                    const std::optional<at::Tensor>& bias, c10::IntArrayRef out_shape, int64_t M,
-                    int64_t N) {
+// A fused kernel (dot or SIMT) over parts already described in pa: (M, N) output of shape
+// out_shape.
+at::Tensor run_fused(bool dot, const PartArgs<kMaxParts>& pa, int64_t R, bool vec_ok,
+                     const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                     c10::IntArrayRef out_shape, int64_t M, int64_t N) {
   at::Tensor out = at::empty(out_shape, weight.options());
   if (M == 0 || N == 0) return out;
   const int64_t K = weight.size(1);
@@ -168,11 +173,11 @@ at::Tensor run_simt(const PartArgs<kMaxParts>& pa, int64_t R, bool vec_ok, const
     const scalar_t* bp = has_bias ? bc.const_data_ptr<scalar_t>() : nullptr;
     const int r = static_cast<int>(R);
     if (vec_ok && R <= kFewParts) {
-      launch_simt<scalar_t, true, kFewParts>(pa, r, wc, ldw, bp, out, M, N);
+      launch_fused<scalar_t, true, kFewParts>(dot, pa, r, wc, ldw, bp, out, M, N);
     } else if (vec_ok) {
-      launch_simt<scalar_t, true, kMaxParts>(pa, r, wc, ldw, bp, out, M, N);
+      launch_fused<scalar_t, true, kMaxParts>(dot, pa, r, wc, ldw, bp, out, M, N);
     } else {
-      launch_simt<scalar_t, false, kMaxParts>(pa, r, wc, ldw, bp, out, M, N);
+      launch_fused<scalar_t, false, kMaxParts>(dot, pa, r, wc, ldw, bp, out, M, N);
     }
   });
   return out;
@@ -254,13 +259,13 @@ model::Work work_of(int64_t M, const at::Tensor& weight, int64_t R, const Descri
 // autograd kernel's) are what it adds to eager's at R32: B1024 H64 K2048 bf16, no grad, was
 // 1.7 us over eager's 36.7 us per call on the H200's host (bench/sweep.py, 2026-12-02), and
 // on the 2-core box the op's host time grows by ~55 ns a part.
-bool simt_may_win(int64_t M, const at::Tensor& weight, int64_t R, int64_t TK) {
+bool fused_may_win(int64_t M, const at::Tensor& weight, int64_t R, int64_t TK) {
   const int64_t K = weight.size(1);
   model::Work best{M, weight.size(0), K, R, (K + TK - 1) / TK,
                    static_cast<int64_t>(weight.element_size()), true};
-  if (use_simt_path(best, weight)) return true;
+  if (choose_path(best, weight) != model::Path::kGemm) return true;
   best.vec = false;
-  return use_simt_path(best, weight);
+  return choose_path(best, weight) != model::Path::kGemm;
 }
 
 // Inputs already checked.
@@ -279,12 +284,13 @@ at::Tensor cat_linear_impl(
   out_shape.push_back(N);
 
   const int V = static_cast<int>(16 / c10::elementSize(weight.scalar_type()));
-  if (R <= kMaxParts && simt_may_win(M, weight, R, int64_t(kVPR) * V)) {
+  if (R <= kMaxParts && fused_may_win(M, weight, R, int64_t(kVPR) * V)) {
     Described d = describe_parts(parts, V, int64_t(kVPR) * V);
-    if (use_simt_path(work_of(M, weight, R, d, V), weight)) {
+    const model::Path path = choose_path(work_of(M, weight, R, d, V), weight);
+    if (path != model::Path::kGemm) {
       std::vector<at::Tensor> keep;  // owns contiguous copies, if any (rare)
       if (!d.all_flat) describe_copies(parts, d, V, keep);
-      return run_simt(d.pa, R, d.vec_ok, weight, bias, out_shape, M, N);
+      return run_fused(path == model::Path::kDot, d.pa, R, d.vec_ok, weight, bias, out_shape, M, N);
     }
   }
 
@@ -325,8 +331,9 @@ at::Tensor cat_linear_stacked_cuda(
       set_part(ds.pa, i, base + i * step, rs, width, i * width, V, ds.vec_ok);
     }
     ds.chunks = R * ((width + TK - 1) / TK);
-    if (use_simt_path(work_of(M, weight, R, ds, V), weight)) {
-      return run_simt(ds.pa, R, ds.vec_ok, weight, bias, out_shape, M, N);
+    const model::Path path = choose_path(work_of(M, weight, R, ds, V), weight);
+    if (path != model::Path::kGemm) {
+      return run_fused(path == model::Path::kDot, ds.pa, R, ds.vec_ok, weight, bias, out_shape, M, N);
     }
   } else if (R <= kMaxParts) {
     return cat_linear_impl(x.unbind(d), weight, bias);  // slices that need copies: rare

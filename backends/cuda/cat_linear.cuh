@@ -1,7 +1,8 @@
 // What the cat_linear translation units share (the map of the parts and the
 // design notes are at the top of cat_linear.cu): the part descriptors, the
-// SIMT block tile (the host bounds M with it) and launch_simt_kernel, defined
-// and explicitly instantiated in cat_linear_simt.cu.
+// SIMT block tile (the host bounds M with it), the dot path's warp tile, and
+// launch_simt_kernel / launch_dot_kernel, defined and explicitly instantiated in
+// cat_linear_simt.cu / cat_linear_dot.cu.
 //
 // Light on includes on purpose, like cuda_common.cuh: cat_linear_simt.cu
 // includes only this, ATen/OpMathType.h and c10/cuda/CUDAException.h, never the
@@ -42,6 +43,11 @@ constexpr int kTM = 16;       // output rows per block
 constexpr int kTN = 32;       // output columns per block
 constexpr int kVPR = 16;      // 16-byte vectors per tile row per k chunk: TK = 16 * V columns
 
+// The dot path's geometry (cat_linear_dot.cu; the host's cost model counts with it):
+constexpr int kDotCols = 4;     // outputs of one row per warp
+constexpr int kDotUnroll = 2;   // k steps (32 vectors each) whose loads are issued together
+constexpr int kDotThreads = 128;
+
 // The SIMT path's launch: the first R parts of `all` copied into a
 // PartArgs<MAXR>, (M, N) output out = parts x w^T (+ bias), w's rows ldw
 // elements apart; on `stream`, checked. The host picks VEC and MAXR.
@@ -49,6 +55,12 @@ template <typename scalar_t, bool VEC, int MAXR>
 void launch_simt_kernel(const PartArgs<kMaxParts>& all, int R, const scalar_t* w, int64_t ldw,
                         const scalar_t* bias, scalar_t* out, int64_t M, int64_t N,
                         c10::DeviceIndex dev, cudaStream_t stream);
+
+// The dot path's launch, the same arguments (VEC false: one element per load).
+template <typename scalar_t, bool VEC, int MAXR>
+void launch_dot_kernel(const PartArgs<kMaxParts>& all, int R, const scalar_t* w, int64_t ldw,
+                       const scalar_t* bias, scalar_t* out, int64_t M, int64_t N,
+                       c10::DeviceIndex dev, cudaStream_t stream);
 
 // Every (scalar_t, VEC, MAXR) run_simt (cat_linear.cu) dispatches to: the four
 // floating types (AT_DISPATCH_FLOATING_TYPES_AND2(kHalf, kBFloat16)), each as
