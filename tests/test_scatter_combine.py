@@ -336,3 +336,62 @@ def test_cuda_large_path_is_one_launch(monkeypatch):
     assert not any("scatter_large_fused_kernel" in k for k in multi), multi
     for name in ("count_kernel", "scan_kernel", "place_kernel", "scatter_reduce_kernel"):
         assert any(name in k for k in multi), (name, multi)
+
+
+# The one-launch paths (backends/cuda/scatter_combine_tiny.cu: a warp per token, each reading
+# all of token_idx in 16-byte loads; scatter_combine_small.cu: 8 tokens a block) against the
+# large path, each forced (OPREG_SCATTER_COMBINE_PATH, read per call) on the same call: the
+# same bits, and float64's values. Rows past a batch of 1024 int32 / 512 int64 indices and a
+# count not a multiple of 4 (the tail read one by one), empty tokens, out-of-range indices,
+# a token with more rows than the tiny kernel sums at a time; and token_idx not 16-byte
+# aligned (a slice), where the tiny path is not taken.
+PATH_ENV = "OPREG_SCATTER_COMBINE_PATH"
+
+
+def _forced(path: str, args, monkeypatch) -> torch.Tensor:
+    from opreg.testing.compare import poison
+    with monkeypatch.context() as m:
+        m.setenv(PATH_ENV, path)
+        x, idx, g, t = args
+        poison(t * x.shape[1] * 8, "cuda")
+        return OP(x, idx, g, t)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("t,fanout,h", [(1, 1, 128), (7, 3, 37), (1536, 2, 128), (300, 7, 1000),
+                                        (64, 8, 4096)], ids=str)
+def test_cuda_one_launch_paths_same_bits(t, fanout, h, dtype, idx_dtype, monkeypatch):
+    skip_without("cuda")
+    idx = torch.arange(t).repeat_interleave(fanout)
+    if t > 6:
+        idx[idx == 3] = 1                          # token 3 empty, token 1 with 2 x fanout rows
+        idx[torch.arange(idx.numel()) % 5 == 0] = 6  # token 6: a fifth of all rows
+        idx[1], idx[2] = -1, t + 3                 # out of range: ignored
+    idx = idx[torch.randperm(idx.numel())].to(idx_dtype).cuda()
+    n = idx.numel()
+    x = torch.randn(n, h, dtype=dtype, device="cuda")
+    g = (torch.rand(n, device="cuda") + 0.1).to(dtype)
+    args = (x, idx, g, t)
+    tiny = _forced("tiny", args, monkeypatch)
+    keep = (idx >= 0) & (idx < t)
+    assert_matches(tiny, expected(x[keep], idx[keep], g[keep], t), dtype)
+    assert torch.equal(_forced("tiny", args, monkeypatch), tiny)
+    if n <= 8192:
+        assert torch.equal(_forced("small", args, monkeypatch), tiny)
+    assert torch.equal(_forced("large", args, monkeypatch), tiny)
+    # token_idx one element into a buffer: not 16-byte aligned, the tiny path declines
+    buf = torch.empty(n + 1, dtype=idx_dtype, device="cuda")
+    buf[1:] = idx
+    assert torch.equal(_forced("tiny", (x, buf[1:], g, t), monkeypatch), tiny)
+
+
+@pytest.mark.cuda
+def test_cuda_path_override_rejects_unknown(monkeypatch):
+    """A misspelt OPREG_SCATTER_COMBINE_PATH is an error naming it, not the sizes' choice."""
+    skip_without("cuda")
+    monkeypatch.setenv(PATH_ENV, "tinny")
+    x, idx, g, t = make_inputs(64, 2, 16, torch.float32, torch.int32, "random", "cuda")
+    with pytest.raises(ValueError, match=PATH_ENV):
+        OP(x, idx, g, t)

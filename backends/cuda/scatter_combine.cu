@@ -7,7 +7,10 @@
 // zero fill, and every path visits rows in the same order with the same FMA
 // chain, so results are bitwise reproducible for any row order and any path.
 //
-// Two paths, chosen on the host from sizes alone (never from data):
+// Three paths, chosen on the host from sizes alone (never from data):
+//  * tiny (N x T x column chunks <= kTinyMaxWork, token_idx 16-byte aligned): ONE launch, no
+//    shared memory, no barrier: a warp per token reads all of token_idx in 16-byte loads and
+//    ballots out its rows in row order (scatter_combine_tiny.cu).
 //  * small (N <= 8192 and little total index-scan work): ONE launch. Each
 //    block owns 8 tokens, reads all of token_idx itself (redundant across
 //    blocks, served by L2) and compacts the rows of its tokens in row order (a block-wide scan of per-thread counts
@@ -55,6 +58,7 @@
 //    workspace constants, the launch functions' declarations, the list of
 //    (dtype, vector width) instantiations) and accumulate_rows, the device
 //    helper of both forward paths.
+//  * scatter_combine_tiny.cu: the tiny-path kernel and launch_tiny.
 //  * scatter_combine_small.cu: the small-path kernel and launch_small.
 //  * scatter_combine_large.cu: the large path's phases (count / scan / place /
 //    reduce), its fused cooperative kernel and multi-kernel fallback, and
@@ -107,6 +111,19 @@ bool large_fused_allowed() {
   return e == nullptr || std::strcmp(e, "multi") != 0;
 }
 
+// Benchmark/test override: OPREG_SCATTER_COMBINE_PATH=tiny|small|large forces the forward's
+// path where it can take the call (tiny: token_idx 16-byte aligned; small: N <= 8192); unset
+// or empty, the sizes decide. Read per call; any other value is an error.
+enum class ForwardPath { kAuto, kTiny, kSmall, kLarge };
+ForwardPath forced_forward_path() {
+  const char* e = std::getenv("OPREG_SCATTER_COMBINE_PATH");
+  if (e == nullptr || e[0] == '\0') return ForwardPath::kAuto;
+  if (std::strcmp(e, "tiny") == 0) return ForwardPath::kTiny;
+  if (std::strcmp(e, "small") == 0) return ForwardPath::kSmall;
+  if (std::strcmp(e, "large") == 0) return ForwardPath::kLarge;
+  TORCH_CHECK_VALUE(false, "OPREG_SCATTER_COMBINE_PATH must be tiny, small or large, got '", e, "'");
+}
+
 // Debug mode only: synchronizes (two scalar reads).
 void validate_indices(const char* op, const at::Tensor& idx, int64_t num_tokens) {
   if (idx.numel() == 0) return;
@@ -139,7 +156,19 @@ void launch_forward(
   const int64_t gx_small = (num_tokens + kSmallTok - 1) / kSmallTok;
   constexpr int snv = small_nv<V>();
   const int64_t gy_small = std::max<int64_t>(1, (hvec + 32 * snv - 1) / (32 * snv));
-  if (n <= kSmallMaxRows && int64_t(n) * gx_small * gy_small <= kSmallMaxWork && gy_small <= 65535) {
+  const ForwardPath forced = forced_forward_path();
+  const bool tiny_ok = cuda::aligned16(idx.const_data_ptr()) && gy_small <= 65535 &&
+                       num_tokens < INT_MAX;
+  const bool small_ok = n <= kSmallMaxRows && gy_small <= 65535;
+  const bool tiny = tiny_ok && (forced == ForwardPath::kTiny ||
+                                (forced == ForwardPath::kAuto && int64_t(n) * num_tokens * gy_small <= kTinyMaxWork));
+  if (tiny) {
+    launch_tiny<scalar_t, V>(xp, idx.const_data_ptr(), idx64, g.const_data_ptr(), g32, op, n,
+                             num_tokens, hvec, gy_small, stream);
+    return;
+  }
+  if (small_ok && (forced == ForwardPath::kSmall || forced == ForwardPath::kTiny ||
+                   (forced == ForwardPath::kAuto && int64_t(n) * gx_small * gy_small <= kSmallMaxWork))) {
     launch_small<scalar_t, V>(xp, idx.const_data_ptr(), idx64, g.const_data_ptr(), g32, op, n,
                               num_tokens, hvec, gx_small, gy_small, stream);
     return;

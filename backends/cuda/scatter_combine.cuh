@@ -52,6 +52,20 @@ constexpr int kSmallPer = 32;                // rows per thread in the index sca
 static_assert(kSmallTok == 8, "list entries pack the local token in 3 bits");
 
 // ---------------------------------------------------------------------------
+// Tiny path: one launch, a warp per token (kernel in scatter_combine_tiny.cu).
+constexpr int kTinyWarps = 4;   // tokens (= warps) per block
+constexpr int kTinyLoads = 8;   // 16-byte index loads per lane in flight: 1024 int32 rows a batch
+// N * T * column chunks index reads (every warp scans all N indices, 8x the small path's N *
+// T / 8 * chunks): the tiny path's bound. H200, 2026-12-04, each path forced on 91 shapes in a
+// CUDA graph (bench/scatter_paths.py, int32 indices in expert order): up to 2^18 the tiny
+// path is never slower than the path the sizes took before (the small one there), and
+// 0.6-0.9x of it at T <= 256 (T64 k8 H4096 fp32 3.9 us against 4.9, T256 k8 H128 3.8 against
+// 4.5); from 2^19 it loses on some shapes (T256 k1 H4096 bf16, 2^19 reads: 4.19 against
+// 3.65; T256 k8 H4096 bf16, 2^22: 11.4 against 6.9; the seeds' T1536 k2 H128 fp32, 2^22.2:
+// 4.60 against 4.06), where the redundant scan outgrows the barriers it saves.
+constexpr int64_t kTinyMaxWork = int64_t(1) << 18;
+
+// ---------------------------------------------------------------------------
 // Large path (kernels and their design notes in scatter_combine_large.cu):
 // what the host needs to size the workspace.
 constexpr int kEll = 8;
@@ -107,6 +121,11 @@ template <typename scalar_t, int V>
 void launch_small(const scalar_t* xp, const void* idx, bool idx64, const void* gates, bool g32,
                   scalar_t* op, int n, int64_t num_tokens, int hvec, int64_t gx_small,
                   int64_t gy_small, cudaStream_t stream);
+
+// Tiny path: grid ceil(T / kTinyWarps) x gy; token_idx 16-byte aligned.
+template <typename scalar_t, int V>
+void launch_tiny(const scalar_t* xp, const void* idx, bool idx64, const void* gates, bool g32,
+                 scalar_t* op, int n, int64_t num_tokens, int hvec, int64_t gy, cudaStream_t stream);
 
 // Large path, on the workspace the host carved (flag | counts | ell | ooff |
 // slot | operm | tile_sums): one cooperative launch when `fused` and the
