@@ -5,6 +5,8 @@
 #   STAGE=slower bash bench/device_run.sh  the never-slower checks: the cat_linear sweep, scatter_combine
 #                                          at >= 16 MB beside the copy, the backend models, the seeds'
 #                                          per-call times (gpu_report.py); SLOWER_S (default 300) shared
+#   STAGE=paths bash bench/device_run.sh   the fused ops' paths forced, timed in CUDA graphs beside the
+#                                          sizes' own pick and eager (cat_linear_paths.py, scatter_paths.py)
 #   STAGE=moe bash bench/device_run.sh     the MoE layer: the block vs HF's grouped_mm + Inductor over
 #                                          TOKENS_MOE (default 64,4096,16384), host vs GPU time eager and
 #                                          compiled (moe_profile.py --inductor), the GEMMs per config
@@ -108,6 +110,17 @@ if [ "$STAGE" = slower ]; then
   grep -v "^ \|[Ww]arn" "$OUT/backend_models.log" | tail -16
   timeout $((S * 15 / 100)) python3 bench/gpu_report.py > "$OUT/gpu_report.log" 2>&1; grep -E "^\| (scatter 1536|cat_linear R4 B12)" "$OUT/gpu_report.log"
   rm -f "$OUT/install.log"  # a call returns at most 8 files
+fi
+
+if [ "$STAGE" = paths ]; then
+  python3 -m opreg build >/dev/null 2>&1
+  # the fused ops' paths, each forced, device time from CUDA graphs (the host taken out):
+  # cat_linear's dot / SIMT / GEMM and scatter_combine's tiny / small / large forward, beside
+  # the sizes' own pick and eager (~2 min together)
+  timeout 150 python3 bench/cat_linear_paths.py --json "$OUT/cat_linear_paths.json" > "$OUT/cat_linear_paths.log" 2>&1
+  grep -A12 "^[0-9]* shapes" "$OUT/cat_linear_paths.log"
+  timeout 100 python3 bench/scatter_paths.py --json "$OUT/scatter_paths.json" > "$OUT/scatter_paths.log" 2>&1
+  grep -A12 "^[0-9]* shapes" "$OUT/scatter_paths.log"
 fi
 
 if [ "$STAGE" = moe ]; then

@@ -9,9 +9,10 @@ Per shape, opreg and the eager spellings run side by side in interleaved rounds
 round). The ratio is opreg / eager (> 1.03: more than 3 % slower). cat_linear: list form
 (``F.linear(torch.cat(parts, -1))``), stacked form (``F.linear(torch.cat(x.unbind(0), -1))``),
 forward under ``no_grad`` (``fwd``) and forward + backward (``fwdbwd``); on CUDA the list
-form's forward also runs with ``OPREG_CAT_LINEAR_PATH=simt`` and ``=gemm`` (columns
-``simt``, ``gemm``): the automatic path should be within 3 % of the faster one (the
-dispatch model's check, backends/common/cat_linear_model.h). scatter_combine: forward against
+form's forward also runs with ``OPREG_CAT_LINEAR_PATH=dot``, ``=simt`` and ``=gemm`` (columns
+``dot``, ``simt``, ``gemm``): the automatic path should be within 3 % of the fastest (the
+dispatch model's check, backends/common/cat_linear_model.h; back to back, where the host
+counts: bench/cat_linear_paths.py is the same check in CUDA graphs). scatter_combine: forward against
 ``index_add_`` (eager) and the reference's ``index_put_``; backward (the op's fused
 backward against what autograd of the eager form runs); and the fraction of the copy
 bound: bytes (each input read once, each output written once) over the device-to-device
@@ -68,6 +69,7 @@ COPY_MIN_BYTES = 16e6  # scatter_combine: shapes moving >= 16 MB must reach 70 %
 COPY_FRAC = 0.70
 SIMT_MAX_MACS = 1 << 31  # forced-SIMT column only up to here (~0.3 ms): it walks all of K
 ENV = "OPREG_CAT_LINEAR_PATH"
+FORCED = ("dot", "simt", "gemm")  # its values: the forced-path columns of the list-form forward
 
 # (R parts, B rows, H part width, K out features): the issue's grid plus B 2-16 and a few
 # sizes that are not powers of two (H 300 is not a multiple of 8: the unvectorised path).
@@ -270,7 +272,7 @@ def cat_variants(cfg: Config, form: str, grad: bool, shape: tuple, sets: list) -
         v["opreg2"] = tm.Variant(cat_call(form, mine, sets, grad), set_env(None))
     r, b, h, k, _ = shape
     if cfg.device == "cuda" and form == "list" and not grad and b * r * h * k <= SIMT_MAX_MACS:
-        for path in ("simt", "gemm"):
+        for path in FORCED:
             v[path] = tm.Variant(v["opreg"].call, set_env(path), set_env(None))
     if not grad and form == "list" and wants_inductor(cfg, shape, CAT_INDUCTOR):
         v["inductor"] = tm.Variant(cat_call(form, compiled(eager), sets, grad))
@@ -454,7 +456,7 @@ def fmt_row(r: Row) -> str:
 
 def mispicks(rows: list[Row]) -> list[Row]:
     """List-form forward rows whose automatic path is > 3 % slower than the faster forced one."""
-    return [r for r in rows if "simt" in r.vs and max(r.vs["simt"], r.vs["gemm"]) > SLOWER]
+    return [r for r in rows if "gemm" in r.vs and max(r.vs.get(p, 0.0) for p in FORCED) > SLOWER]
 
 
 def wrong(rows: list[Row]) -> list[Row]:
@@ -522,7 +524,8 @@ def summarize(cfg: Config) -> tuple[list[str], dict[str, Any]]:
         lines += [f"scatter_combine >= 16 MB in a CUDA graph (the host taken out): {len(below_graph)} of {len(big)} "
                   f"below 70 % of copy"] + [f"  {fmt_row(r)}" for r in below_graph[:40]]
     lines += [f"cat_linear model: automatic path > 3 % slower than a forced one: {len(bad)}"]
-    lines += [f"  {fmt_row(r)} (vs simt {r.vs['simt']:.3f}, vs gemm {r.vs['gemm']:.3f})" for r in bad[:15]]
+    lines += [f"  {fmt_row(r)} (" + ", ".join(f"vs {p} {r.vs[p]:.3f}" for p in FORCED if p in r.vs) + ")"
+              for r in bad[:15]]
     errs = wrong(rows)
     lines += [f"outputs off the float64 reference: {len(errs)}"]
     lines += [f"  {fmt_row(r)} err {r.err:.2e}" for r in errs[:10]]

@@ -72,12 +72,12 @@
 //   dR   0.082 us per part per wave (the per-lane cursor over the parts)
 //   1.5  the model's worst under-prediction where the SIMT kernel was the pick (measured /
 //        modelled 0.81-1.51, R2 B16-B1024 H64); the rest of the sweep 0.59-1.41.
-//   With these, against the former choice between SIMT and GEMM on the same sweep in CUDA
-//   graphs: 71 shapes go from SIMT to the dot kernel, geometric mean 0.71x of the former time;
-//   two are slower by more than 3 % (R2 B16 H64 K2048 fp32 3.5 -> 4.6 us, R2 B64 H64 K256
-//   bf16 3.7 -> 3.9: below the host's time per call back to back); the shapes more than 3 %
-//   slower than eager's cat + linear in a graph go from 64 to 20 (cuBLAS where the GEMM path's
-//   host decides the choice).
+//   Checked with these in the next run of the same sweep (CUDA graphs, 182 shapes): 71 shapes
+//   go from SIMT to the dot kernel, at a geometric mean 0.71x of the former pick's time; two
+//   are slower by more than 3 % (R2 B16 H64 K2048 fp32 3.5 -> 4.6 us, R2 B64 H64 K256 bf16
+//   3.7 -> 4.0: below the host's time per call back to back); the shapes more than 3 % slower
+//   than eager's cat + linear in a graph go from 66 to 22 (the rest: cuBLAS, faster in a graph,
+//   where the GEMM path's host time makes the model pick a fused kernel).
 //
 // CHECK against that sweep's 180 list-form forward shapes (152 with both paths forced; the
 // other 28, above 2^31 MACs, run the GEMM path under both rules; counts from medians):
