@@ -67,8 +67,9 @@
 // relative error):
 //   d0   1.54 us  launch and one round trip (the seeds' R4 B12 H32 K56: 2.2 us measured)
 //   dL   0.44 us  per round of a wave
-//   dI   4.1 ns fp32 / 4.8 ns 16-bit / 8.2 ns fp64 (FP64 FMAs at half the FP32 rate) per
-//                 lane element per SM: its 4 FMAs, 5 loads and (16-bit) 5 conversions
+//   dI   4.1 ns fp32 / 4.8 ns 16-bit (bf16 timed; fp16 taken alike) / 8.2 ns fp64 (not timed:
+//                 twice fp32, FP64 FMAs at half the FP32 rate) per lane element per SM: its 4
+//                 FMAs, 5 loads and (16-bit) 5 conversions
 //   dR   0.082 us per part per wave (the per-lane cursor over the parts)
 //   1.5  the model's worst under-prediction where the SIMT kernel was the pick (measured /
 //        modelled 0.81-1.51, R2 B16-B1024 H64); the rest of the sweep 0.59-1.41.
