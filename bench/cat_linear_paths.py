@@ -16,21 +16,19 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _paths  # noqa: E402
 from sweep import CAT_ODD, DTYPES, GRIDS, TOL  # noqa: E402
 
 import opreg  # noqa: E402,F401  (loads the ops)
 from opreg.ops.cat_linear import reference  # noqa: E402
-from opreg.testing import timing  # noqa: E402
 
 ENV = "OPREG_CAT_LINEAR_PATH"
 PATHS = ("dot", "simt", "gemm")
@@ -54,31 +52,12 @@ def measure(shape: tuple[int, int, int, int, str], max_macs: int, reps: int) -> 
     def op() -> torch.Tensor:
         return torch.ops.opreg.cat_linear(parts, w, bias)
 
-    # name -> (OPREG_CAT_LINEAR_PATH while it runs, the call); the variable is read per call,
-    # so it is held through the check, the capture and the replays
-    variants: dict[str, tuple[str | None, Callable[[], Any]]] = {
+    variants: _paths.Variants = {
         "auto": (None, op), "eager": (None, lambda: F.linear(torch.cat(parts, -1), w, bias))}
     if b * k * r * h <= max_macs:
         variants.update({p: (p, op) for p in ("dot", "simt")})
     variants["gemm"] = ("gemm", op)
-    row: dict[str, Any] = {"shape": f"R{r} B{b} H{h} K{k} {d}", "us": {}, "err": {}}
-    for name, (path, call) in variants.items():
-        if path is not None:
-            os.environ[ENV] = path
-        try:
-            got = call()
-            err = ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
-            if not err <= TOL[d]:
-                raise AssertionError(f"{row['shape']} {name}: relative error {err:.2e} > {TOL[d]}")
-            row["err"][name] = err
-            row["us"][name] = timing.graph_us(call, reps, 20)
-        finally:
-            os.environ.pop(ENV, None)
-    forced = {p: row["us"][p] for p in PATHS if p in row["us"]}
-    row["best"] = min(forced, key=forced.__getitem__)
-    row["auto/best"] = row["us"]["auto"] / forced[row["best"]]
-    row["auto/eager"] = row["us"]["auto"] / row["us"]["eager"]
-    return row
+    return _paths.measure(f"R{r} B{b} H{h} K{k} {d}", variants, ENV, want, TOL[d], PATHS, reps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,26 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=15)
     a = p.parse_args(argv)
     rows = []
-    print(f"{'shape':<26} {'auto':>8} {'dot':>8} {'simt':>8} {'gemm':>8} {'eager':>8}  best  auto/best auto/eager",
-          flush=True)
+    names = ("auto", *PATHS, "eager")
+    print(_paths.header(names, 26), flush=True)
     for s in shapes():
-        row = measure(s, a.max_macs, a.reps)
-        rows.append(row)
-        us = row["us"]
-        cols = " ".join(f"{us[n]:8.2f}" if n in us else f"{'-':>8}" for n in ("auto", "dot", "simt", "gemm", "eager"))
-        print(f"{row['shape']:<26} {cols}  {row['best']:<5} {row['auto/best']:9.3f} {row['auto/eager']:10.3f}",
-              flush=True)
-    behind = [r for r in rows if r["auto/best"] > 1.03]
-    slower = [r for r in rows if r["auto/eager"] > 1.03]
-    print(f"\n{len(rows)} shapes; auto > 3 % behind the fastest forced path at {len(behind)}, "
-          f"> 3 % slower than eager at {len(slower)} (CUDA graphs)")
-    for r in sorted(slower, key=lambda r: -r["auto/eager"])[:20]:
-        print(f"  slower than eager: {r['shape']} auto/eager {r['auto/eager']:.3f} (best {r['best']})")
-    for r in sorted(behind, key=lambda r: -r["auto/best"])[:20]:
-        print(f"  behind: {r['shape']} auto/best {r['auto/best']:.3f} (best {r['best']})")
-    if a.json:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-        Path(a.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        rows.append(measure(s, a.max_macs, a.reps))
+        print(_paths.line(rows[-1], names, 26), flush=True)
+    _paths.report(rows, a.json)
     return 0
 
 

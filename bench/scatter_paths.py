@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-import opreg  # noqa: F401  (loads the ops)
-from opreg.ops.scatter_combine import reference
-from opreg.testing import timing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _paths  # noqa: E402
+
+import opreg  # noqa: E402,F401  (loads the ops)
+from opreg.ops.scatter_combine import reference  # noqa: E402
 
 ENV = "OPREG_SCATTER_COMBINE_PATH"
 PATHS = ("tiny", "small", "large")
@@ -54,24 +54,9 @@ def measure(shape: tuple[int, int, int, str], reps: int) -> dict[str, Any]:
     def eager() -> torch.Tensor:
         return torch.zeros(t, h, device="cuda", dtype=dt).index_add_(0, idx, x * g[:, None])
 
-    variants: dict[str, tuple[str | None, Callable[[], Any]]] = {"auto": (None, op), "eager": (None, eager)}
+    variants: _paths.Variants = {"auto": (None, op), "eager": (None, eager)}
     variants.update({p: (p, op) for p in PATHS if p != "small" or n <= 8192})
-    row: dict[str, Any] = {"shape": f"T{t} k{k} H{h} {d}", "us": {}}
-    for name, (path, call) in variants.items():
-        if path is not None:
-            os.environ[ENV] = path
-        try:
-            err = ((call().double() - want).norm() / want.norm()).item()
-            if not err <= TOL[d]:
-                raise AssertionError(f"{row['shape']} {name}: relative error {err:.2e} > {TOL[d]}")
-            row["us"][name] = timing.graph_us(call, reps, 20)
-        finally:
-            os.environ.pop(ENV, None)
-    forced = {p: row["us"][p] for p in PATHS if p in row["us"]}
-    row["best"] = min(forced, key=forced.__getitem__)
-    row["auto/best"] = row["us"]["auto"] / forced[row["best"]]
-    row["auto/eager"] = row["us"]["auto"] / row["us"]["eager"]
-    return row
+    return _paths.measure(f"T{t} k{k} H{h} {d}", variants, ENV, want, TOL[d], PATHS, reps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,22 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     rows = []
     names = ("auto", *PATHS, "eager")
-    print(f"{'shape':<22} " + " ".join(f"{n:>8}" for n in names) + "  best  auto/best auto/eager", flush=True)
+    print(_paths.header(names, 22), flush=True)
     for s in shapes():
-        row = measure(s, a.reps)
-        rows.append(row)
-        us = row["us"]
-        cols = " ".join(f"{us[n]:8.2f}" if n in us else f"{'-':>8}" for n in names)
-        print(f"{row['shape']:<22} {cols}  {row['best']:<5} {row['auto/best']:9.3f} {row['auto/eager']:10.3f}",
-              flush=True)
-    behind = [r for r in rows if r["auto/best"] > 1.03]
-    print(f"\n{len(rows)} shapes; auto > 3 % behind the fastest forced path at {len(behind)}, "
-          f"slower than eager at {sum(r['auto/eager'] > 1 for r in rows)} (CUDA graphs)")
-    for r in sorted(behind, key=lambda r: -r["auto/best"])[:25]:
-        print(f"  behind: {r['shape']} auto/best {r['auto/best']:.3f} (best {r['best']})")
-    if a.json:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-        Path(a.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        rows.append(measure(s, a.reps))
+        print(_paths.line(rows[-1], names, 22), flush=True)
+    _paths.report(rows, a.json)
     return 0
 
 

@@ -1,0 +1,67 @@
+"""What bench/cat_linear_paths.py and bench/scatter_paths.py share: one shape's variants, each
+run with its path forced through an environment variable (read per call by the op, so it is
+held through the check, the capture and the replays), checked against float64 and timed from
+a CUDA graph; and the report over the shapes."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from opreg.testing import timing
+
+# name -> (the variable's value while it runs, or None: unset; the call)
+Variants = dict[str, tuple[Optional[str], Callable[[], torch.Tensor]]]
+
+
+def measure(label: str, variants: Variants, env: str, want: torch.Tensor, tol: float,
+            paths: Sequence[str], reps: int) -> dict[str, Any]:
+    """One shape: each variant's relative error (raising past ``tol``) and its µs per call
+    replayed from a CUDA graph; the fastest of ``paths`` and the ratios of ``auto`` to it and
+    to ``eager``."""
+    row: dict[str, Any] = {"shape": label, "us": {}, "err": {}}
+    for name, (path, call) in variants.items():
+        if path is not None:
+            os.environ[env] = path
+        try:
+            err = ((call().double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+            if not err <= tol:
+                raise AssertionError(f"{label} {name}: relative error {err:.2e} > {tol}")
+            row["err"][name] = err
+            row["us"][name] = timing.graph_us(call, reps, 20)
+        finally:
+            os.environ.pop(env, None)
+    forced = {p: row["us"][p] for p in paths if p in row["us"]}
+    row["best"] = min(forced, key=forced.__getitem__)
+    row["auto/best"] = row["us"]["auto"] / forced[row["best"]]
+    row["auto/eager"] = row["us"]["auto"] / row["us"]["eager"]
+    return row
+
+
+def header(names: Sequence[str], width: int) -> str:
+    return f"{'shape':<{width}} " + " ".join(f"{n:>8}" for n in names) + "  best  auto/best auto/eager"
+
+
+def line(row: dict[str, Any], names: Sequence[str], width: int) -> str:
+    us = row["us"]
+    cols = " ".join(f"{us[n]:8.2f}" if n in us else f"{'-':>8}" for n in names)
+    return f"{row['shape']:<{width}} {cols}  {row['best']:<5} {row['auto/best']:9.3f} {row['auto/eager']:10.3f}"
+
+
+def report(rows: list[dict[str, Any]], json_path: Optional[str]) -> None:
+    """The shapes where ``auto`` is > 3 % behind the fastest forced path or slower than eager,
+    and the rows as JSON."""
+    behind = [r for r in rows if r["auto/best"] > 1.03]
+    slower = [r for r in rows if r["auto/eager"] > 1.03]
+    print(f"\n{len(rows)} shapes; auto > 3 % behind the fastest forced path at {len(behind)}, "
+          f"> 3 % slower than eager at {len(slower)} (CUDA graphs)")
+    for r in sorted(slower, key=lambda r: -r["auto/eager"])[:20]:
+        print(f"  slower than eager: {r['shape']} auto/eager {r['auto/eager']:.3f} (best {r['best']})")
+    for r in sorted(behind, key=lambda r: -r["auto/best"])[:25]:
+        print(f"  behind: {r['shape']} auto/best {r['auto/best']:.3f} (best {r['best']})")
+    if json_path:
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        Path(json_path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
