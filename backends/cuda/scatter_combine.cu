@@ -124,6 +124,12 @@ ForwardPath forced_forward_path() {
   TORCH_CHECK_VALUE(false, "OPREG_SCATTER_COMBINE_PATH must be tiny, small or large, got '", e, "'");
 }
 
+// a * b * c <= limit, without the product overflowing int64 at absurd sizes (doubles are exact
+// well past the limits compared here).
+bool work_at_most(int64_t a, int64_t b, int64_t c, int64_t limit) {
+  return double(a) * double(b) * double(c) <= double(limit);
+}
+
 // Debug mode only: synchronizes (two scalar reads).
 void validate_indices(const char* op, const at::Tensor& idx, int64_t num_tokens) {
   if (idx.numel() == 0) return;
@@ -161,14 +167,14 @@ void launch_forward(
                        num_tokens < INT_MAX;
   const bool small_ok = n <= kSmallMaxRows && gy_small <= 65535;
   const bool tiny = tiny_ok && (forced == ForwardPath::kTiny ||
-                                (forced == ForwardPath::kAuto && int64_t(n) * num_tokens * gy_small <= kTinyMaxWork));
+                                (forced == ForwardPath::kAuto && work_at_most(n, num_tokens, gy_small, kTinyMaxWork)));
   if (tiny) {
     launch_tiny<scalar_t, V>(xp, idx.const_data_ptr(), idx64, g.const_data_ptr(), g32, op, n,
                              num_tokens, hvec, gy_small, stream);
     return;
   }
   if (small_ok && (forced == ForwardPath::kSmall || forced == ForwardPath::kTiny ||
-                   (forced == ForwardPath::kAuto && int64_t(n) * gx_small * gy_small <= kSmallMaxWork))) {
+                   (forced == ForwardPath::kAuto && work_at_most(n, gx_small, gy_small, kSmallMaxWork)))) {
     launch_small<scalar_t, V>(xp, idx.const_data_ptr(), idx64, g.const_data_ptr(), g32, op, n,
                               num_tokens, hvec, gx_small, gy_small, stream);
     return;
