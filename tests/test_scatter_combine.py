@@ -395,3 +395,39 @@ def test_cuda_path_override_rejects_unknown(monkeypatch):
     x, idx, g, t = make_inputs(64, 2, 16, torch.float32, torch.int32, "random", "cuda")
     with pytest.raises(ValueError, match=PATH_ENV):
         OP(x, idx, g, t)
+
+
+@pytest.mark.cuda
+def test_cuda_forward_path_kernels(monkeypatch):
+    """Which kernel each choice launches (so the same-bits test above compares paths that
+    really ran): the sizes pick the tiny kernel at T16 k2 H128 and the small one at the
+    seeds' T1536 k2 H128; each forced path runs its own kernel; a misaligned token_idx sends
+    a forced tiny call to the small kernel."""
+    skip_without("cuda")
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(args, path: str | None) -> list[str]:
+        with monkeypatch.context() as m:
+            if path is not None:
+                m.setenv(PATH_ENV, path)
+            OP(*args)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                OP(*args)
+                torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    def only(names: list[str], kernel: str) -> None:
+        assert len(names) == 1 and kernel in names[0], (kernel, names)
+
+    few = make_inputs(16, 2, 128, torch.float32, torch.int32, "random", "cuda")
+    seeds = make_inputs(1536, 2, 128, torch.float32, torch.int32, "random", "cuda")
+    only(kernels(few, None), "scatter_tiny_kernel")
+    only(kernels(seeds, None), "scatter_small_kernel")
+    for path, kernel in (("tiny", "scatter_tiny_kernel"), ("small", "scatter_small_kernel"),
+                         ("large", "scatter_large_fused_kernel")):
+        only(kernels(seeds, path), kernel)
+    x, idx, g, t = few
+    buf = torch.empty(idx.numel() + 1, dtype=idx.dtype, device="cuda")
+    buf[1:] = idx
+    only(kernels((x, buf[1:], g, t), "tiny"), "scatter_small_kernel")
