@@ -281,3 +281,32 @@ def test_cuda_path_override_rejects_unknown(monkeypatch):
     parts, weight, bias = make_inputs((12,), [32] * 4, 56, torch.float32, "cuda")
     with pytest.raises(ValueError, match="OPREG_CAT_LINEAR_PATH"):
         OP(parts, weight, bias)
+
+
+@pytest.mark.cuda
+def test_cuda_path_kernels(monkeypatch):
+    """Which kernel each choice launches: the model picks the dot kernel at the seeds' size
+    (R4 B12 H32 K56 fp32) and the SIMT one at R2 B64 H64 K2048 fp32 (there 1.5 x the dot
+    kernel's modelled time is above SIMT's); each forced fused path runs its own kernel, the
+    GEMM path neither."""
+    skip_without("cuda")
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(args, path: str | None) -> list[str]:
+        with monkeypatch.context() as m:
+            if path is not None:
+                m.setenv("OPREG_CAT_LINEAR_PATH", path)
+            OP(*args)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                OP(*args)
+                torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    seeds = make_inputs((12,), [32] * 4, 56, torch.float32, "cuda")
+    wide = make_inputs((64,), [64] * 2, 2048, torch.float32, "cuda")
+    for args, path, kernel in ((seeds, None, "cat_linear_dot_kernel"), (wide, None, "cat_linear_simt_kernel"),
+                               (seeds, "simt", "cat_linear_simt_kernel"), (wide, "dot", "cat_linear_dot_kernel")):
+        names = kernels(args, path)
+        assert len(names) == 1 and kernel in names[0], (path, kernel, names)
+    assert not any("cat_linear_" in k for k in kernels(seeds, "gemm"))
