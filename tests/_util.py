@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from opreg.testing import TOL, assert_matches, map_tensors, poison
 
 __all__ = ["DEVICES", "FLOAT_DTYPES", "TOL", "DispatchRecording", "FunctionRecording", "assert_matches",
-           "once_per_run", "poison", "set_requires_grad", "skip_without"]
+           "cuda_kernels", "once_per_run", "poison", "set_requires_grad", "skip_without"]
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -24,6 +24,19 @@ FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 def skip_without(device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+
+
+def cuda_kernels(call: Callable[[], Any]) -> list[str]:
+    """The CUDA kernels one ``call()`` launches, by name (the profiler's), after a warm-up call
+    (lazy initialisation, allocator) outside the profile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def set_requires_grad(args: tuple, flag: bool) -> tuple:

@@ -10,7 +10,7 @@ import torch
 from opreg.ops.cat_linear import reference, reference_stacked
 from opreg.testing import OpTestSuite, Sample
 
-from _util import DEVICES, FLOAT_DTYPES, assert_matches, poison, set_requires_grad, skip_without
+from _util import DEVICES, FLOAT_DTYPES, assert_matches, cuda_kernels, poison, set_requires_grad, skip_without
 
 OP = torch.ops.opreg.cat_linear.default
 STACKED = torch.ops.opreg.cat_linear_stacked.default
@@ -290,18 +290,12 @@ def test_cuda_path_kernels(monkeypatch):
     kernel's modelled time is above SIMT's); each forced fused path runs its own kernel, the
     GEMM path neither."""
     skip_without("cuda")
-    from torch.profiler import ProfilerActivity, profile
 
     def kernels(args, path: str | None) -> list[str]:
         with monkeypatch.context() as m:
             if path is not None:
                 m.setenv("OPREG_CAT_LINEAR_PATH", path)
-            OP(*args)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                OP(*args)
-                torch.cuda.synchronize()
-        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            return cuda_kernels(lambda: OP(*args))
 
     seeds = make_inputs((12,), [32] * 4, 56, torch.float32, "cuda")
     wide = make_inputs((64,), [64] * 2, 2048, torch.float32, "cuda")

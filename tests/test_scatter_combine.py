@@ -11,7 +11,7 @@ import opreg
 from opreg.ops.scatter_combine import reference
 from opreg.testing import OpTestSuite, Sample
 
-from _util import DEVICES, FLOAT_DTYPES, assert_matches, set_requires_grad, skip_without
+from _util import DEVICES, FLOAT_DTYPES, assert_matches, cuda_kernels, set_requires_grad, skip_without
 
 OP = torch.ops.opreg.scatter_combine.default
 
@@ -318,16 +318,10 @@ def test_cuda_large_path_is_one_launch(monkeypatch):
     """The large path is one kernel (the fused cooperative one) unless the fallback is
     forced, which launches its memset, count, scan, place and reduce kernels."""
     skip_without("cuda")
-    from torch.profiler import ProfilerActivity, profile
     args = make_inputs(8192, 2, 128, torch.bfloat16, torch.int32, "random", "cuda")
 
     def device_ops() -> list[str]:
-        OP(*args)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            OP(*args)
-            torch.cuda.synchronize()
-        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return cuda_kernels(lambda: OP(*args))
 
     fused = device_ops()
     assert len(fused) == 1 and "scatter_large_fused_kernel" in fused[0], fused
@@ -404,18 +398,12 @@ def test_cuda_forward_path_kernels(monkeypatch):
     seeds' T1536 k2 H128; each forced path runs its own kernel; a misaligned token_idx sends
     a forced tiny call to the small kernel."""
     skip_without("cuda")
-    from torch.profiler import ProfilerActivity, profile
 
     def kernels(args, path: str | None) -> list[str]:
         with monkeypatch.context() as m:
             if path is not None:
                 m.setenv(PATH_ENV, path)
-            OP(*args)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                OP(*args)
-                torch.cuda.synchronize()
-        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            return cuda_kernels(lambda: OP(*args))
 
     def only(names: list[str], kernel: str) -> None:
         assert len(names) == 1 and kernel in names[0], (kernel, names)
