@@ -18,11 +18,15 @@ Variants = dict[str, tuple[Optional[str], Callable[[], torch.Tensor]]]
 
 
 def measure(label: str, variants: Variants, env: str, want: torch.Tensor, tol: float,
-            paths: Sequence[str], reps: int) -> dict[str, Any]:
+            paths: Sequence[str], reps: int,
+            floors: Optional[dict[str, Callable[[], Any]]] = None) -> dict[str, Any]:
     """One shape: each variant's relative error (raising past ``tol``) and its µs per call
     replayed from a CUDA graph; the fastest of ``paths`` and the ratios of ``auto`` to it and
-    to ``eager``."""
+    to ``eager``. ``floors``: reference kernels timed the same way (not checked: they compute
+    something else), what no variant's kind of kernel can beat at the shape."""
     row: dict[str, Any] = {"shape": label, "us": {}, "err": {}}
+    for name, call in (floors or {}).items():
+        row["us"][name] = timing.graph_us(call, reps, 20)
     for name, (path, call) in variants.items():
         if path is not None:
             os.environ[env] = path

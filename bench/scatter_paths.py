@@ -8,7 +8,10 @@ checked against where the host does not hide the device.
 
 Shapes: T x fan-out x H over the one-launch paths' range (N = T k <= 32768), fp32 and bf16,
 int32 indices in expert order (an MoE dispatch's), plus the seeds' T1536 k2 H128 fp32. Every
-variant's output is checked against the float64 reference first.
+variant's output is checked against the float64 reference first. Two floors beside them, timed
+the same way: ``copy``, a copy of the rows (one round trip to memory, no dependence), and
+``gather``, ``x.index_select(0, token_idx)`` (every row load waits for its index's load: the
+least any combine that finds its rows through the indices does).
 """
 from __future__ import annotations
 
@@ -56,18 +59,27 @@ def measure(shape: tuple[int, int, int, str], reps: int) -> dict[str, Any]:
 
     variants: _paths.Variants = {"auto": (None, op), "eager": (None, eager)}
     variants.update({p: (p, op) for p in PATHS if p != "small" or n <= 8192})
-    return _paths.measure(f"T{t} k{k} H{h} {d}", variants, ENV, want, TOL[d], PATHS, reps)
+    rows = torch.empty_like(x)
+    floors = {"copy": lambda: rows.copy_(x), "gather": lambda: torch.index_select(x, 0, idx, out=rows)}
+    return _paths.measure(f"T{t} k{k} H{h} {d}", variants, ENV, want, TOL[d], PATHS, reps, floors)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json")
     p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--only", help="comma-separated shapes as printed, e.g. 'T1536 k2 H128 fp32'")
     a = p.parse_args(argv)
     rows = []
-    names = ("auto", *PATHS, "eager")
+    names = ("auto", *PATHS, "eager", "copy", "gather")
+    todo = shapes()
+    if a.only:
+        want = {w.strip() for w in a.only.split(",")}
+        todo = [s for s in todo if f"T{s[0]} k{s[1]} H{s[2]} {s[3]}" in want]
+        if len(todo) != len(want):
+            p.error(f"--only: {sorted(want)} are not all among the shapes")
     print(_paths.header(names, 22), flush=True)
-    for s in shapes():
+    for s in todo:
         rows.append(measure(s, a.reps))
         print(_paths.line(rows[-1], names, 22), flush=True)
     _paths.report(rows, a.json)
