@@ -304,3 +304,94 @@ def test_cuda_path_kernels(monkeypatch):
         names = kernels(args, path)
         assert len(names) == 1 and kernel in names[0], (path, kernel, names)
     assert not any("cat_linear_" in k for k in kernels(seeds, "gemm"))
+
+
+def _capture(call) -> torch.cuda.CUDAGraph:
+    """``call`` captured in a CUDA graph (no warm-up here: the caller's); its output is the
+    graph's ``out``."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph.out = call()
+    return graph
+
+
+def _replay_kernels(graph: torch.cuda.CUDAGraph) -> list[str]:
+    """The kernels one replay of ``graph`` launches, by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+def test_cuda_graph_capture_takes_gemm_path(stacked, monkeypatch):
+    """Where cuBLAS beats the fused pick in a CUDA graph (cat_linear_model.h, GRAPH: R8 B1024
+    H64 K256 bf16, SIMT 22.7 us a replayed call against 5.5 for at::cat + cuBLAS on the
+    H200), a call made while the stream captures runs the GEMM path; the same call outside a
+    capture keeps the fused kernel, and so does a capture with the path forced. The replay
+    computes the float64 reference on new inputs."""
+    skip_without("cuda")
+    monkeypatch.delenv("OPREG_CAT_LINEAR_PATH", raising=False)
+    parts, weight, bias = make_inputs((1024,), [64] * 8, 256, torch.bfloat16, "cuda")
+    x = torch.stack(parts)
+    views = list(x.unbind(0))
+
+    def call():
+        return STACKED(x, 0, weight, bias) if stacked else OP(views, weight, bias)
+
+    eager = cuda_kernels(call)  # its warm-up call runs the GEMM path once (cuBLAS set up here)
+    assert len(eager) == 1 and "cat_linear_simt_kernel" in eager[0], eager
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # the usual warm-up off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = _capture(call)
+    names = _replay_kernels(graph)
+    assert names and not any("cat_linear_" in k for k in names), names
+    with torch.no_grad():
+        x.mul_(0.5 + torch.rand_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = reference([p.double() for p in views], weight.double(), bias.double())
+    assert_matches(graph.out, want, torch.bfloat16)
+
+    monkeypatch.setenv("OPREG_CAT_LINEAR_PATH", "simt")
+    forced = _replay_kernels(_capture(call))
+    assert len(forced) == 1 and "cat_linear_simt_kernel" in forced[0], forced
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_without_cublas_keeps_fused(monkeypatch):
+    """A capture on a thread where the op never ran the GEMM path outside a capture keeps the
+    fused pick: switching there would make cuBLAS's first call (cublasCreate) inside the
+    capture, which fails it."""
+    import threading
+
+    skip_without("cuda")
+    monkeypatch.delenv("OPREG_CAT_LINEAR_PATH", raising=False)
+    parts, weight, bias = make_inputs((1024,), [64] * 8, 256, torch.bfloat16, "cuda")
+    torch.cuda.synchronize()
+    result: dict[str, object] = {}
+
+    def capture() -> None:
+        try:
+            result["graph"] = _capture(lambda: OP(parts, weight, bias))
+        except BaseException as e:  # noqa: BLE001 - reported below, in the test's thread
+            result["error"] = e
+
+    t = threading.Thread(target=capture)  # a fresh thread: the op never ran there
+    t.start()
+    t.join()
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    graph = result["graph"]
+    names = _replay_kernels(graph)  # type: ignore[arg-type]
+    assert len(names) == 1 and "cat_linear_simt_kernel" in names[0], names
+    want = reference([p.double() for p in parts], weight.double(), bias.double())
+    assert_matches(graph.out, want, torch.bfloat16)  # type: ignore[attr-defined]

@@ -33,8 +33,17 @@
 //       together (a memory round trip each), E = G ceil(K / 32 v) v elements a lane multiplies
 //       by 4 weight rows, R parts its cursor walks. It has SIMT's host time, so it replaces
 //       SIMT where it is faster on the device: where a fused kernel runs, the dot kernel
-//       does iff 1.5 dot_us < simt_us. It never takes a call from the GEMM path (in a CUDA graph
-//       cuBLAS is often faster; back to back the host decides: the choice stays as it was).
+//       does iff 1.5 dot_us < simt_us. It never takes a call from the GEMM path (back to back
+//       the host decides: the choice stays as it was).
+//   IN A CUDA GRAPH (the call made while the stream captures one) nothing costs host time, and
+//   cuBLAS, bf16 especially, beats a fused pick at some shapes (R8 B1024 H64 K256 bf16: the
+//   SIMT kernel 22.7 us per replayed call, at::cat + cuBLAS 5.5). There the GEMM path's device
+//   time is modelled alone,
+//       gemm_graph = g0 + [R > 1] (gc + 2 M K e / BW) + max(2 M N K / Fg,  (M K + N K + M N) e / BW),
+//   and a fused pick gives way to it iff margin x gemm_graph < the pick's modelled device time
+//   (dot_us or simt_us): only that way, never GEMM -> fused, so a call eager would run on
+//   cuBLAS still does. (backends/cuda/cat_linear.cu: the capture's switch needs cuBLAS set up
+//   on that thread outside the capture, which a call that would switch does first.)
 //
 // CONSTANTS (H200, torch 2.11; the sweep is bench/sweep.py --json, 2026-12-01, its forced
 // OPREG_CAT_LINEAR_PATH=simt|gemm columns, list form, no_grad):
@@ -79,6 +88,22 @@
 //   3.7 -> 4.0: below the host's time per call back to back); the shapes more than 3 % slower
 //   than eager's cat + linear in a graph go from 66 to 22 (the rest: cuBLAS, faster in a graph,
 //   where the GEMM path's host time makes the model pick a fused kernel).
+//
+// GRAPH constants (H200, torch 2.11; bench/cat_linear_paths.py, 2026-12-04, thirty-sixth
+// session: the forced GEMM column of 182 shapes, device time from CUDA graphs; a grid search
+// on the log error):
+//   16-bit  g0 4.0 us, gc 0.75 us, Fg 700 TFLOP/s; measured / modelled 0.79-1.70 (rms of the
+//           log 0.18): margin 1.2.
+//   fp32    g0 2.5 us, gc 3.75 us, Fg 40 TFLOP/s; measured / modelled 0.54-7.5 (cuBLAS's
+//           fp32 at small M: R8 B16 H512 K2048 109 us, R32 B16 H512 K2048 104): margin 2.0.
+//   fp64    not timed: a fused pick stays.
+//   The margins are the smallest whose capture-time picks are nowhere > 3 % slower than the
+//   sizes' picks on that sweep (the models evaluated per shape against its measured paths):
+//   17 picks move to the GEMM path, and the shapes > 3 % slower than eager in a graph go
+//   from 22 to 8 (R32 B16 H64 K2048 bf16 30.3 -> 6.8 us, R8 B1024 H64 K256 bf16 22.7 -> 5.5),
+//   none slower than before. Left: fp32 shapes where cuBLAS is 5-50 % faster than the pick
+//   (R32 B1 H64 K256 fp32: dot 7.9, eager 4.3), below what the fp32 model can tell, and two
+//   GEMM picks within eager's own spread.
 //
 // CHECK against that sweep's 180 list-form forward shapes (152 with both paths forced; the
 // other 28, above 2^31 MACs, run the GEMM path under both rules; counts from medians):
@@ -145,6 +170,17 @@ constexpr double kBytesPerUs = 4.17e6;
 constexpr int64_t kDotCols = 4, kDotUnroll = 2, kDotWarpsPerSm = 64;
 constexpr double kDotT0 = 1.54, kDotRound = 0.44, kDotPart = 0.082, kDotMargin = 1.5;
 
+// The GEMM path in a CUDA graph (the GRAPH section above), per element size: g0, gc, Fg
+// (FLOPs per us) and the margin (0: a fused pick stays).
+struct GraphGemm {
+  double g0, gc, flops_per_us, margin;
+};
+constexpr GraphGemm graph_gemm(int64_t elt) {
+  return elt == 2 ? GraphGemm{4.0, 0.75, 700e6, 1.2}
+       : elt == 4 ? GraphGemm{2.5, 3.75, 40e6, 2.0}
+                  : GraphGemm{0.0, 0.0, 1.0, 0.0};
+}
+
 constexpr double dot_us_per_elem(int64_t elt) {  // dI
   return elt == 8 ? 0.0082 : elt == 4 ? 0.0041 : 0.0048;
 }
@@ -194,6 +230,15 @@ inline double dot_us(const Work& w, int sms) {
          kDotPart * static_cast<double>(w.R) * waves;
 }
 
+// Device time of at::cat + cuBLAS replayed from a CUDA graph, us (the GRAPH section above).
+inline double gemm_graph_us(const Work& w) {
+  const GraphGemm g = graph_gemm(w.elt);
+  const double m = static_cast<double>(w.M), n = static_cast<double>(w.N);
+  const double k = static_cast<double>(w.K), e = static_cast<double>(w.elt);
+  const double cat = w.R > 1 ? g.gc + 2.0 * m * k * e / kBytesPerUs : 0.0;
+  return g.g0 + cat + std::max(2.0 * m * n * k / g.flops_per_us, (m * k + n * k + m * n) * e / kBytesPerUs);
+}
+
 // Can one SIMT launch take this call (kernel-argument and grid limits)?
 inline bool fits_simt(const Work& w) {
   return w.R <= kMaxParts && w.M < int64_t(65535) * kTileM && w.N < INT_MAX && w.K < INT_MAX;
@@ -224,9 +269,9 @@ inline bool forced_path(Path* out) {
   return true;
 }
 
-// The choice: the override (where the path can take the call), else the model's fastest.
-// Sizes only, never whether a CUDA graph is being captured (backends/cuda/cat_linear.cu says
-// why).
+// The choice: the override (where the path can take the call), else the model's fastest,
+// from sizes only. (While a CUDA graph is captured, backends/cuda/cat_linear.cu may move a
+// fused pick to the GEMM path: graph_prefers_gemm.)
 inline Path choose_path(const Work& w, int sms) {
   if (!fits_simt(w)) return Path::kGemm;
   Path forced;
@@ -234,6 +279,19 @@ inline Path choose_path(const Work& w, int sms) {
   const double simt = simt_us(w, sms);
   if (!(simt < gemm_us(w))) return Path::kGemm;
   return fits_dot(w) && kDotMargin * dot_us(w, sms) < simt ? Path::kDot : Path::kSimt;
+}
+
+// Where the sizes' choice is `sizes`, would the call, made while a CUDA graph is captured,
+// rather run the GEMM path? Only a fused pick gives way, and never one OPREG_CAT_LINEAR_PATH
+// forced.
+inline bool graph_prefers_gemm(const Work& w, Path sizes, int sms) {
+  if (sizes == Path::kGemm) return false;
+  Path forced;
+  if (forced_path(&forced)) return false;
+  const double margin = graph_gemm(w.elt).margin;
+  if (!(margin > 0.0)) return false;
+  const double fused = sizes == Path::kDot ? dot_us(w, sms) : simt_us(w, sms);
+  return margin * gemm_graph_us(w) < fused;
 }
 
 // Does one of the fused kernels (dot or SIMT) take the call?

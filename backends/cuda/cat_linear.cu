@@ -1,6 +1,7 @@
 // CUDA kernel for opreg::cat_linear: linear(cat(parts, -1), weight, bias).
 //
-// Two paths, chosen on the host from shapes alone (no data, no sync):
+// Three paths, chosen on the host from shapes (no data, no sync; while a CUDA graph is
+// captured, also from that: choose_path below):
 //  * SIMT (small problems): ONE launch that reads every part in place (part
 //    pointers travel in a __grid_constant__ kernel-argument struct, up to
 //    kMaxParts), so there is no cat, no extra allocation, no second kernel.
@@ -11,6 +12,8 @@
 //    summed in a fixed order at the end (deterministic). fp32 accumulation
 //    (fp64 for double), exact fp32 FMAs: never TF32, so it is at least as
 //    accurate as what allow_tf32 would permit.
+//  * dot (the tiniest calls, cat_linear_dot.cu): one warp per 4 outputs of a row, its
+//    lanes splitting K in 16-byte vectors, a fixed shuffle tree for the sum.
 //  * GEMM: exactly what eager F.linear(torch.cat(parts, -1)) runs: at::cat
 //    (skipped for one part) and one cuBLAS addmm/mm with the bias fused in its
 //    epilogue, honouring allow_tf32 like F.linear. The stacked op builds the
@@ -133,13 +136,46 @@ void launch_fused(
          w.get_device(), c10::cuda::getCurrentCUDAStream());
 }
 
-// The model (cat_linear_model.h), or the OPREG_CAT_LINEAR_PATH override. The choice never
-// depends on whether the stream is capturing a CUDA graph: the warm-up before a capture must
-// run the path the capture records, or the capture makes the first cuBLAS call of the process
-// (handle, workspace) inside the graph, which fails it (seen on the H200, 2026-12-01,
-// tests/test_cat_linear.py::test_cuda_graphs under xdist).
-model::Path choose_path(const model::Work& w, const at::Tensor& weight) {
-  return model::choose_path(w, sm_count(weight.get_device()));
+// Is the current stream capturing a CUDA graph? 1 yes, 0 no, -1 unknown (the query failed:
+// e.g. the legacy stream while another thread captures in global mode; its error is cleared).
+int capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &st) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  return st == cudaStreamCaptureStatusNone ? 0 : 1;
+}
+
+// Per thread and device: has a call outside any capture run the GEMM path here, so that
+// cuBLAS's handles exist (cublasCreate inside a capture fails it: seen on the H200,
+// 2026-12-01, tests/test_cat_linear.py::test_cuda_graphs under xdist)?
+bool& cublas_ready(c10::DeviceIndex dev) {
+  thread_local bool ready[C10_COMPILE_TIME_MAX_GPUS] = {};
+  return ready[dev];
+}
+
+// The model (cat_linear_model.h), or the OPREG_CAT_LINEAR_PATH override, for the current
+// device. While the stream captures a CUDA graph, where the model says cuBLAS is faster
+// without the host's cost (graph_prefers_gemm), a fused pick gives way to the GEMM path,
+// but only on a thread where the GEMM path has run outside a capture: a call outside one
+// that would switch inside one sets *warm_gemm, once per thread and device, and its caller
+// runs the GEMM path on the call's inputs before the fused pick (the warm-up before a
+// capture is such a call). Else the sizes' pick runs, captured or not. The capture query
+// runs only where the model would switch: a few of the fused picks.
+model::Path choose_path(const model::Work& w, const at::Tensor& weight, bool* warm_gemm) {
+  *warm_gemm = false;
+  const c10::DeviceIndex dev = weight.get_device();
+  const int sms = sm_count(dev);
+  const model::Path sizes = model::choose_path(w, sms);
+  if (!model::graph_prefers_gemm(w, sizes, sms)) return sizes;
+  const int cap = capturing(c10::cuda::getCurrentCUDAStream(dev).stream());
+  if (cap == 1) return cublas_ready(dev) ? model::Path::kGemm : sizes;
+  if (cap == 0 && !cublas_ready(dev)) {
+    *warm_gemm = true;
+    cublas_ready(dev) = true;
+  }
+  return sizes;
 }
 
 // Part i starts at ptr, its rows rs elements apart, wi wide; vec_ok stays true
@@ -263,9 +299,10 @@ bool fused_may_win(int64_t M, const at::Tensor& weight, int64_t R, int64_t TK) {
   const int64_t K = weight.size(1);
   model::Work best{M, weight.size(0), K, R, (K + TK - 1) / TK,
                    static_cast<int64_t>(weight.element_size()), true};
-  if (choose_path(best, weight) != model::Path::kGemm) return true;
+  const int sms = sm_count(weight.get_device());
+  if (model::use_fused(best, sms)) return true;  // sizes only: a capture only moves fused -> GEMM
   best.vec = false;
-  return choose_path(best, weight) != model::Path::kGemm;
+  return model::use_fused(best, sms);
 }
 
 // Inputs already checked.
@@ -286,7 +323,9 @@ at::Tensor cat_linear_impl(
   const int V = static_cast<int>(16 / c10::elementSize(weight.scalar_type()));
   if (R <= kMaxParts && fused_may_win(M, weight, R, int64_t(kVPR) * V)) {
     Described d = describe_parts(parts, V, int64_t(kVPR) * V);
-    const model::Path path = choose_path(work_of(M, weight, R, d, V), weight);
+    bool warm = false;
+    const model::Path path = choose_path(work_of(M, weight, R, d, V), weight, &warm);
+    if (warm) (void)gemm_path(cat_rows(parts, M, weight.size(1)), weight, bias, out_shape);
     if (path != model::Path::kGemm) {
       std::vector<at::Tensor> keep;  // owns contiguous copies, if any (rare)
       if (!d.all_flat) describe_copies(parts, d, V, keep);
@@ -331,7 +370,9 @@ at::Tensor cat_linear_stacked_cuda(
       set_part(ds.pa, i, base + i * step, rs, width, i * width, V, ds.vec_ok);
     }
     ds.chunks = R * ((width + TK - 1) / TK);
-    const model::Path path = choose_path(work_of(M, weight, R, ds, V), weight);
+    bool warm = false;
+    const model::Path path = choose_path(work_of(M, weight, R, ds, V), weight, &warm);
+    if (warm) (void)gemm_path(cat_rows(x.unbind(d), M, weight.size(1)), weight, bias, out_shape);
     if (path != model::Path::kGemm) {
       return run_fused(path == model::Path::kDot, ds.pa, R, ds.vec_ok, weight, bias, out_shape, M, N);
     }
