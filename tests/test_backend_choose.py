@@ -234,3 +234,30 @@ def test_not_timed_while_a_cuda_graph_is_captured(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     why = choose.timing_refusal(gm, [torch.randn(3)], fake_mode=object())
     assert why is not None and "CUDA graph is being captured" in why
+
+
+def test_the_captured_candidate_keeps_dynamos_metadata() -> None:
+    """The captured graph's copy (the "captured/*" candidates) carries what AOTAutograd reads
+    to recognise a Dynamo graph: the parameters' sources on the module and each
+    placeholder's source. Without them Inductor compiled the copy otherwise than
+    torch.compile's own Inductor compiles the same graph (another order of the saved
+    tensors, another fusion of the backward's kernels), so "captured/inductor" was not
+    what it claims to be."""
+    from opreg.compile.backend import _copy
+
+    seen: dict[str, Any] = {}
+
+    def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        seen["gm"], seen["copy"] = gm, _copy(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(Head(), backend=backend)(torch.randn(4, 16, 8))
+    gm, copy = seen["gm"], seen["copy"]
+    assert hasattr(gm, "_param_name_to_source")  # what the copy must carry, as Dynamo made it
+    assert copy._param_name_to_source is gm._param_name_to_source
+    originals = list(gm.graph.find_nodes(op="placeholder"))
+    copies = list(copy.graph.find_nodes(op="placeholder"))
+    assert len(originals) == len(copies) == 5  # x and the four parameters
+    for a, b in zip(originals, copies, strict=True):
+        assert a is not b and b._dynamo_source is a._dynamo_source

@@ -228,9 +228,22 @@ def _on_cuda(example_inputs: Sequence[Any]) -> bool:
     return any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
 
 
+# What Dynamo leaves on its GraphModule and on its placeholders beyond the graph and the
+# nodes' meta, which AOTAutograd reads to recognise a Dynamo graph (torch's "Note [Assumption on
+# Dynamo Metadata]": the parameters' sources, hence the static inputs, and the sources of the
+# inputs for its dedup guards). A copy without them compiled differently through Inductor:
+# another order of the saved tensors and another fusion of the backward's kernels
+# (ln-cat8-linear-gelu fwd+bwd, CPU, torch 2.14: `cpp_fused_gelu_backward_0` + a kernel
+# instead of torch.compile's own `cpp_fused_gelu_backward_native_layer_norm_sum_0` + a kernel),
+# where "captured/inductor" must be exactly what torch.compile's Inductor runs.
+_DYNAMO_MODULE_ATTRS = ("_param_name_to_source", "_source_to_user_stacks", "compile_subgraph_reason")
+_DYNAMO_NODE_ATTRS = ("_dynamo_source",)
+
+
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A second module over a copy of ``gm``'s graph (the nodes' meta shared, shallowly; the
-    attributes, parameters included, are ``gm``'s own, not copies)."""
+    attributes, parameters included, are ``gm``'s own, not copies), with Dynamo's metadata
+    on the module and its nodes carried over."""
     graph = fx.Graph()
     graph._codegen = gm.graph._codegen
     values: dict[fx.Node, fx.Node] = {}
@@ -238,8 +251,14 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if node.op == "output":
             graph.node_copy(node, lambda n: values[n])
+        for attr in _DYNAMO_NODE_ATTRS:
+            if node in values and hasattr(node, attr):
+                setattr(values[node], attr, getattr(node, attr))
     out = fx.GraphModule(gm, graph)
     out.meta = dict(gm.meta)
+    for attr in _DYNAMO_MODULE_ATTRS:
+        if hasattr(gm, attr):
+            setattr(out, attr, getattr(gm, attr))
     return out
 
 
