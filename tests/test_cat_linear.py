@@ -395,3 +395,49 @@ def test_cuda_graph_capture_without_cublas_keeps_fused(monkeypatch):
     assert len(names) == 1 and "cat_linear_simt_kernel" in names[0], names
     want = reference([p.double() for p in parts], weight.double(), bias.double())
     assert_matches(graph.out, want, torch.bfloat16)  # type: ignore[attr-defined]
+
+
+def _model_picks(shapes: list[tuple[int, int, int, int, str]], env: dict[str, str], tmp_path) -> list[tuple]:
+    """cat_linear_model.h's picks for (R, B, H, K, dtype) shapes, through tests/cpp's harness
+    compiled here: (back to back, in a CUDA graph, with gradients eager's ops)."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("needs a C++ compiler")
+    root = Path(__file__).resolve().parent
+    exe = tmp_path / "picks"
+    subprocess.run([cxx, "-std=c++17", "-O1", f"-I{root.parent / 'backends' / 'common'}",
+                    str(root / "cpp" / "cat_linear_model_picks.cpp"), "-o", str(exe)], check=True)
+    elt = {"fp32": 4, "bf16": 2, "fp64": 8}
+    lines = "".join(f"{r} {b} {h} {k} {elt[d]}\n" for r, b, h, k, d in shapes)
+    run_env = {k: v for k, v in os.environ.items() if k != "OPREG_CAT_LINEAR_PATH"} | env
+    out = subprocess.run([str(exe)], input=lines, capture_output=True, text=True, check=True, env=run_env).stdout
+    return [(s, g, e == "1") for s, g, e in (line.split() for line in out.splitlines())]
+
+
+def test_path_model_picks(tmp_path):
+    """The path model's picks where the H200 measured each path (bench/RESULTS.md, 2026-12-04,
+    the forced columns of bench/sweep.py back to back and of bench/cat_linear_paths.py in CUDA
+    graphs), so that a change to the model shows here, without a GPU."""
+    shapes = {
+        # the seeds' size: the dot kernel everywhere (2.0 us in a graph against eager's 3.5)
+        (4, 12, 32, 56, "fp32"): ("dot", "dot", False),
+        # few rows, long K: the SIMT kernel (4.3 us in a graph, eager 6.2)
+        (2, 64, 64, 2048, "fp32"): ("simt", "simt", False),
+        # SIMT back to back, but cuBLAS in a graph (22.7 us against at::cat + cuBLAS's 5.5)
+        (8, 1024, 64, 256, "bf16"): ("simt", "gemm", False),
+        # 32 parts of 512 for 4 rows: the SIMT walk over K loses (186 us against eager's 36)
+        (32, 4, 512, 256, "fp32"): ("gemm", "gemm", True),
+        # the dot kernel's take from the GEMM path back to back (40.4 -> 15.0 us), not with
+        # gradients, not in a graph
+        (8, 2, 512, 2048, "bf16"): ("dot", "gemm", True),
+        # large: eager's cat + cuBLAS
+        (8, 8192, 512, 2048, "bf16"): ("gemm", "gemm", True),
+    }
+    assert _model_picks(list(shapes), {}, tmp_path) == list(shapes.values())
+    forced = _model_picks(list(shapes), {"OPREG_CAT_LINEAR_PATH": "simt"}, tmp_path)
+    assert forced == [("simt", "simt", False)] * len(shapes)  # forced: also in a graph
