@@ -9,9 +9,10 @@
 // Sizes are handled as SymInts so that AOTAutograd can trace these functions
 // with dynamic shapes.
 //
-// One exception: where the CUDA kernel would run its GEMM path (cat_linear_model.h), a call
-// that needs gradients runs eager's own ops, at::linear(at::cat(parts, -1), W, b), and
-// autograd records what eager records. The GEMM path's forward is those kernels anyway,
+// One exception: where the CUDA kernel's SIMT path loses to its GEMM path
+// (cat_linear_model.h's grad_runs_eager: there a call without gradients runs the GEMM path
+// or the dot kernel), a call that needs gradients runs eager's own ops,
+// at::linear(at::cat(parts, -1), W, b), and autograd records what eager records. The GEMM path's forward is those kernels anyway,
 // and the op's node (CatLinear, below) would add to them: its backward re-makes the cat for
 // dW (eager saves the one its forward made) and it saves R + 1 tensors. On the H200 sweep
 // (2026-12-01, forward + backward, the former size thresholds' paths) the op was > 3 %
@@ -77,7 +78,7 @@ bool cuda_runs_gemm(int64_t M, const at::Tensor& weight, int64_t R, int64_t chun
   const int64_t elt = static_cast<int64_t>(weight.element_size());
   const model::Work w{M, weight.size(0), weight.size(1), R, chunks, elt,
                       vec && weight.size(1) % (16 / elt) == 0};
-  return !model::use_fused(w, model::kH200Sms);
+  return model::grad_runs_eager(w, model::kH200Sms);
 }
 
 // cat_linear's call on CUDA with gradients: eager's ops where the kernel would run them

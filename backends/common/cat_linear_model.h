@@ -33,8 +33,12 @@
 //       together (a memory round trip each), E = G ceil(K / 32 v) v elements a lane multiplies
 //       by 4 weight rows, R parts its cursor walks. It has SIMT's host time, so it replaces
 //       SIMT where it is faster on the device: where a fused kernel runs, the dot kernel
-//       does iff 1.5 dot_us < simt_us. It never takes a call from the GEMM path (back to back
-//       the host decides: the choice stays as it was).
+//       does iff 1.5 dot_us < simt_us; and where the SIMT kernel loses to the GEMM path, the
+//       dot kernel takes the call iff 1.5 dot_us < gemm_us (back to back: the GEMM path's
+//       host time there; R8 B2 H512 K2048 bf16 40.4 -> 15.0 us). That take is for calls
+//       without gradients outside a CUDA graph only: with gradients the GEMM path's shapes
+//       run eager's ops (grad_runs_eager; its backward was never timed against the dot
+//       kernel's), and a capture keeps the GEMM path there (graph_prefers_gemm).
 //   IN A CUDA GRAPH (the call made while the stream captures one) nothing costs host time, and
 //   cuBLAS, bf16 especially, beats a fused pick at some shapes (R8 B1024 H64 K256 bf16: the
 //   SIMT kernel 22.7 us per replayed call, at::cat + cuBLAS 5.5). There the GEMM path's device
@@ -97,6 +101,11 @@
 //   fp32    g0 2.5 us, gc 3.75 us, Fg 40 TFLOP/s; measured / modelled 0.54-7.5 (cuBLAS's
 //           fp32 at small M: R8 B16 H512 K2048 109 us, R32 B16 H512 K2048 104): margin 2.0.
 //   fp64    not timed: a fused pick stays.
+//   Checked against bench/sweep.py's forced columns back to back (2026-12-04, thirty-sixth
+//   session, call 4: 180 list-form forward shapes): the dot's take from the GEMM path moves
+//   18 of them, every one faster (1.14-4.0x: R8 B1 H512 K2048 bf16 57.2 -> 15.4 us, R32 B4
+//   H512 K256 bf16 53.3 -> 43.9), none slower; 18 stacked shapes move too (their forced
+//   columns are not timed: the same kernels, and stacked's GEMM path costs more host).
 //   The margins are the smallest whose capture-time picks are nowhere > 3 % slower than the
 //   sizes' picks on that sweep (the models evaluated per shape against its measured paths):
 //   17 picks move to the GEMM path, and the shapes > 3 % slower than eager in a graph go
@@ -124,6 +133,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -276,18 +286,31 @@ inline Path choose_path(const Work& w, int sms) {
   if (!fits_simt(w)) return Path::kGemm;
   Path forced;
   if (forced_path(&forced)) return forced == Path::kDot && !fits_dot(w) ? Path::kSimt : forced;
-  const double simt = simt_us(w, sms);
-  if (!(simt < gemm_us(w))) return Path::kGemm;
-  return fits_dot(w) && kDotMargin * dot_us(w, sms) < simt ? Path::kDot : Path::kSimt;
+  const double simt = simt_us(w, sms), gemm = gemm_us(w);
+  const double dot = fits_dot(w) ? kDotMargin * dot_us(w, sms) : HUGE_VAL;
+  if (simt < gemm) return dot < simt ? Path::kDot : Path::kSimt;
+  return dot < gemm ? Path::kDot : Path::kGemm;
+}
+
+// With gradients (the autograd kernel, backends/autograd/cat_linear.cpp): does the call run
+// eager's own ops? Where the override says GEMM, or the SIMT kernel does not beat the GEMM
+// path: the dot kernel's take from the GEMM path is for calls without gradients.
+inline bool grad_runs_eager(const Work& w, int sms) {
+  if (!fits_simt(w)) return true;
+  Path forced;
+  if (forced_path(&forced)) return forced == Path::kGemm;
+  return !(simt_us(w, sms) < gemm_us(w));
 }
 
 // Where the sizes' choice is `sizes`, would the call, made while a CUDA graph is captured,
 // rather run the GEMM path? Only a fused pick gives way, and never one OPREG_CAT_LINEAR_PATH
-// forced.
+// forced: the dot kernel's take from the GEMM path always (the graph keeps eager's kernels
+// there, what the sizes picked before the take), another fused pick by the GRAPH model.
 inline bool graph_prefers_gemm(const Work& w, Path sizes, int sms) {
   if (sizes == Path::kGemm) return false;
   Path forced;
   if (forced_path(&forced)) return false;
+  if (!(simt_us(w, sms) < gemm_us(w))) return true;  // the dot's take: back to back only
   const double margin = graph_gemm(w.elt).margin;
   if (!(margin > 0.0)) return false;
   const double fused = sizes == Path::kDot ? dot_us(w, sms) : simt_us(w, sms);
