@@ -12,10 +12,17 @@ GEMM1 on a sorted copy of its rows (``PREGATHER``: the copy and the GEMM timed a
 ``torch._grouped_mm`` on the gathered copy of the same sorted rows, and the whole fused
 forward with its default configs, TMA on and off, and GEMM1 pregathered. GPU time: CUDA events around back-to-back
 launches (the GEMMs are GPU-bound), median of ``--reps``.
+
+``--half-tail``: only the A/B of ``HALF_TAIL`` (half a tile where a block's second half is
+padding): the fused forward with the table's configs given, against the same with HALF_TAIL
+on GEMM1, and on both GEMMs (GEMM2 then not PERSISTENT, and the table's GEMM2 not persistent
+beside it, the control of that change), side by side in interleaved rounds (bench/_timing.py).
 """
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -23,6 +30,9 @@ import torch
 from opreg.backends.triton import moe_experts as F
 from opreg.backends.triton import tune
 from opreg.testing.timing import median_us
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _timing as tm  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, TMA)
 GEMM1 = [(128, 128, 64, 8, 8, 4, 0), (128, 128, 64, 8, 8, 4, 1), (128, 128, 64, 8, 8, 3, 1), (128, 64, 64, 8, 4, 4, 1),
@@ -107,17 +117,48 @@ def one(name: str, t: int, reps: int) -> None:
           f"GEMM1 pregathered {pre:.1f} us")
 
 
+def half_tail(name: str, t: int, rounds: int) -> None:
+    """The fused forward with and without HALF_TAIL, interleaved (the module docstring)."""
+    e, h, i, k = tune.SHAPES[name]
+    args = tune.inputs(e, h, i, k, t, torch.bfloat16, "cuda")
+    s = t * k
+    d1 = F.pick_config("gemm1", s / e, 2 * i, h, torch.bfloat16)
+    d2 = F.pick_config("gemm2", s / e, h, i, torch.bfloat16, block_m=d1["BLOCK_M"])
+    flat2 = {**d2, "PERSISTENT": 0}
+    variants = {"table's configs": (d1, d2), "GEMM2 not persistent": (d1, flat2),
+                "HALF_TAIL GEMM1": ({**d1, "HALF_TAIL": 1}, d2),
+                "HALF_TAIL both": ({**d1, "HALF_TAIL": 1}, {**flat2, "HALF_TAIL": 1})}
+    want = F.fused_experts_forward(*args, configs={"gemm1": d1, "gemm2": d2})
+    calls = {}
+    for v, (c1, c2) in variants.items():
+        got = F.fused_experts_forward(*args, configs={"gemm1": c1, "gemm2": c2})
+        print(f"  {v}: max |diff| vs the table's {float((got.float() - want.float()).abs().max()):.3g}")
+        calls[v] = tm.Variant(lambda j, c1=c1, c2=c2: F.fused_experts_forward(*args, configs={"gemm1": c1,
+                                                                                            "gemm2": c2}))
+    times = tm.interleaved(calls, "cuda", rounds=rounds, target_us=5000.0, min_batch=5)
+    base = times["table's configs"]
+    print(f"\n{name} T={t}: the fused forward, {rounds} interleaved rounds (median us a call; ratio to the "
+          f"table's, paired by round)")
+    for v, us in times.items():
+        print(f"  {tm.median(us):8.1f} us  {tm.paired_ratio(us, base):.3f}  {v}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="*", default=list(tune.SHAPES), choices=list(tune.SHAPES))
     p.add_argument("--tokens", default="4096")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--half-tail", action="store_true", help="only the HALF_TAIL A/B (the module docstring)")
+    p.add_argument("--rounds", type=int, default=9, help="with --half-tail: interleaved rounds")
     a = p.parse_args()
     if not torch.cuda.is_available() or F.interpreting():
         p.error("needs a CUDA GPU (the interpreter's times mean nothing)")
     for name in a.configs:
         for t in (int(v) for v in a.tokens.split(",")):
-            one(name, t, a.reps)
+            if a.half_tail:
+                half_tail(name, t, a.rounds)
+            else:
+                one(name, t, a.reps)
 
 
 if __name__ == "__main__":

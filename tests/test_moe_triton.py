@@ -52,6 +52,10 @@ SMALL = {"gemm1": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=
 PREGATHERED = {**SMALL, "gemm1": {**SMALL["gemm1"], "PREGATHER": 1}}
 # A program per SM (4 under the interpreter) walking several tiles each, past ragged edges.
 PERSISTENT = {**SMALL, "gemm1": {**SMALL["gemm1"], "PERSISTENT": 1}, "gemm2": {**SMALL["gemm2"], "PERSISTENT": 1}}
+# Half a tile where a block's second half is padding (HALF_TAIL), in 32-row blocks: the
+# cases' experts hold ~37 rows (a full block, then one of ~5) or ~10-20 (one block either way)
+HALF = {**SMALL, "gemm1": {**SMALL["gemm1"], "BLOCK_M": 32, "HALF_TAIL": 1},
+        "gemm2": {**SMALL["gemm2"], "HALF_TAIL": 1}}
 
 
 # ------------------------------------------------------------------ interpreted cases
@@ -178,6 +182,18 @@ CASES: dict[str, dict] = {
                                                   configs=PERSISTENT, dtypes=["float32"]),
     "persistent tiles, empty experts": dict(dims=(6, 2, 16, 8, 8), opts={}, special="skip_expert",
                                             configs=PERSISTENT, dtypes=["float32"]),
+    # half tiles: gathered and pregathered GEMM1, pointer loads, sentinels, an empty expert
+    "half tail blocks": dict(dims=(50, 3, 40, 24, 4), opts=dict(bias=True), configs=HALF),
+    "half tail blocks, pregathered gpt_oss transposed": dict(
+        dims=(50, 3, 50, 18, 4), opts=dict(activation=M.GPT_OSS, transposed=True, interleaved=True, bias=True,
+                                           alpha=1.702, limit=1.0, gain=3.0),
+        configs={**HALF, "gemm1": {**HALF["gemm1"], "PREGATHER": 1}}),
+    "half tail blocks, pointer loads, sentinel NaN weight": dict(
+        dims=(50, 3, 24, 16, 4), opts=dict(sentinels=4), special="nan", dtypes=["float32"],
+        configs={g: {**c, "TMA": 0} if g != "combine" else c for g, c in HALF.items()}),
+    "half tail blocks, empty experts": dict(dims=(60, 2, 16, 8, 8), opts={}, special="skip_expert",
+                                            configs={**HALF, "gemm1": {**HALF["gemm1"], "PREGATHER": 1}},
+                                            dtypes=["float32"]),
     "default configs, more rows": dict(dims=(64, 2, 48, 32, 4), opts={}, dtypes=["float32"]),
     "sentinels": dict(dims=(10, 2, 16, 8, 4), opts=dict(sentinels=6)),
     "sentinel NaN weight, negative id": dict(dims=(10, 3, 24, 16, 4), opts=dict(sentinels=4), special="nan"),
@@ -246,6 +262,15 @@ def _special(args: tuple, special: str | None) -> tuple[tuple, tuple]:
     return args, args
 
 
+def assert_half_and_full_blocks(ids: torch.Tensor, e: int, bm: int) -> None:
+    """A HALF_TAIL case walks both kinds of block: some whose second half is padding (half a
+    tile), and some whose isn't (a whole one)."""
+    counts = torch.bincount(ids[(ids >= 0) & (ids < e)].reshape(-1).long(), minlength=e).tolist()
+    last = [c - bm * ((c - 1) // bm) for c in counts if c]  # the rows of each expert's last block
+    full = sum(c // bm for c in counts)  # blocks of bm rows
+    assert any(r <= bm // 2 for r in last) and (full or any(r > bm // 2 for r in last)), (counts, bm)
+
+
 def _nan_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A fresh buffer poisoned: NaN, or an integer buffer's largest value (an index read
     there unwritten points far out of bounds)."""
@@ -266,6 +291,8 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     inputs = [a for a in args if isinstance(a, torch.Tensor)]
     before = [a.clone() for a in inputs]
     assert TM.why_not_fused(*args) is None
+    if (c.get("configs") or {}).get("gemm1", {}).get("HALF_TAIL"):
+        assert_half_and_full_blocks(args[1], args[3].shape[0], c["configs"]["gemm1"]["BLOCK_M"])
     got = TM.fused_experts_forward(*args, configs=c.get("configs"))
     assert_matches(got, want, dtype)
     for b, a in zip(before, inputs):

@@ -67,6 +67,11 @@ SPLIT_BWD = {**SMALL_BWD, "dgrad2": {**SMALL_BWD["dgrad2"], "SPLIT": 1}}
 # Triton (on the GPU bf16's dgrad1 would run on torch._grouped_mm, which has no such mode)
 PERSISTENT_BWD = {g: {**SPLIT_BWD[g], "PERSISTENT": 1} for g in ("gemm1", "gemm2", "dgrad2", "dgrad1")}
 PERSISTENT_BWD["dgrad1"]["GROUPED_MM"] = 0
+# Half a tile where a block's second half is padding (HALF_TAIL) on the same GEMMs, in
+# 32-row blocks (the forward's HALF cases' shapes)
+HALF_BWD = {g: {**SPLIT_BWD[g], "HALF_TAIL": 1} for g in ("gemm1", "gemm2", "dgrad2", "dgrad1")}
+HALF_BWD["gemm1"]["BLOCK_M"] = 32
+HALF_BWD["dgrad1"]["GROUPED_MM"] = 0
 
 
 # ------------------------------------------------------------------ interpreted cases
@@ -166,6 +171,12 @@ CASES: dict[str, dict] = {
         dims=(6, 2, 16, 8, 8), opts=dict(bias=True, sentinels=3), special="nan+skip_expert", dtypes=["float32"],
         forbid=("TB._dgrad_act_kernel",), configs={
             **SPLIT_BWD, **PERSISTENT_BWD}),
+    # half tiles: the forward's two GEMMs, dgrad2's split GEMM and dgrad1's Triton GEMM
+    "half tail blocks": dict(dims=(50, 3, 40, 24, 4), opts=dict(bias=True), forbid=("TB._dgrad_act_kernel",),
+                             configs={**SPLIT_BWD, **HALF_BWD}),
+    "half tail blocks, sentinels, empty expert": dict(
+        dims=(60, 2, 16, 8, 8), opts=dict(bias=True, sentinels=3), special="nan+skip_expert", dtypes=["float32"],
+        forbid=("TB._dgrad_act_kernel",), configs={**SPLIT_BWD, **HALF_BWD}),
     "k=1": dict(dims=(7, 1, 24, 16, 4), opts=dict(activation="gelu", interleaved=True)),
     "T=0": dict(dims=(0, 2, 16, 8, 4), opts=dict(bias=True), dtypes=["float32"]),
     "int32 ids, strided inputs, expanded grad": dict(dims=(8, 4, 24, 16, 8), opts=dict(idx_dtype=torch.int32),
@@ -725,6 +736,14 @@ def test_grouped_mm_wgrad_choice() -> None:
         with pytest.raises(ValueError, match=f"{gemm}.*PERSISTENT"):
             TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.bfloat16), *bf16, saved,
                                       configs={gemm: {"PERSISTENT": 1, **other}})
+    # HALF_TAIL likewise: the forward's GEMM's, not persistent, BLOCK_M >= 32
+    for gemm, other in (("dgrad2", {"SPLIT": 0}), ("dgrad1", {"GROUPED_MM": 1}), ("wgrad", {})):
+        with pytest.raises(ValueError, match=f"{gemm}.*HALF_TAIL"):
+            TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.bfloat16), *bf16, saved,
+                                      configs={gemm: {"HALF_TAIL": 1, **other}})
+    with pytest.raises(ValueError, match="dgrad1.*HALF_TAIL needs PERSISTENT = 0"):
+        TB.fused_experts_backward(torch.zeros(4, 40, dtype=torch.bfloat16), *bf16, saved,
+                                  configs={"dgrad1": {"HALF_TAIL": 1, "PERSISTENT": 1, "GROUPED_MM": 0}})
     # SUBTILE: the fused dgrad2 kernel's, 2 or 4 slices at least 8 wide; elsewhere an error
     for bad in ({"SPLIT": 1, "SUBTILE": 2}, {"SUBTILE": 3}, {"BLOCK_N": 16, "SUBTILE": 4}):
         with pytest.raises(ValueError, match="dgrad2.*SUBTILE"):

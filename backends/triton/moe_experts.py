@@ -249,7 +249,7 @@ def _halves(cols, N, INTERLEAVED: tl.constexpr):
 @_jit
 def _moe_gemm(
     a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr, w_desc, a_desc,
-    used_ptr, num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
+    a_desc_half, used_ptr, num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
     stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
     stride_be, stride_bn,
@@ -261,6 +261,7 @@ def _moe_gemm(
     INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr,
     SAVE_PRE: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     W_TMA: tl.constexpr, W_KMAJOR: tl.constexpr, A_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+    HALF_TAIL: tl.constexpr = False,
 ):
     """One (BLOCK_M sorted rows) x (BLOCK_N output columns) tile of an expert's GEMM, or
     with PERSISTENT every tile of the work list, a program per SM striding over them.
@@ -285,17 +286,24 @@ def _moe_gemm(
     of the blocks in use (``*used_ptr``: the last expert's padded end, a multiple of BLOCK_M;
     so no tile is past the work list), with the tile loop flattened into the K loop, so
     Triton's pipeliner can issue the next tile's first loads under this one's epilogue.
+
+    HALF_TAIL (not with PERSISTENT): a block whose second half holds no pair computes its
+    first BLOCK_M / 2 rows only (``a_desc_half``: A's descriptor with that box, where
+    A_TMA). An expert's padding is the end of its run, so that is its last block when it
+    has at most BLOCK_M / 2 rows; at T = 4096 with Qwen3-MoE's routing (E 128, k 8: ~256
+    +- 20 rows an expert) 23 % of the padded rows a 128-row tile walks are padding, in the
+    partial last blocks (``bench/moe_padding.py``).
     """
     num_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         used_m = tl.load(used_ptr) // BLOCK_M
         for tile in tl.range(tl.program_id(0), used_m * num_n, tl.num_programs(0), flatten=True):
             pid_m, pid_n, expert = _tile_of(tile, block_expert_ptr, used_m, num_n, GROUP_M)
-            _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr,
-                       shift_ptr, w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak, stride_we,
-                       stride_wn, stride_wk, stride_be, stride_bn, stride_rt, stride_rk, stride_om, stride_on,
-                       stride_pm, stride_pn, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, ROUTED, SCALED, GATED,
-                       INTERLEAVED, ACT, HAS_BIAS, HAS_LIMIT, SAVE_PRE, DOT_PRECISION, EVEN_K, W_TMA,
+            _gemm_tile(pid_m * BLOCK_M, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr,
+                       pair_ids_ptr, shift_ptr, w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am,
+                       stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_rt, stride_rk,
+                       stride_om, stride_on, stride_pm, stride_pn, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, ROUTED,
+                       SCALED, GATED, INTERLEAVED, ACT, HAS_BIAS, HAS_LIMIT, SAVE_PRE, DOT_PRECISION, EVEN_K, W_TMA,
                        W_KMAJOR, A_TMA)
     else:
         # the same call as above, not one loop for both: a one-trip loop with the tile under
@@ -303,16 +311,33 @@ def _moe_gemm(
         pid_m, pid_n, expert = _tile(block_expert_ptr, num_m_blocks, num_n, GROUP_M)
         if expert < 0:
             return  # past the padded work list: nothing to compute, nothing to write
-        _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr,
-                   shift_ptr, w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak, stride_we,
-                   stride_wn, stride_wk, stride_be, stride_bn, stride_rt, stride_rk, stride_om, stride_on,
-                   stride_pm, stride_pn, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, ROUTED, SCALED, GATED,
-                   INTERLEAVED, ACT, HAS_BIAS, HAS_LIMIT, SAVE_PRE, DOT_PRECISION, EVEN_K, W_TMA,
-                   W_KMAJOR, A_TMA)
+        row0 = pid_m * BLOCK_M
+        if HALF_TAIL:
+            if tl.load(pair_ids_ptr + row0 + BLOCK_M // 2) >= num_pairs:  # the second half: padding
+                _gemm_tile(row0, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr,
+                           pair_ids_ptr, shift_ptr, w_desc, a_desc_half, num_pairs, top_k, N, K, alpha, limit,
+                           stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_rt,
+                           stride_rk, stride_om, stride_on, stride_pm, stride_pn, BLOCK_M // 2, BLOCK_N, BLOCK_K,
+                           GATHER, ROUTED, SCALED, GATED, INTERLEAVED, ACT, HAS_BIAS, HAS_LIMIT, SAVE_PRE,
+                           DOT_PRECISION, EVEN_K, W_TMA, W_KMAJOR, A_TMA)
+            else:
+                _gemm_tile(row0, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr,
+                           pair_ids_ptr, shift_ptr, w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit,
+                           stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_rt,
+                           stride_rk, stride_om, stride_on, stride_pm, stride_pn, BLOCK_M, BLOCK_N, BLOCK_K,
+                           GATHER, ROUTED, SCALED, GATED, INTERLEAVED, ACT, HAS_BIAS, HAS_LIMIT, SAVE_PRE,
+                           DOT_PRECISION, EVEN_K, W_TMA, W_KMAJOR, A_TMA)
+        else:
+            _gemm_tile(row0, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr,
+                       shift_ptr, w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak,
+                       stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_rt, stride_rk, stride_om,
+                       stride_on, stride_pm, stride_pn, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, ROUTED, SCALED, GATED,
+                       INTERLEAVED, ACT, HAS_BIAS, HAS_LIMIT, SAVE_PRE, DOT_PRECISION, EVEN_K, W_TMA,
+                       W_KMAJOR, A_TMA)
 
 
 @_jit
-def _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr,
+def _gemm_tile(row0, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr,
                shift_ptr, w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak, stride_we,
                stride_wn, stride_wk, stride_be, stride_bn, stride_rt, stride_rk, stride_om, stride_on, stride_pm,
                stride_pn,
@@ -321,11 +346,12 @@ def _gemm_tile(pid_m, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_pt
                ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIMIT: tl.constexpr, SAVE_PRE: tl.constexpr,
                DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
                A_TMA: tl.constexpr):
-    """:func:`_moe_gemm`'s tile (pid_m, pid_n) of ``expert``: main loop, epilogue, store."""
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # < num_m_blocks * BLOCK_M: the pair list's size
+    """:func:`_moe_gemm`'s tile of ``expert``: padded rows row0 .. row0 + BLOCK_M, columns
+    pid_n * BLOCK_N ..: main loop, epilogue, store."""
+    rows = row0 + tl.arange(0, BLOCK_M)  # < num_m_blocks * BLOCK_M: the pair list's size
     pair = tl.load(pair_ids_ptr + rows)
     row_ok = pair < num_pairs  # padding rows hold the sentinel num_pairs
-    srow0 = pid_m * BLOCK_M + tl.load(shift_ptr + expert)  # the tile's first sorted row
+    srow0 = row0 + tl.load(shift_ptr + expert)  # the tile's first sorted row
     srows = (srow0 + tl.arange(0, BLOCK_M)).to(tl.int64)  # a padding row's: the next expert's, never stored
     if GATHER:
         a_row = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
@@ -1248,10 +1274,14 @@ def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
     rows (not ``gather``), through tensor descriptors where :func:`_tma_ok` allows (not
     for interleaved gate/up columns). ``cfg["PERSISTENT"]`` (default 0): a program per SM
     walks the tiles; it needs ``used``, the routing tables' last padded end
-    (``tables[3, -1:]``). ``spec``: a key that determines every argument's metadata (see
+    (``tables[3, -1:]``). ``cfg["HALF_TAIL"]`` (default 0): a block whose second half is
+    padding computes half a tile (:func:`_moe_gemm`; BLOCK_M >= 32, not PERSISTENT).
+    ``spec``: a key that determines every argument's metadata (see
     :func:`.launch.launch`): what follows from metadata alone is then reused."""
     if cfg.get("PERSISTENT", 0) and used is None:
         raise ValueError("launch_gemm: a PERSISTENT config needs `used` (the routing's tables[3, -1:])")
+    if (why := half_tail_unfit(cfg)) is not None:
+        raise ValueError(f"launch_gemm: {why}")
     b = bias if bias is not None else w_nk  # a valid pointer, never read
     p = pre if pre is not None else out  # likewise, never written
     static = _GEMM_STATIC.get(spec) if spec is not None else None
@@ -1264,10 +1294,27 @@ def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
     # built only where the launch needs the descriptor objects (not Triton's C launcher)
     w_desc = None if w_box is None else LazyDescriptor(w_nk if kmajor else w_nk.transpose(1, 2), w_box, w_key)
     a_desc = None if a_box is None else LazyDescriptor(a, a_box, a_key)
+    a_half = None  # HALF_TAIL's: A's rows in boxes of half the block
+    if a_box is not None and kwargs["HALF_TAIL"]:
+        box = [a_box[0] // 2, a_box[1]]
+        a_half = LazyDescriptor(a, box, a_key[:-1] + (tuple(box),))
     finite = kwargs["HAS_LIMIT"]
     u = used if used is not None else block_expert  # a valid pointer, read only when PERSISTENT
-    launch_args(_moe_gemm, grid, (a, w_nk, b, rw, out, p, sorted_pair_ids, block_expert, shift, w_desc, a_desc, u,
-                                  *head, float(alpha), float(limit) if finite else 0.0, *tail), spec, kwargs)
+    launch_args(_moe_gemm, grid, (a, w_nk, b, rw, out, p, sorted_pair_ids, block_expert, shift, w_desc, a_desc,
+                                  a_half, u, *head, float(alpha), float(limit) if finite else 0.0, *tail), spec,
+                kwargs)
+
+
+def half_tail_unfit(cfg: dict[str, int]) -> Optional[str]:
+    """Why a GEMM config's ``HALF_TAIL`` can't run as asked, or None (also where it is off)."""
+    if not cfg.get("HALF_TAIL", 0):
+        return None
+    if cfg.get("PERSISTENT", 0):
+        return "HALF_TAIL needs PERSISTENT = 0 (the persistent tile loop has no half tile)"
+    if cfg["BLOCK_M"] < 32:
+        return (f"HALF_TAIL needs BLOCK_M >= 32, not {cfg['BLOCK_M']} (half a tile is at least 16 rows, a "
+                "tensor-core product's least)")
+    return None
 
 
 _GEMM_STATIC: dict[Any, tuple[Any, ...]] = {}
@@ -1313,8 +1360,8 @@ def _gemm_static(cfg: dict[str, int], a: torch.Tensor, w_nk: torch.Tensor, b: to
                   GATHER=gather, ROUTED=routed, SCALED=scaled, GATED=gated, INTERLEAVED=gated and interleaved,
                   ACT=act, HAS_BIAS=has_bias, HAS_LIMIT=gated and math.isfinite(limit), SAVE_PRE=save_pre,
                   DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", EVEN_K=k % bk == 0,
-                  W_TMA=use_w, W_KMAJOR=kmajor, A_TMA=use_a, PERSISTENT=persistent, num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"])
+                  W_TMA=use_w, W_KMAJOR=kmajor, A_TMA=use_a, PERSISTENT=persistent,
+                  HALF_TAIL=bool(cfg.get("HALF_TAIL", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     # what a descriptor's encoding reads besides the address (LazyDescriptor.key)
     w_key = (w_tiles.dtype, tuple(w_tiles.shape), w_tiles.stride(), tuple(w_box)) if use_w else None
     a_key = (a.dtype, tuple(a.shape), a.stride(), (bm, bk)) if use_a else None
@@ -1713,6 +1760,12 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
             picked = ({**picked[0], "PREGATHER": 1},) + picked[1:]
         # GEMM1 on CUTLASS where the config asks (a training forward's, keep_rows), or fused
         g1 = grouped_gemm1(picked[0], x, w1, gate_up_bias, n1, i, pre_dt, keep_rows)
+        if g1 and picked[0].get("HALF_TAIL", 0):
+            raise ValueError("fused_experts_forward: configs['gemm1']['HALF_TAIL'] = 1, but GEMM1 runs on "
+                             "torch._grouped_mm (GROUPED_MM), which has no such mode")
+        for gemm, c in zip(("gemm1", "gemm2"), picked[:2]):  # before any launch
+            if (why := half_tail_unfit(c)) is not None:
+                raise ValueError(f"fused_experts_forward: configs[{gemm!r}]: {why}")
         picked = ({**picked[0], "GROUPED_MM": int(g1)},) + picked[1:]
         if spec is not None:
             _remember(_CONFIGS, spec, picked)

@@ -662,6 +662,20 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
         if cfg["dgrad1"].get("PERSISTENT", 0) and grouped1:
             raise ValueError("fused_experts_backward: configs['dgrad1']['PERSISTENT'] = 1 needs GROUPED_MM = 0 "
                              "(torch._grouped_mm has no persistent mode here)")
+        # HALF_TAIL too is the forward's GEMM's (F.launch_gemm): where another kernel runs,
+        # a flag that would do nothing is an error
+        if cfg["dgrad2"].get("HALF_TAIL", 0) and (not split2 or grouped2):
+            raise ValueError("fused_experts_backward: configs['dgrad2']['HALF_TAIL'] = 1 needs SPLIT = 1 and "
+                             "GROUPED_MM = 0 (the fused dgrad kernel and CUTLASS have no such mode)")
+        if cfg["dgrad1"].get("HALF_TAIL", 0) and grouped1:
+            raise ValueError("fused_experts_backward: configs['dgrad1']['HALF_TAIL'] = 1 needs GROUPED_MM = 0 "
+                             "(torch._grouped_mm has no such mode)")
+        for gemm in ("dgrad2", "dgrad1"):
+            if (why := F.half_tail_unfit(cfg[gemm])) is not None:
+                raise ValueError(f"fused_experts_backward: configs[{gemm!r}]: {why}")
+        if cfg["wgrad"].get("HALF_TAIL", 0):
+            raise ValueError("fused_experts_backward: configs['wgrad'] has no HALF_TAIL mode (its reduction runs "
+                             "over the rows: no tile of rows to halve)")
         plan = (cfg, grouped, grouped1)
         if spec is not None:
             F._remember(_PLANS, spec, plan)
