@@ -4,6 +4,7 @@ times mean nothing there, the plumbing does)."""
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import pytest
@@ -87,11 +88,15 @@ def test_a_whole_run(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "E=4 H=32 I=16 k=2 T=8: default" in run.stdout and f"wrote {out}" in run.stdout
     # the budget (600 s) is not spent on a build: every candidate runs, the forward's 2 GEMM1,
-    # the best and 2 with PREGATHER, the best persistent, 2 GEMM2 and the best persistent; the
-    # backward's 2 + 2 and the persistent form of each winner that runs on the forward's GEMM
-    # (dgrad1 runs on Triton in float32, dgrad2's fused kernel here has no such form)
-    assert "9 of 9 candidates tried" in run.stdout, run.stdout
-    assert "  backward: default" in run.stdout and "5 of 5 candidates tried" in run.stdout, run.stdout
+    # the best and 2 with PREGATHER, the best persistent, 2 GEMM2 and the best persistent, and
+    # each winner with HALF_TAIL where it applies (a winner of BLOCK_M >= 32, not persistent:
+    # which wins, in the interpreter, is the timing's); the backward's 2 + 2 and the
+    # persistent form of each winner that runs on the forward's GEMM (dgrad1 runs on Triton in
+    # float32, dgrad2's fused kernel here has no such form), and its HALF_TAIL form likewise
+    forward = re.search(r"(\d+) of (\d+) candidates tried", run.stdout)
+    assert forward and forward[1] == forward[2] and 9 <= int(forward[1]) <= 11, run.stdout
+    backward = re.search(r"  backward: default.*?(\d+) of (\d+) candidates tried", run.stdout, re.S)
+    assert backward and backward[1] == backward[2] and 5 <= int(backward[1]) <= 6, run.stdout
     table = json.loads(out.read_text())
     assert table["tuned_on"]["device"] == (torch.cuda.get_device_name() if torch.cuda.is_available()
                                            else "cpu (interpreter)")

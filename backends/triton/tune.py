@@ -6,8 +6,9 @@ fused forward (:func:`moe_experts.fused_experts_forward`) with each candidate co
 first GEMM1's (which also fixes BLOCK_M, the padded row block both GEMMs walk) with GEMM2
 at its default, then GEMM1's best and two large tiles with ``PREGATHER`` (GEMM1 on a sorted
 copy of its rows), then GEMM1's best as a persistent kernel (``PERSISTENT``: a program per SM walking the
-tiles), then GEMM2's with GEMM1's best, and GEMM2's best persistent. Coordinate descent, not the full
-product: 13 x 9 candidates would be 117 compiles per shape, this is 30. The winners go into the table
+tiles), and with ``HALF_TAIL`` (half a tile where a block's second half is padding), then GEMM2's with
+GEMM1's best, and GEMM2's best persistent and with HALF_TAIL. Coordinate descent, not the full
+product: 13 x 9 candidates would be 117 compiles per shape, this is 32. The winners go into the table
 ``moe_experts_configs.json`` under ``tuned[dtype]["N=<n>,K=<k>"][gemm][bucket]`` (the
 bucket of T * k / E rows per expert), which :func:`moe_experts.pick_config` reads; a
 config that does not beat the default by more than the timing noise (2 %) is not written.
@@ -240,6 +241,14 @@ def tune_shape(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, devic
         cand = run({**best1, "PERSISTENT": 1}, None)
         if _beats(cand, best1_run, reps, device):
             best1, best1_run = {**best1, "PERSISTENT": 1}, cand
+    halves = 0  # the HALF_TAIL candidates that apply (counted in "of")
+    if _half_applies(best1):  # the winner, half tiles where a block's second half is padding
+        halves += 1
+        if time.monotonic() <= deadline:
+            tried += 1
+            cand = run({**best1, "HALF_TAIL": 1}, None)
+            if _beats(cand, best1_run, reps, device):
+                best1, best1_run = {**best1, "HALF_TAIL": 1}, cand
     d2 = fused.pick_config("gemm2", rpe, h, i, dtype, block_m=best1["BLOCK_M"])
     best2, best_run = d2, best1_run
     for c in gemm2 + ([None] if not d2.get("PERSISTENT", 0) else []):
@@ -251,13 +260,26 @@ def tune_shape(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, devic
         cand = run(best1, c2)
         if _beats(cand, best_run, reps, device):
             best2, best_run = c2, cand
+    if _half_applies({**best2, "BLOCK_M": best1["BLOCK_M"]}):
+        halves += 1
+        if time.monotonic() <= deadline:
+            tried += 1
+            c2 = {**best2, "BLOCK_M": best1["BLOCK_M"], "HALF_TAIL": 1}
+            cand = run(best1, c2)
+            if _beats(cand, best_run, reps, device):
+                best2, best_run = c2, cand
     default_us, best_us = _versus(default, best_run, reps, device)
     got = fused.fused_experts_forward(*args, configs={"gemm1": best1, "gemm2": best2}).double()
     want = G.grouped(*args).double()
     error = float((got - want).norm() / want.norm().clamp_min(1e-30))
     best2 = {key: v for key, v in best2.items() if key != "BLOCK_M"}  # gemm2 runs with gemm1's
     return {"default_us": default_us, "best_us": best_us, "gemm1": best1, "gemm2": best2, "rows_per_expert": rpe,
-            "error": error, "tried": tried, "of": len(gemm1) + 1 + len(pregather) + 1 + len(gemm2) + 1}
+            "error": error, "tried": tried, "of": len(gemm1) + 1 + len(pregather) + 1 + len(gemm2) + 1 + halves}
+
+
+def _half_applies(cfg: dict[str, int]) -> bool:
+    """Whether ``cfg`` with HALF_TAIL is another candidate: not on already, and it can run."""
+    return not cfg.get("HALF_TAIL", 0) and fused.half_tail_unfit({**cfg, "HALF_TAIL": 1}) is None
 
 
 def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, device: str, reps: int,
@@ -299,20 +321,27 @@ def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, de
     # (B.grouped_mm_dgrad2_default's conditions but the rows per expert)
     grouped2 = (B.grouped_mm_wgrad_default(args[0], 2 * i, i) and B.grouped_mm_unfit(args[0], 2 * i, i, args[5]) is None
                 and fused.pre_dtype(dtype, True, args[12]) == torch.bfloat16)
+    def forward_gemm(gemm: str, c: dict[str, int]) -> bool:  # does it run on the forward's GEMM?
+        if gemm == "dgrad2":
+            return bool(c.get("SPLIT", 0)) and not c.get("GROUPED_MM", 0)
+        return not c.get("GROUPED_MM", B.grouped_mm_dgrad1_default(args[0], args[3], 2 * i, i))
+
     for gemm, cands in (("dgrad2", dgrad2 + (["grouped"] if grouped2 else [])), ("dgrad1", dgrad1)):
-        for c in cands + [None]:
+        for c in cands + [None, "half"]:
             if time.monotonic() > deadline:
                 break
             if c is None:  # the best so far, persistent: where it runs on the forward's GEMM
                 now = best.get(gemm, defaults[gemm])
-                if gemm == "dgrad2":
-                    triton_gemm = now.get("SPLIT", 0) and not now.get("GROUPED_MM", 0)
-                else:
-                    triton_gemm = not now.get("GROUPED_MM", B.grouped_mm_dgrad1_default(args[0], args[3], 2 * i, i))
-                if not triton_gemm or now.get("PERSISTENT", 0):
+                if not forward_gemm(gemm, now) or now.get("PERSISTENT", 0):
                     skipped += 1
                     continue
                 cand = {**now, "PERSISTENT": 1}
+            elif c == "half":  # the best so far, half tiles (HALF_TAIL): likewise
+                now = best.get(gemm, defaults[gemm])
+                if not forward_gemm(gemm, now) or not _half_applies({**now, "BLOCK_M": bm}):
+                    skipped += 1
+                    continue
+                cand = {**now, "HALF_TAIL": 1}
             else:
                 # a candidate tile is the Triton GEMM's, so it runs off torch._grouped_mm (the
                 # sm90 bf16 default of dgrad1, and of dgrad2 at many rows per expert): a winner
@@ -330,7 +359,7 @@ def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, de
                 for g, w in zip(got, want))
     return {"default_us": default_us, "best_us": best_us, "dgrad2": best.get("dgrad2"),
             "dgrad1": best.get("dgrad1"), "rows_per_expert": rpe, "error": error, "tried": tried,
-            "of": len(dgrad2) + int(grouped2) + len(dgrad1) + 2 - skipped}
+            "of": len(dgrad2) + int(grouped2) + len(dgrad1) + 4 - skipped}
 
 
 def tune_decode(e: int, h: int, i: int, k: int, dtype: torch.dtype, device: str, reps: int, deadline: float,
