@@ -48,6 +48,10 @@
 #                                          TOKENS_DGRAD2 (default 4096) on DGRAD2_CONFIGS (default all three:
 #                                          the gate pass's tiles and every tune.DGRAD2 candidate, one process;
 #                                          ~3 min a config, a guess: one config a call is safe)
+#   STAGE=half bash bench/device_run.sh    HALF_TAIL (a GEMM config key, off in the table): its GPU cases,
+#                                          then the fused forward with it and without (moe_gemms.py
+#                                          --half-tail) and the training step's kernels (moe_launches.py
+#                                          --variant), per config of HALF_CONFIGS at TOKENS_HALF (default 4096)
 #   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
 # TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
 # 16 cores) runs it with xdist; FIRST_CALL=0 skips the first-call timing.
@@ -206,5 +210,28 @@ if [ "$STAGE" = compiled ]; then
       --rounds 5 --variants hf_grouped_mm_inductor opreg opreg_inductor --traced-min-flops "$bound" \
       ${INLINE:+--inline-kernels "$INLINE"} 2>&1 \
       | tee "$OUT/moe_compiled_$bound.log" | grep -E "^\||TRACED"
+  done
+fi
+
+if [ "$STAGE" = half ]; then
+  python3 -m opreg build >/dev/null 2>&1
+  # HALF_TAIL (half a tile where a block's second half is padding; off in the table): its
+  # GPU cases, then its A/B, one process a config: the no-grad forward (moe_gemms.py
+  # --half-tail: the table's configs, GEMM2 not persistent, HALF_TAIL on GEMM1, on both,
+  # interleaved), then the training step's kernels beside the table's (moe_launches.py
+  # --variant; Mixtral's dgrad2 runs on CUTLASS, which has no such mode: forward only there)
+  timeout 150 python3 -m pytest -q -n 14 --dist load -k "half" -p no:cacheprovider \
+    tests/test_moe_triton.py tests/test_moe_triton_backward.py 2>&1 | tail -3
+  for c in ${HALF_CONFIGS:-qwen3_moe olmoe mixtral}; do
+    timeout ${HALF_FWD_S:-90} python3 bench/moe_gemms.py --half-tail --configs "$c" --tokens "${TOKENS_HALF:-4096}" \
+      > "$OUT/half_fwd_$c.log" 2>&1; grep -A5 "interleaved rounds" "$OUT/half_fwd_$c.log"
+  done
+  fwd='"gemm1": {"HALF_TAIL": 1}, "gemm2": {"HALF_TAIL": 1, "PERSISTENT": 0}'
+  for c in ${HALF_CONFIGS:-qwen3_moe olmoe mixtral}; do
+    back=', "dgrad2": {"HALF_TAIL": 1}, "dgrad1": {"HALF_TAIL": 1, "PERSISTENT": 0, "GROUPED_MM": 0}'
+    [ "$c" = mixtral ] && back=''
+    (cd bench && timeout ${HALF_STEP_S:-120} python3 moe_launches.py --configs "$c" --rounds 7 \
+      --variant "half={$fwd$back}" > "$OUT/half_step_$c.log" 2>&1)
+    grep -E "T=[0-9]+ |rounds;|half:|table's configs, given:" "$OUT/half_step_$c.log"
   done
 fi
