@@ -321,6 +321,7 @@ def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, de
     # (B.grouped_mm_dgrad2_default's conditions but the rows per expert)
     grouped2 = (B.grouped_mm_wgrad_default(args[0], 2 * i, i) and B.grouped_mm_unfit(args[0], 2 * i, i, args[5]) is None
                 and fused.pre_dtype(dtype, True, args[12]) == torch.bfloat16)
+
     def forward_gemm(gemm: str, c: dict[str, int]) -> bool:  # does it run on the forward's GEMM?
         if gemm == "dgrad2":
             return bool(c.get("SPLIT", 0)) and not c.get("GROUPED_MM", 0)
@@ -550,7 +551,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _write(table, a.out, device, argv)
     jobs = [(shape, t) for shape in shapes for t in (int(v) for v in a.tokens.split(","))]
     print(f"tuning moe_experts ({a.dtype}) on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
-          f"{len(GEMM1)} + {2 + len(PREGATHER)} GEMM1 and {1 + len(GEMM2)} GEMM2 candidates per shape, "
+          f"{len(GEMM1)} + {3 + len(PREGATHER)} GEMM1 and {2 + len(GEMM2)} GEMM2 candidates per shape, "
           f"budget {a.budget_s:.0f} s", flush=True)
     tokens = [int(v) for v in a.tokens.split(",")]
     for shape in shapes:
