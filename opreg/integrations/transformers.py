@@ -188,7 +188,8 @@ def _experts(op_args: tuple[Any, ...], needs_grad: bool) -> torch.Tensor:
     the op runs its Triton implementation (:mod:`opreg.backends.triton.moe_experts_train`,
     eager and traced); else the differentiable grouped path (its backward is grouped GEMMs
     too), except where tracing it would leave data-dependent sizes in the graph (one GEMM
-    per expert after a host read: off bf16 ``_grouped_mm``), which Inductor can't lower
+    per expert after a host read: off ``_grouped_mm``, which traces with bf16 on sm90+ and,
+    through ``cpu_grouped_mm``, on the CPU from torch 2.11), which Inductor can't lower
     (GuardOnDataDependentSymNode) and Dynamo without fullgraph splits at every projection:
     there the op itself, one node whose backward is an op of its own."""
     if not needs_grad:

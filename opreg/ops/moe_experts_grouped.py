@@ -3,7 +3,8 @@ meaning, checks and reference are in :mod:`opreg.ops.moe_experts`.
 
 Rows grouped by expert on the device (stable sort, offsets by ``searchsorted``: no host
 sync), grouped GEMMs (``torch._grouped_mm`` for bf16 on sm90+, which is CUDA-graph
-capturable; elsewhere one GEMM per expert after one host read of the offsets), the gate, and
+capturable, and on the CPU, where traced its non-bf16 calls are :func:`cpu_grouped_mm`;
+elsewhere one GEMM per expert after one host read of the offsets), the gate, and
 ``scatter_combine`` for the weighted combine (deterministic, fp32 accumulation; traced by
 ``torch.compile``, the gather and the combine are torch's own ops instead, as deterministic:
 see :func:`grouped`); sentinel rows are zero going in and zeroed coming out. As the op's
@@ -18,10 +19,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .moe_experts import NAME, accumulate_dtype, apply_gate, check, checked_ids, checks_ids_here
 
-__all__ = ["gather_rows", "grouped", "grouped_linear", "grouped_traces_whole", "register", "uses_grouped_mm"]
+__all__ = ["cpu_grouped_mm", "gather_rows", "grouped", "grouped_linear", "grouped_traces_whole", "register",
+           "uses_grouped_mm"]
 
 
 def _in_functorch() -> bool:
@@ -82,7 +85,14 @@ class _Gather(_GatherRows):
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``x[idx]`` for (R, C) ``x``, deterministic in backward."""
-    return (_GatherRows if torch.compiler.is_compiling() else _Gather).apply(x, idx)
+    if torch.compiler.is_compiling():
+        return _GatherRows.apply(x, idx)
+    if not (x.requires_grad and torch.is_grad_enabled()) and not _in_functorch():
+        # no backward to make deterministic: the plain gather (forward mode differentiates
+        # it as _Gather.jvp does), without the autograd.Function's apply, which binds its
+        # arguments through inspect.signature (~20 us of host a call on the 2-core box)
+        return x.index_select(0, idx)
+    return _Gather.apply(x, idx)
 
 
 # Traced by torch.compile, :func:`grouped` gathers and combines with torch's own ops (True)
@@ -102,23 +112,127 @@ def _sm90_or_newer(device_index: int) -> bool:
     return _SM90_OR_NEWER[device_index]
 
 
+# torch's CPU kernel of _grouped_mm: from torch 2.9 (none before); before 2.11 it needs
+# 16-byte aligned operands (transformers' grouped_mm checks the same), which a trace can't
+# see, so traced it is taken from 2.11.
+_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+_CPU_GROUPED_MM = hasattr(torch, "_grouped_mm") and _TORCH >= (2, 9)
+_CPU_GROUPED_MM_TRACED = _CPU_GROUPED_MM and _TORCH >= (2, 11)
+_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """Traced (torch.compile, or fake tensors): no data, and the meta functions decide."""
+    return torch.compiler.is_compiling() or is_fake(t)
+
+
+def _aligned(*ts: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in ts)
+
+
+def _rows16(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """K and N multiples of 16 bytes: torch's kernels (CUTLASS's, the CPU's) take no other
+    row strides."""
+    v = 16 // x.element_size()
+    return x.shape[-1] % v == 0 and w.shape[-1] % v == 0
+
+
 def uses_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Does ``torch._grouped_mm`` run this (S, K) x (E, K, N) product without a host sync?
-    bf16 on sm90+ (CUTLASS), rows 16-byte aligned (K, N multiples of 8). Elsewhere torch
-    2.11 falls back to a loop that reads the offsets on the host, and CPU has no benefit."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-            and hasattr(torch, "_grouped_mm") and x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0
-            and _sm90_or_newer(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+    """Does ``torch._grouped_mm`` run this (S, K) x (E, K, N) product (no host sync)? Its
+    kernels take rows of 16-byte multiples only (K, N).
+
+    * CUDA: bf16 on sm90+ (CUTLASS); elsewhere torch 2.11 falls back to a loop that reads
+      the offsets on the host.
+    * CPU (torch >= 2.9): float32, bfloat16 and float16 eager; traced (``torch.compile``)
+      bf16 only, the one dtype its meta function takes (:func:`cpu_grouped_mm` runs the
+      others). One call instead of a GEMM per expert, their split and cat."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype or not _rows16(x, w):
+        return False
+    if x.is_cuda:
+        return (x.dtype == torch.bfloat16
+                and _sm90_or_newer(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+    if x.device.type != "cpu" or not _CPU_GROUPED_MM:
+        return False
+    if _traced(x):
+        return _CPU_GROUPED_MM_TRACED and x.dtype == torch.bfloat16
+    return x.dtype in _CPU_DTYPES and (_TORCH >= (2, 11) or _aligned(x, w))
+
+
+def _cpu_op(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Traced on the CPU, where torch._grouped_mm's meta function refuses the dtype (float32,
+    float16): the product runs as :func:`cpu_grouped_mm`, an op around torch's CPU kernel,
+    one node with its own backward (transformers' grouped_mm does the same there)."""
+    return (x.device.type == "cpu" and _CPU_GROUPED_MM_TRACED and _traced(x)
+            and x.dtype == w.dtype and x.dtype in _CPU_DTYPES and _rows16(x, w))
 
 
 def grouped_traces_whole(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                          transposed: bool) -> bool:
-    """Do both of :func:`grouped`'s projections run on ``torch._grouped_mm``? Then it has no
+    """Does each of :func:`grouped`'s projections run as one grouped product (on
+    ``torch._grouped_mm`` or, traced on the CPU, :func:`cpu_grouped_mm`)? Then it has no
     host read and traces with no data-dependent size; else each projection reads the group
     sizes on the host (one GEMM per expert)."""
     w1 = gate_up_proj if transposed else gate_up_proj.transpose(-2, -1)  # (E, H, N)
     w2 = down_proj if transposed else down_proj.transpose(-2, -1)        # (E, I, H)
-    return uses_grouped_mm(x, w1) and uses_grouped_mm(x.new_empty(0, w2.shape[-2]), w2)
+    act = x.new_empty(0, w2.shape[-2])
+    return all(uses_grouped_mm(a, w) or _cpu_op(a, w) for a, w in ((x, w1), (act, w2)))
+
+
+# ----------------------------------------------------------------------------- the CPU's op
+
+@torch.library.custom_op("opreg::cpu_grouped_mm", mutates_args=(), device_types="cpu")
+def cpu_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(x, w, offs=offs)`` on the CPU: (S, K) rows grouped by ``offs``
+    (E,) int32 run ends, times (E, K, N) -> (S, N)."""
+    return torch._grouped_mm(x, w, offs=offs)
+
+
+@cpu_grouped_mm.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+def _k_major(w: torch.Tensor) -> bool:
+    """Is (E, K, N) ``w`` a transposed view of an (E, N, K) tensor (its K dim the fast one)?
+    Then its gradient is made in that layout: AccumulateGrad copied one of the other layout
+    into the parameter's (~5 ms of a 17 ms compiled training step of a 512-wide block on
+    the 2-core box). Decided when the forward is traced and passed on as a constant: the
+    strides a compiled backward's saved ``w`` arrives with are Inductor's choice."""
+    return w.stride(-2) == 1 and w.stride(-1) != 1
+
+
+@torch.library.custom_op("opreg::cpu_grouped_mm_backward", mutates_args=(), device_types="cpu")
+def _cpu_grouped_mm_backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+                             k_major: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """d x = grad (S, N) times each group's w (K, N) transposed; d w (E, K, N) = each group's
+    rows of x transposed times its rows of grad (an empty group's: zeros), made as an
+    (E, N, K) tensor and returned transposed where ``k_major``."""
+    grad = grad.contiguous()  # torch's CPU kernel refuses an expanded (stride-0) gradient
+    dx = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs)
+    if k_major:
+        return dx, torch._grouped_mm(grad.transpose(0, 1), x, offs=offs).transpose(-2, -1)
+    return dx, torch._grouped_mm(x.transpose(0, 1), grad, offs=offs)
+
+
+@_cpu_grouped_mm_backward.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, k_major: bool
+      ) -> tuple[torch.Tensor, torch.Tensor]:
+    e, k, n = w.shape
+    return x.new_empty(x.shape), (w.new_empty(e, n, k).transpose(-2, -1) if k_major else w.new_empty(e, k, n))
+
+
+def _cpu_setup(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+    ctx.k_major = _k_major(inputs[1])
+
+
+def _cpu_backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], None]:
+    x, w, offs = ctx.saved_tensors
+    dx, dw = _cpu_grouped_mm_backward(grad, x, w, offs, ctx.k_major)
+    return dx, dw, None
+
+
+cpu_grouped_mm.register_autograd(_cpu_backward, setup_context=_cpu_setup)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, b: Optional[torch.Tensor],
@@ -126,8 +240,9 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, b: Opti
     """Rows of ``x`` (S, K) sorted by expert, group e = rows [offs[e-1], offs[e]), times
     expert e's weight (and + its bias). ``w`` is (E, N, K), or (E, K, N) if ``transposed``."""
     wk = w if transposed else w.transpose(-2, -1)  # (E, K, N), as grouped_mm takes it
-    if uses_grouped_mm(x, wk):
-        y = torch._grouped_mm(x, wk, offs=offs)
+    native = uses_grouped_mm(x, wk)
+    if native or _cpu_op(x, wk):
+        y = torch._grouped_mm(x, wk, offs=offs) if native else cpu_grouped_mm(x, wk, offs)
         return y if b is None else y + gather_rows(b, expert_of_row)
     # One GEMM per expert after one host read of the offsets. split/unbind (not slicing in
     # a loop) so that backward assembles each gradient once, not once per expert.
@@ -168,12 +283,18 @@ def grouped(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     # and zeroed coming out (torch.where: an inf or NaN of that expert's can't leak, in
     # forward or backward), with weight 0 (a NaN weight there is never read).
     valid = (ids >= 0) & (ids < e)
-    ids = torch.where(valid, ids, e - 1)
-    weights = torch.where(valid, top_k_weights.reshape(-1), 0)
+    # On the CPU, eager, the mask is read for free (no device to sync): where every slot is
+    # real, the masking is the identity and is left out (its four where()s, two of them over
+    # S x H, took ~6 % of a 512-wide block's forward on the 2-core box: bench/RESULTS.md).
+    masked = ids.device.type != "cpu" or _traced(ids) or _in_functorch() or not bool(valid.all())
+    weights = top_k_weights.reshape(-1)
+    if masked:
+        ids = torch.where(valid, ids, e - 1)
+        weights = torch.where(valid, weights, 0)
     expert_of_row, perm = torch.sort(ids, stable=True)
     offs = torch.searchsorted(expert_of_row, torch.arange(e, device=ids.device), right=True).int()
     token_of_row = perm // k
-    real = valid[perm].unsqueeze(-1)
+    real = valid[perm].unsqueeze(-1) if masked else None
     # Traced (torch.compile), the gather and the combine are torch's own ops, which Inductor
     # fuses with their neighbours; eager, the scatter_combine op does both in one kernel
     # each way. Under compile that op is a kernel and a dispatcher crossing of its own in
@@ -190,11 +311,13 @@ def grouped(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         x = hidden_states.unsqueeze(1).expand(t, k, h).reshape(t * k, h)[perm]
     else:
         x = gather_rows(hidden_states, token_of_row)
-    x = torch.where(real, x, 0)
+    if real is not None:
+        x = torch.where(real, x, 0)
     up = grouped_linear(x, gate_up_proj, offs, gate_up_bias, expert_of_row, transposed)
     act = apply_gate(up, activation, gated, interleaved, alpha, limit)
     down = grouped_linear(act, down_proj, offs, down_bias, expert_of_row, transposed)
-    down = torch.where(real, down, 0)
+    if real is not None:
+        down = torch.where(real, down, 0)
     if not traced:
         return _scatter_add_rows(down, token_of_row, weights[perm].to(gate_dtype), t)
     # the rows back in slot order (a gather by the inverse permutation), weighted and summed
