@@ -205,10 +205,12 @@ def interleaved_us(steps: dict[str, Callable[[], None]], rounds: int, min_batch:
 
 
 def main(argv: list[str] | None = None) -> None:
-    global DECODE_TRY
+    global DECODE_TRY, CPU_SIZES
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="4096", help="token counts, comma-separated (issue 18: 1,64,512,4096,16384)")
     p.add_argument("--configs", nargs="*", default=list(CONFIGS))
+    p.add_argument("--cpu-sizes", default=",".join(map(str, CPU_SIZES)),
+                   help="on the CPU: hidden, expert ffn, experts (at most the config's), top-k")
     p.add_argument("--rounds", type=int, default=7,
                    help="rounds, each timing every variant (a batch of ~2 ms of calls), the order rotated")
     p.add_argument("--min-batch", default="1",
@@ -238,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="default: all but hf_eager (the per-expert loop: 0.02-0.3x, 0.2 s a call at T 4096)")
     a = p.parse_args(argv)
     cpu = DEVICE == "cpu"
+    CPU_SIZES = tuple(int(v) for v in a.cpu_sizes.split(","))
+    if len(CPU_SIZES) != 4 or min(CPU_SIZES) < 1:
+        p.error(f"--cpu-sizes {a.cpu_sizes}: four positive ints (hidden, expert ffn, experts, top-k)")
     if a.traced_min_flops is not None:
         from opreg.backends.triton import moe_experts_train
         moe_experts_train.TRACED_MIN_FLOPS = a.traced_min_flops
@@ -261,8 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     variants = [v for v in VARIANTS + EXTRA_VARIANTS if v in a.variants]
     if "hf_grouped_mm_inductor" not in variants:
         p.error("the ratios are against hf_grouped_mm_inductor: keep it among --variants")
+    what = f"float32, hidden / ffn / experts / top-k {CPU_SIZES}" if cpu else "bf16"
     print(f"device {torch.cuda.get_device_name() if not cpu else 'cpu'}, torch {torch.__version__}, "
-          f"transformers {transformers.__version__}, {'float32 tiny' if cpu else 'bf16'}, median of {a.rounds} "
+          f"transformers {transformers.__version__}, {what}, median of {a.rounds} "
           f"interleaved rounds (bench/_timing.py), us per call "
           f"(ratio = hf_grouped_mm_inductor / variant; TF/s of the experts' GEMMs; "
           f"floor = those FLOPs at {PEAK_TFLOPS:.0f} TF/s; fwd+bwd: "
