@@ -285,7 +285,7 @@ def grouped(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     valid = (ids >= 0) & (ids < e)
     # On the CPU, eager, the mask is read for free (no device to sync): where every slot is
     # real, the masking is the identity and is left out (its four where()s, two of them over
-    # S x H, took ~6 % of a 512-wide block's forward on the 2-core box: bench/RESULTS.md).
+    # S x H, took ~7 % of a 512-wide block's forward on the 2-core box: bench/RESULTS.md).
     masked = ids.device.type != "cpu" or _traced(ids) or _in_functorch() or not bool(valid.all())
     weights = top_k_weights.reshape(-1)
     if masked:
