@@ -115,6 +115,28 @@ def test_grad_on_cuda_runs_eager_ops_where_the_gemm_path_would_run():
     assert "CatLinear" in _grad_fn_names(GEMM_SIZE, "cpu")[0]  # the CPU kernel: the op's node
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cpu_half_is_eagers_gemm_where_torch_runs_it_natively(dtype):
+    """bf16/fp16 on the CPU: where torch's own GEMM runs in that dtype on oneDNN, the op
+    computes what eager does, cat + one GEMM (the same bits); elsewhere a GEMM per part
+    accumulated in float32; within the dtype's tolerance of float64 either way
+    (backends/common/cat_linear_cpu.h)."""
+    native = (torch.ops.mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16
+              else torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    r, b, h, k = 8, 16, 64, 256
+    parts = [torch.randn(b, h, dtype=dtype) for _ in range(r)]
+    w, bias = torch.randn(k, r * h, dtype=dtype) / 16, torch.randn(k, dtype=dtype)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = OP(parts, w, bias)
+    ran = {e.name for e in prof.events()}
+    # eager's cat + one GEMM in the dtype, or the per-part path's float32 copies of the operands
+    assert ("aten::cat" in ran and "aten::_to_copy" not in ran) == native, (native, sorted(ran))
+    if native:
+        assert torch.equal(out, torch.nn.functional.linear(torch.cat(parts, -1), w, bias))
+    want = torch.nn.functional.linear(torch.cat([p.double() for p in parts], -1), w.double(), bias.double())
+    assert_matches(out, want, dtype)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cuda_grads_at_gemm_path_sizes(dtype):

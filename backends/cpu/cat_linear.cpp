@@ -11,15 +11,10 @@
 #include <vector>
 
 #include "cat_linear_checks.h"
+#include "cat_linear_cpu.h"
 
 namespace opreg {
 namespace {
-
-// fp32/fp64 and under ~4M multiply-adds (m rows): the one-GEMM path below.
-bool small_full_precision(const at::Tensor& weight, int64_t m) {
-  return !at::isReducedFloatingType(weight.scalar_type()) &&
-      m * weight.size(0) * weight.size(1) < (int64_t(1) << 22);
-}
 
 // x2d (M, K) @ weight^T + bias, as F.linear computes it.
 at::Tensor linear2d(const at::Tensor& x2d, const at::Tensor& weight,
@@ -40,21 +35,22 @@ at::Tensor cat_linear_impl(
   std::vector<int64_t> out_shape(lead.begin(), lead.end());
   out_shape.push_back(k);
 
-  // Small fp32/fp64 problems: what F.linear(cat(parts)) runs, one cat and one GEMM,
-  // with nothing else around them. At this size the call is a handful of ATen
+  // Small fp32/fp64 problems, and bf16/fp16 where torch's GEMM runs natively in them
+  // (cat_linear_cpu.h): what F.linear(cat(parts)) runs, one cat and one GEMM, with
+  // nothing else around them. At small sizes the call is a handful of ATen
   // dispatches, and each one counts: the general path below (reshapes, no-op
   // casts, narrow, an out= GEMM) cost 27 us per call against eager's 13 (R4 B12
   // H32 K56, 2 cores, bench/model_overhead.py).
-  if (small_full_precision(weight, m)) {
+  if (cat_linear_cpu::one_gemm(weight, m)) {
     const at::Tensor x = parts.size() == 1 ? parts[0] : at::cat(parts, -1);
     return linear2d(x.reshape({m, weight.size(1)}), weight, bias).view(out_shape);
   }
   const at::ScalarType dtype = weight.scalar_type();
 
-  // fp16/bf16 are computed in fp32 and rounded once at the end: accumulating
-  // part by part in the low-precision output would round once per part, and
-  // CPU fp16/bf16 GEMMs (without AMX) measured 3-14x slower than upcasting
-  // to fp32 GEMMs. Parts are upcast one at a time to bound the extra memory.
+  // fp16/bf16 (where the CPU's GEMMs in them are emulated: cat_linear_cpu.h) are computed
+  // in fp32 and rounded once at the end: accumulating part by part in the low-precision
+  // output would round once per part, and such fp16/bf16 GEMMs measured 1.4-14x slower
+  // than upcasting to fp32 GEMMs. Parts are upcast one at a time to bound the extra memory.
   const at::ScalarType acc_type = at::isReducedFloatingType(dtype) ? at::kFloat : dtype;
   const at::Tensor w_acc = weight.to(acc_type);  // no copy when acc_type == dtype
   at::Tensor out2d = at::empty({m, k}, w_acc.options());
@@ -88,8 +84,9 @@ at::Tensor cat_linear_impl(
   return out2d.to(dtype).view(out_shape);
 }
 
-// cat_linear(x.unbind(dim), weight, bias). Small fp32/fp64 problems: cat(x.unbind(d), -1)
-// is x with dim d moved next to the last one, flattened, so one copy and one GEMM.
+// cat_linear(x.unbind(dim), weight, bias). On the one-GEMM path (cat_linear_cpu.h):
+// cat(x.unbind(d), -1) is x with dim d moved next to the last one, flattened, so one copy
+// and one GEMM.
 at::Tensor cat_linear_stacked_cpu(
     const at::Tensor& x,
     int64_t dim,
@@ -106,7 +103,7 @@ at::Tensor cat_linear_stacked_cpu(
     }
   }
   out_shape.push_back(weight.size(0));
-  if (small_full_precision(weight, m)) {
+  if (cat_linear_cpu::one_gemm(weight, m)) {
     const at::Tensor x2d = x.movedim(d, -2).reshape({m, weight.size(1)});
     return linear2d(x2d, weight, bias).view(out_shape);
   }
