@@ -203,7 +203,8 @@ def _(top_k_index: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(top_k_index)
 
 
-def _tracing(t: torch.Tensor) -> bool:
+def tracing(t: torch.Tensor) -> bool:
+    """Traced (``torch.compile``, or fake tensors): no data to read."""
     return torch.compiler.is_compiling() or is_fake(t)
 
 
@@ -211,7 +212,7 @@ def checked_ids(top_k_index: torch.Tensor) -> torch.Tensor:
     """``top_k_index`` after :func:`check_ids`: now in eager, at run time in a traced graph
     (``torch.compile``, AOT autograd of the op's reference), so that a negative id raises
     the same IndexError on every path."""
-    if _tracing(top_k_index):
+    if tracing(top_k_index):
         return _check_ids_op(top_k_index)
     check_ids(top_k_index)
     return top_k_index
@@ -253,7 +254,7 @@ def reference(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias,
             activation, gated, transposed, interleaved, alpha, limit)
     check(*args)
-    if _tracing(hidden_states):
+    if tracing(hidden_states):
         return _TracedReference.apply(*args)
     ids = checked_ids(top_k_index).reshape(-1)
     (t, k), e = top_k_index.shape, gate_up_proj.shape[0]
@@ -358,4 +359,4 @@ def _define() -> None:
 _define()
 
 __all__ = ["ACTIVATIONS", "GPT_OSS", "NAME", "accumulate_dtype", "apply_gate", "check", "check_ids", "checked_ids",
-           "checks_ids_here", "reference", "unsupported"]
+           "checks_ids_here", "reference", "tracing", "unsupported"]

@@ -19,9 +19,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
-from .moe_experts import NAME, accumulate_dtype, apply_gate, check, checked_ids, checks_ids_here
+from .moe_experts import NAME, accumulate_dtype, apply_gate, check, checked_ids, checks_ids_here, tracing
 
 __all__ = ["cpu_grouped_mm", "gather_rows", "grouped", "grouped_linear", "grouped_traces_whole", "register",
            "uses_grouped_mm"]
@@ -121,11 +120,6 @@ _CPU_GROUPED_MM_TRACED = _CPU_GROUPED_MM and _TORCH >= (2, 11)
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _traced(t: torch.Tensor) -> bool:
-    """Traced (torch.compile, or fake tensors): no data, and the meta functions decide."""
-    return torch.compiler.is_compiling() or is_fake(t)
-
-
 def _aligned(*ts: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in ts)
 
@@ -153,7 +147,7 @@ def uses_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
                 and _sm90_or_newer(x.device.index if x.device.index is not None else torch.cuda.current_device()))
     if x.device.type != "cpu" or not _CPU_GROUPED_MM:
         return False
-    if _traced(x):
+    if tracing(x):
         return _CPU_GROUPED_MM_TRACED and x.dtype == torch.bfloat16
     return x.dtype in _CPU_DTYPES and (_TORCH >= (2, 11) or _aligned(x, w))
 
@@ -162,7 +156,7 @@ def _cpu_op(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Traced on the CPU, where torch._grouped_mm's meta function refuses the dtype (float32,
     float16): the product runs as :func:`cpu_grouped_mm`, an op around torch's CPU kernel,
     one node with its own backward (transformers' grouped_mm does the same there)."""
-    return (x.device.type == "cpu" and _CPU_GROUPED_MM_TRACED and _traced(x)
+    return (x.device.type == "cpu" and _CPU_GROUPED_MM_TRACED and tracing(x)
             and x.dtype == w.dtype and x.dtype in _CPU_DTYPES and _rows16(x, w))
 
 
@@ -286,7 +280,7 @@ def grouped(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     # On the CPU, eager, the mask is read for free (no device to sync): where every slot is
     # real, the masking is the identity and is left out (its four where()s, two of them over
     # S x H, took ~7 % of a 512-wide block's forward on the 2-core box: bench/RESULTS.md).
-    masked = ids.device.type != "cpu" or _traced(ids) or _in_functorch() or not bool(valid.all())
+    masked = ids.device.type != "cpu" or tracing(ids) or _in_functorch() or not bool(valid.all())
     weights = top_k_weights.reshape(-1)
     if masked:
         ids = torch.where(valid, ids, e - 1)
