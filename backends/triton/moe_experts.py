@@ -1858,7 +1858,7 @@ def moe_experts_triton_train(*args: Any) -> Optional[torch.Tensor]:
     else None (the op's reference gradients). Traced calls keep the op's traced
     reference (the transformers integration traces the fused custom ops itself), and so do
     ``torch.func`` transforms and forward mode, before anything reads a data pointer."""
-    if M._tracing(args[0]) or torch._C._functorch.maybe_current_level() is not None \
+    if M.tracing(args[0]) or torch._C._functorch.maybe_current_level() is not None \
             or getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0:
         return None  # traced, inside a torch.func transform, or forward mode: the reference
     from . import moe_experts_train as T  # imports this module
