@@ -27,10 +27,12 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -156,6 +158,8 @@ class Popen:
                  cwd: Optional[os.PathLike | str] = None) -> None:
         self.args = [sys.executable, *argv]
         self._dir = Path(tempfile.mkdtemp(prefix="opreg-fresh-"))
+        # the outputs' folder goes when this object does (a run left 300 of them in /tmp)
+        weakref.finalize(self, shutil.rmtree, self._dir, True)
         self._out, self._err = self._dir / "stdout", self._dir / "stderr"
         self._out.touch()
         self._err.touch()
