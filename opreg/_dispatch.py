@@ -127,8 +127,7 @@ def _trained(op: Any, args: Sequence[Any]) -> Any:
     t = first_tensor(args)
     if t is None:
         return None
-    device = t.device.type
-    name = registry.bound(op.name, device) or registry.resolve(op.name, device).name
+    name = registry.running(op.name, t.device.type)
     train = getattr(op.impls.get(name), "train", None)
     return None if train is None else train(*args)
 

@@ -44,7 +44,7 @@ from ._dispatch import NAMESPACE, push_kernel
 from ._state import (ANY_DEVICE, DEVICE_KEYS, Impl, Op, _autograd, _bound, _defs, _lock, _ops, _scope)
 
 __all__ = ["DEVICE_KEYS", "Impl", "NAMESPACE", "Op", "add_impl", "autograd_kind", "bound", "define_op",
-           "get", "implementations", "load", "lookup", "ops", "remove_impl", "resolve", "use"]
+           "get", "implementations", "load", "lookup", "ops", "remove_impl", "resolve", "running", "use"]
 
 
 # ---------------------------------------------------------------------------- defining
@@ -209,6 +209,15 @@ def bound(op: str, device: str) -> str | None:
     o = lookup(op)
     i = _scoped_choice(o, device, build=False) or _bound.get((op, device))
     return i.name if i else None
+
+
+@torch.compiler.assume_constant_result
+def running(op: str, device: str) -> str:
+    """Name of the implementation a call on ``device`` runs now: :func:`bound`'s, else the
+    default it would bind (:func:`resolve`). A constant to Dynamo, which need not trace the
+    registry: code traced on its answer keeps the implementation of when it was compiled (a
+    :func:`use` scope entered later counts after a recompile, e.g. ``torch._dynamo.reset()``)."""
+    return bound(op, device) or resolve(op, device).name
 
 
 def resolve(op: str, device: str) -> Impl:

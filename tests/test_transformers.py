@@ -5,6 +5,7 @@ fall back to HF with one log line; on CUDA: bf16 via grouped_mm, CUDA-graph capt
 block, bit-identical reruns."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import logging
@@ -314,6 +315,44 @@ def test_compiled_training_takes_the_grouped_path_where_host_bound(monkeypatch):
     assert oi._trains_fused(small, compiling=False)
     whole[0] = False
     assert oi._trains_fused(small, compiling=True)
+
+
+def test_compiled_forward_traces_the_grouped_path():
+    """Without gradients under torch.compile, where the op would run its grouped path and
+    that path traces whole (float32 on the CPU from torch 2.11), the path itself is in the
+    graph: no op call at run time, and Inductor fuses its gather, masks and combine. Under a
+    ``use(moe_experts="reference")`` scope at compile time the op stays, one node, and runs
+    the reference. Both equal HF eager in float64."""
+    mine, ref = _experts_pair("qwen3_moe", torch.float32, "cpu")
+    idx, w = _routing(9, mine.num_experts, 2, "cpu")
+    h = torch.randn(9, COMMON["hidden_size"])
+    want = ref(h.double(), idx, w.double())
+    whole = oi.grouped_impl.grouped_traces_whole(h, mine.gate_up_proj, mine.down_proj, False)
+    assert whole == oi.grouped_impl._CPU_GROUPED_MM_TRACED
+    for scope, op_runs in ((contextlib.nullcontext(), not whole), (opreg.use(moe_experts="reference"), True)):
+        torch._dynamo.reset()
+        with torch.no_grad(), scope:
+            fast = torch.compile(mine, fullgraph=True)
+            ran = _ran(lambda: assert_matches(fast(h, idx, w), want, torch.float32))
+        assert ("opreg::moe_experts" in ran) == op_runs, ran
+    torch._dynamo.reset()
+
+
+@pytest.mark.cuda
+@needs_sm90
+def test_cuda_compiled_forward_traces_the_grouped_path():
+    """bf16 on sm90+ under a ``use(moe_experts="grouped")`` scope: the compiled no-grad
+    forward holds the grouped path (no op call at run time), within bf16's tolerance of HF
+    eager in float64."""
+    mine, ref = _experts_pair("mixtral", torch.bfloat16, "cuda")
+    h, idx, w16 = (t.detach() for t in _bf16_call(mine, 64))
+    want = ref(h.double(), idx, w16.double())
+    torch._dynamo.reset()
+    with torch.no_grad(), opreg.use(moe_experts="grouped"):
+        fast = torch.compile(mine, fullgraph=True)
+        ran = _ran(lambda: assert_matches(fast(h, idx, w16), want, torch.bfloat16))
+    torch._dynamo.reset()
+    assert "opreg::moe_experts" not in ran, ran
 
 
 @pytest.mark.cuda

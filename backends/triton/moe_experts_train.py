@@ -43,7 +43,8 @@ from opreg.ops import moe_experts as M
 from . import moe_experts as F
 from . import moe_experts_backward as B
 
-__all__ = ["INLINE_KERNELS", "TRACED_MIN_FLOPS", "fused_trains", "inline_forward", "traced_host_bound", "train"]
+__all__ = ["INLINE_KERNELS", "TRACED_MIN_FLOPS", "fused_trains", "inline_forward", "runs_fused", "traced_host_bound",
+           "train"]
 
 
 def _layout(x: Tensor, ids: Tensor, w1: Tensor, gated: bool, transposed: bool
@@ -226,13 +227,17 @@ _LIB.impl("moe_experts_fused", _fused_autograd, "Autograd")
 _LIB.impl("moe_experts_fused_backward", _fused_backward, "CompositeExplicitAutograd")
 
 
-@torch.compiler.assume_constant_result
-def _bound(device_type: str) -> Optional[str]:
-    """The moe_experts implementation a call on ``device_type`` runs now (its ``use()``
-    scope's, else the default); a constant to Dynamo, which need not trace the registry, so
-    a compiled model's training path is the one bound when it was compiled (a ``use()``
-    scope entered later changes it after a recompile, e.g. ``torch._dynamo.reset()``)."""
-    return registry.bound(M.NAME, device_type) or registry.resolve(M.NAME, device_type).name
+def _bound(device_type: str) -> str:
+    """The moe_experts implementation a call on ``device_type`` runs now (a constant when
+    traced: :func:`opreg.registry.running`)."""
+    return registry.running(M.NAME, device_type)
+
+
+def runs_fused(args: tuple[Any, ...]) -> bool:
+    """Does the op run its fused kernels on the op's arguments ``args``: its ``triton``
+    implementation bound for their device (:func:`_bound`), and the kernels take them
+    (:func:`.moe_experts.why_not_fused`), not its grouped fallback?"""
+    return F.why_not_fused(*args) is None and _bound(args[0].device.type) == "triton"
 
 
 def fused_trains(args: tuple[Any, ...]) -> bool:
@@ -242,7 +247,7 @@ def fused_trains(args: tuple[Any, ...]) -> bool:
     level, not inside a ``torch.func`` transform), and, traced, with static sizes (the
     saved tensors' sizes come from the block config, picked per size)."""
     x = args[0]
-    if F.why_not_fused(*args) is not None or _bound(x.device.type) != "triton":
+    if not runs_fused(args):
         return False
     if torch.compiler.is_compiling():  # traced: no functorch level or dual tensors here
         return not any(isinstance(d, torch.SymInt) for t in (x, args[1]) for d in t.shape)
@@ -340,7 +345,7 @@ def inline_forward(*args: Any) -> Optional[Tensor]:
     x = args[0]
     if any(isinstance(d, torch.SymInt) for t in (x, args[1]) for d in t.shape):
         return None  # dynamic sizes: the configs and grids are picked per size
-    if F.why_not_fused(*args) is not None or _bound(x.device.type) != "triton":
+    if not runs_fused(args):
         return None
     M.check(*args)
     if M.checks_ids_here(args[1]):

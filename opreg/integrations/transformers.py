@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 from transformers.integrations import moe as hf_moe
 
+from .. import registry
 from .._entry import python_call
 from .._log import log_once
 from ..loops import LoopFinding, ModuleRewrite, find_loops, register_module_rewrite, rewrap
@@ -184,7 +185,8 @@ def _forward(module: nn.Module, call: tuple[Any, ...], kwargs: dict[str, Any], f
 
 
 def _experts(op_args: tuple[Any, ...], needs_grad: bool) -> torch.Tensor:
-    """Without gradients: the op. Training: the fused kernels forward and backward where
+    """Without gradients: the op (traced: its fused kernels inline, or its grouped path where
+    that traces whole, or the op, one node). Training: the fused kernels forward and backward where
     the op runs its Triton implementation (:mod:`opreg.backends.triton.moe_experts_train`,
     eager and traced); else the differentiable grouped path (its backward is grouped GEMMs
     too), except where tracing it would leave data-dependent sizes in the graph (one GEMM
@@ -193,10 +195,20 @@ def _experts(op_args: tuple[Any, ...], needs_grad: bool) -> torch.Tensor:
     (GuardOnDataDependentSymNode) and Dynamo without fullgraph splits at every projection:
     there the op itself, one node whose backward is an op of its own."""
     if not needs_grad:
-        if torch.compiler.is_compiling():  # the fused kernels in the graph, else the op, one node
-            out = _fused_train.inline_forward(*op_args) if _fused_train is not None else None
-            return torch.ops.opreg.moe_experts(*op_args) if out is None else out
-        return _op_call()(*op_args)
+        if not torch.compiler.is_compiling():
+            return _op_call()(*op_args)
+        # traced: the fused kernels in the graph; or where the op would run its grouped path
+        # and that traces whole, the path itself: the same work, with Inductor fusing its
+        # gather, masks and combine, and none of the op's Python at run time (a compiled CPU
+        # block's forward at T = 64: 423-427 us with the op against eager opreg's 378-390,
+        # 335-348 traced; bench/RESULTS.md, thirty-ninth session); else the op, one node
+        out = _fused_train.inline_forward(*op_args) if _fused_train is not None else None
+        if out is not None:
+            return out
+        x, w1, w2, transposed = op_args[0], op_args[3], op_args[5], op_args[9]
+        if _op_runs_grouped(op_args) and grouped_impl.grouped_traces_whole(x, w1, w2, transposed):
+            return grouped_impl.grouped(*op_args)
+        return torch.ops.opreg.moe_experts(*op_args)
     compiling = torch.compiler.is_compiling()
     if _trains_fused(op_args, compiling):
         return _fused_train.train(*op_args)
@@ -204,6 +216,15 @@ def _experts(op_args: tuple[Any, ...], needs_grad: bool) -> torch.Tensor:
     if compiling and not grouped_impl.grouped_traces_whole(x, w1, w2, transposed):
         return torch.ops.opreg.moe_experts(*op_args)
     return grouped_impl.grouped(*op_args)
+
+
+def _op_runs_grouped(op_args: tuple[Any, ...]) -> bool:
+    """Would the op run its grouped path on these arguments: the implementation bound for
+    their device (a constant when traced, :func:`opreg.registry.running`) is ``grouped``, or
+    ``triton`` where its fused kernels don't take them (its fallback)?"""
+    if _fused_train is not None and _fused_train.runs_fused(op_args):
+        return False
+    return registry.running(spec.NAME, op_args[0].device.type) in ("grouped", "triton")
 
 
 def _trains_fused(op_args: tuple[Any, ...], compiling: bool) -> bool:
