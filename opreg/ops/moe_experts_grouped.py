@@ -20,7 +20,8 @@ from typing import Any, Optional
 
 import torch
 
-from .moe_experts import NAME, accumulate_dtype, apply_gate, check, checked_ids, checks_ids_here, tracing
+from .moe_experts import (NAME, accumulate_dtype, apply_gate, check, check_ids, checked_ids, checks_ids_here,
+                          tracing)
 
 __all__ = ["cpu_grouped_mm", "gather_rows", "grouped", "grouped_linear", "grouped_traces_whole", "register",
            "uses_grouped_mm"]
@@ -30,6 +31,17 @@ def _in_functorch() -> bool:
     """Inside a torch.func transform (grad, vjp, vmap, jvp), where scatter_combine's C++
     autograd refuses to run ("cannot use C++ torch::autograd::Function with functorch")."""
     return torch._C._functorch.maybe_current_level() is not None
+
+
+def _all_real_experts(top_k_index: torch.Tensor, e: int) -> bool:
+    """Eager on the CPU: is every id in [0, e)? A negative one raises :func:`check_ids`'s
+    IndexError; one >= e is a sentinel (False)."""
+    if top_k_index.numel() == 0:
+        return True
+    lo, hi = (int(v) for v in torch.aminmax(top_k_index))
+    if lo < 0:
+        check_ids(top_k_index)
+    return hi < e
 
 
 def _scatter_add_rows(rows: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, n: int) -> torch.Tensor:
@@ -263,9 +275,17 @@ def grouped(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     """The op from grouped GEMMs and scatter_combine; differentiable (module docstring)."""
     check(hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias,
           activation, gated, transposed, interleaved, alpha, limit)
-    if checks_ids_here(top_k_index):
-        top_k_index = checked_ids(top_k_index)
     (t, k), e = top_k_index.shape, gate_up_proj.shape[0]
+    # On the CPU, eager, the ids are read for free (no device to sync): one pass finds a
+    # negative id (IndexError, as check_ids) and whether every slot is a real expert (then
+    # the sentinel masking below is the identity and is left out: its four where()s, two
+    # of them over S x H, took ~7 % of a 512-wide block's forward on the 2-core box, and
+    # the masks' own ops ~8 us of a T = 1 call; bench/RESULTS.md).
+    cpu_eager = top_k_index.device.type == "cpu" and not tracing(top_k_index) and not _in_functorch()
+    if cpu_eager:
+        all_real = _all_real_experts(top_k_index, e)
+    elif checks_ids_here(top_k_index):
+        top_k_index = checked_ids(top_k_index)
     # Half-precision rows are weighted in fp32, as transformers' fp32 routing weights are.
     half = hidden_states.dtype in (torch.float16, torch.bfloat16)
     gate_dtype = torch.float32 if half else hidden_states.dtype
@@ -276,11 +296,8 @@ def grouped(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     # A sentinel (or, unchecked, negative) slot: a row of expert E-1 that is zero going in
     # and zeroed coming out (torch.where: an inf or NaN of that expert's can't leak, in
     # forward or backward), with weight 0 (a NaN weight there is never read).
-    valid = (ids >= 0) & (ids < e)
-    # On the CPU, eager, the mask is read for free (no device to sync): where every slot is
-    # real, the masking is the identity and is left out (its four where()s, two of them over
-    # S x H, took ~7 % of a 512-wide block's forward on the 2-core box: bench/RESULTS.md).
-    masked = ids.device.type != "cpu" or tracing(ids) or _in_functorch() or not bool(valid.all())
+    masked = not (cpu_eager and all_real)
+    valid = (ids >= 0) & (ids < e) if masked else None
     weights = top_k_weights.reshape(-1)
     if masked:
         ids = torch.where(valid, ids, e - 1)
@@ -325,8 +342,12 @@ def grouped(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
 
 def _kernel(*args: Any) -> torch.Tensor:
     # The op's kernel: its autograd is the op's (the reference's), so record nothing here.
-    with torch.no_grad():
-        return grouped(*args)
+    # No context where grad is off already (a no-grad call): entering one cost ~7 us of a
+    # T = 1 call on the 2-core box.
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return grouped(*args)
+    return grouped(*args)
 
 
 def register() -> None:
