@@ -98,10 +98,14 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``x[idx]`` for (R, C) ``x``, deterministic in backward."""
     if torch.compiler.is_compiling():
         return _GatherRows.apply(x, idx)
-    if not (x.requires_grad and torch.is_grad_enabled()) and not _in_functorch():
-        # no backward to make deterministic: the plain gather (forward mode differentiates
-        # it as _Gather.jvp does), without the autograd.Function's apply, which binds its
-        # arguments through inspect.signature (~20 us of host a call on the 2-core box)
+    if not _in_functorch() and (not (x.requires_grad and torch.is_grad_enabled())
+                                or x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)):
+        # The plain gather, without the autograd.Function's apply, which binds its arguments
+        # through inspect.signature (~20 us of host a call on the 2-core box): where there is
+        # no backward to make deterministic (forward mode differentiates it as _Gather.jvp
+        # does), or on the CPU in float32 / float64, where index_select's backward
+        # (index_add) sums each row's gradients in order, in that dtype, as scatter_combine
+        # does; it is atomics on CUDA, and in bf16 / fp16 would round each of the k terms.
         return x.index_select(0, idx)
     return _Gather.apply(x, idx)
 
