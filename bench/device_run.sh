@@ -83,7 +83,10 @@ if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
   # -v: each result is in $OUT/tests.log as it happens (a run cut by the call's limit still
   # names its failures); the terminal gets the failures, the slowest tests and the summary.
+  # faulthandler_timeout: a test still running after 180 s prints every thread's stack (the
+  # HALF_TAIL hang of 2026-12-05 held two workers until the call's limit, naming nothing)
   /usr/bin/time -f "the test suite: %e s wall" python3 -m pytest ${TESTS:-tests} -v -p no:cacheprovider $XDIST \
+    -o faulthandler_timeout=${FAULT_S:-180} \
     -rfE --durations=25 --junitxml "$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log" | grep -E "FAILED|ERROR|s (call|setup)|passed|failed|wall"
 fi
 

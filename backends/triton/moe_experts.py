@@ -1300,9 +1300,14 @@ def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
         a_half = LazyDescriptor(a, box, a_key[:-1] + (tuple(box),))
     finite = kwargs["HAS_LIMIT"]
     u = used if used is not None else block_expert  # a valid pointer, read only when PERSISTENT
+    # HALF_TAIL through Triton's own launcher: through the raw one (launch._RawLaunch, its
+    # encoded descriptors reused) the H200 hung on the second or third call of a HALF_TAIL
+    # GEMM with tensor descriptors, in 5 of 6 processes; with the descriptors encoded on
+    # every launch, or through kernel.run, 0 of 9 (tests/test_moe_triton.py's half-tile
+    # cases, triton 3.6, 2026-12-05). Cause not found yet; HALF_TAIL is off by default.
     launch_args(_moe_gemm, grid, (a, w_nk, b, rw, out, p, sorted_pair_ids, block_expert, shift, w_desc, a_desc,
                                   a_half, u, *head, float(alpha), float(limit) if finite else 0.0, *tail), spec,
-                kwargs)
+                kwargs, raw=not kwargs["HALF_TAIL"])
 
 
 def half_tail_unfit(cfg: dict[str, int]) -> Optional[str]:
