@@ -12,6 +12,7 @@ not taken (None: Triton's own path).
 """
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
@@ -171,3 +172,43 @@ def test_other_layouts_keep_tritons_path() -> None:
     exec(_LAUNCHER_38, ns)  # a no-descriptor kernel of triton 3.8: its launch is a C function too
     newer = types.SimpleNamespace(run=ns["CudaLauncher"]("{}".format), function=0, packed_metadata=())
     assert L._raw_launcher(newer) is None
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_raw_false_keeps_the_kernels_own_launcher(monkeypatch: pytest.MonkeyPatch, raw: bool) -> None:
+    """``launch_args(..., raw=False)`` (launch_gemm's HALF_TAIL GEMMs, which hung the H200
+    through the raw launcher): a hit runs ``kernel.run``, never :class:`_RawLaunch`; with
+    ``raw=True`` the same hit takes the raw launcher (so the test tells the two apart)."""
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0xABC)
+    monkeypatch.setattr(L, "_direct_ok", True)
+    kernel = _kernel({"a": "*bf16", "n": "i32", "BLOCK": "constexpr"}, [], "{}".format, [])
+    runs: list[tuple[Any, ...]] = []
+    compiled: list[tuple[Any, ...]] = []
+
+    def body(a: torch.Tensor, n: int, BLOCK: int) -> None:  # noqa: N803 - a constexpr's name
+        pass
+
+    class Fn:  # a JITFunction's surface: fn[grid](*args, **kwargs) compiles (here: records) and launches
+        signature = inspect.signature(body)
+        _opreg_launch_cache: dict[Any, Any] = {}
+
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            return lambda *args, **kwargs: compiled.append(args) or kernel
+
+    fn = Fn()
+    a = torch.randn(4, dtype=torch.bfloat16)
+    L.launch_args(fn, (2,), (a, 5), ("spec",), {"BLOCK": 64}, raw=raw)  # a miss: Triton's path
+    assert len(compiled) == 1
+    (entry,) = fn._opreg_launch_cache.values()
+    assert (entry[2] is not None) == raw
+    raw_calls: list[tuple[Any, ...]] = []
+    if raw:
+        entry[2].c_launch = lambda *x: raw_calls.append(x)
+    kernel.run = lambda *x: runs.append(x)
+    L.launch_args(fn, (2,), (a, 5), ("spec",), {"BLOCK": 64}, raw=raw)  # a hit
+    assert len(compiled) == 1
+    if raw:
+        assert len(raw_calls) == 1 and not runs
+    else:
+        assert not raw_calls and len(runs) == 1 and runs[0][:4] == (2, 1, 1, 0xABC) and runs[0][-3:] == (a, 5, 64)
