@@ -124,7 +124,8 @@ def models(device: str) -> dict[str, tuple[Callable[[], nn.Module], list[Any], b
     return out
 
 
-def variants(make: Callable[[], nn.Module], inputs: list[Any], backward: bool) -> dict[str, Callable[[], Any]]:
+def variants(make: Callable[[], nn.Module], inputs: list[Any], backward: bool,
+             choose: str = "auto") -> dict[str, Callable[[], Any]]:
     def step(fn: Callable[..., Any]) -> Callable[[], Any]:
         if not backward:
             return lambda: fn(*inputs)
@@ -139,7 +140,7 @@ def variants(make: Callable[[], nn.Module], inputs: list[Any], backward: bool) -
     # "dynamo": torch.compile with Dynamo's own "eager" backend (the captured graph run as
     # is): what any backend pays per call before its graph runs (guards, the frame)
     return {"eager": step(make()), "inductor": step(torch.compile(make())),
-            "opreg": step(torch.compile(make(), backend="opreg")),
+            "opreg": step(torch.compile(make(), backend="opreg", options={"choose": choose})),
             "dynamo": step(torch.compile(make(), backend="eager"))}
 
 
@@ -196,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="which variants --profile profiles (of eager, inductor, opreg, dynamo)")
     p.add_argument("--only", help="comma-separated model names (default: every model)")
     p.add_argument("--moe", action="store_true", help="also the MoE loop model (slow eager loop)")
+    p.add_argument("--choose", default="auto", choices=("auto", "time", "rules"),
+                   help="the opreg backend's options['choose'] (auto: timed on CUDA, rules on the CPU)")
     p.add_argument("--json")
     a = p.parse_args(argv)
     rows: dict[str, dict[str, float]] = {}
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--only: no model named {unknown}; the models: {list(chosen)}")
         chosen = {n: chosen[n] for n in names}
     for name, (make, inputs, backward) in chosen.items():
-        fns = variants(make, inputs, backward)
+        fns = variants(make, inputs, backward, a.choose)
         check(fns)
         t = time_rounds(fns, a.device, a.rounds)
         t["ratio"] = t["opreg"] / min(t["eager"], t["inductor"])
