@@ -1,15 +1,16 @@
 """Which launch path hangs a HALF_TAIL GEMM on the GPU (CUDA; one process per run).
 
-    for v in default noraw nocache pos hold; do
+    for v in default rawhalf noraw nocache pos hold; do
       timeout 40 python3 bench/raw_launch_hang.py $v "half tail blocks"; echo "rc $?"; done
 
 Three forwards of one of ``tests/test_moe_triton.py``'s cases (bf16), each synchronised:
 a hang shows as the last "call i ok" line before the timeout (rc 124). On the H200
-(triton 3.6, 2026-12-05) ``default`` hung at the second or third call in 5 of 6 processes
-over three half-tile cases with tensor descriptors; ``noraw``, ``triton`` and ``nocache``
-ran 9 of 9 each. launch_gemm now sends HALF_TAIL through Triton's own launcher (what
-``noraw`` does), so ``default`` no longer shows the hang; the variants below patch the raw
-launcher itself, which is where the cause is:
+(triton 3.6, 2026-12-05) what is now ``rawhalf`` hung at the second or third call in each
+of 5 processes whose GEMMs had tensor descriptors (three half-tile cases, the suite's two
+among them); ``noraw``, ``triton`` and ``nocache`` ran all three calls in 7 of 7.
+launch_gemm now sends HALF_TAIL through Triton's own launcher (what ``noraw`` does), so
+``default`` should no longer hang; the variants below patch the raw launcher itself, where
+the cause is:
 
 * ``default``: as main launches (for HALF_TAIL: ``kernel.run``);
 * ``rawhalf``: the raw launcher for HALF_TAIL too, as before the workaround;
