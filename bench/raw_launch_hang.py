@@ -36,9 +36,9 @@ from opreg.backends.triton import moe_experts as F  # noqa: E402
 
 
 def _raw_for_half() -> None:
-    """launch_gemm's raw=False for HALF_TAIL undone: every hit through the raw launcher."""
+    """launch_gemm's use_raw=False for HALF_TAIL undone: every hit through the raw launcher."""
     launch_args = F.launch_args
-    F.launch_args = lambda fn, grid, args, spec, kwargs, raw=True: launch_args(fn, grid, args, spec, kwargs)
+    F.launch_args = lambda fn, grid, args, spec, kwargs, use_raw=True: launch_args(fn, grid, args, spec, kwargs)
 
 
 def _patch(variant: str) -> None:

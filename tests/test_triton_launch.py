@@ -175,10 +175,10 @@ def test_other_layouts_keep_tritons_path() -> None:
 
 
 @pytest.mark.parametrize("raw", [True, False])
-def test_raw_false_keeps_the_kernels_own_launcher(monkeypatch: pytest.MonkeyPatch, raw: bool) -> None:
-    """``launch_args(..., raw=False)`` (launch_gemm's HALF_TAIL GEMMs, which hung the H200
-    through the raw launcher): a hit runs ``kernel.run``, never :class:`_RawLaunch`; with
-    ``raw=True`` the same hit takes the raw launcher (so the test tells the two apart)."""
+def test_use_raw_false_keeps_the_kernels_own_launcher(monkeypatch: pytest.MonkeyPatch, raw: bool) -> None:
+    """``launch_args(..., use_raw=False)`` (launch_gemm's HALF_TAIL GEMMs, which hung the
+    H200 through the raw launcher): a hit runs ``kernel.run``, never :class:`_RawLaunch`; with
+    ``use_raw=True`` the same hit takes the raw launcher (so the test tells the two apart)."""
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0xABC)
     monkeypatch.setattr(L, "_direct_ok", True)
@@ -198,7 +198,7 @@ def test_raw_false_keeps_the_kernels_own_launcher(monkeypatch: pytest.MonkeyPatc
 
     fn = Fn()
     a = torch.randn(4, dtype=torch.bfloat16)
-    L.launch_args(fn, (2,), (a, 5), ("spec",), {"BLOCK": 64}, raw=raw)  # a miss: Triton's path
+    L.launch_args(fn, (2,), (a, 5), ("spec",), {"BLOCK": 64}, use_raw=raw)  # a miss: Triton's path
     assert len(compiled) == 1
     (entry,) = fn._opreg_launch_cache.values()
     assert (entry[2] is not None) == raw
@@ -206,7 +206,7 @@ def test_raw_false_keeps_the_kernels_own_launcher(monkeypatch: pytest.MonkeyPatc
     if raw:
         entry[2].c_launch = lambda *x: raw_calls.append(x)
     kernel.run = lambda *x: runs.append(x)
-    L.launch_args(fn, (2,), (a, 5), ("spec",), {"BLOCK": 64}, raw=raw)  # a hit
+    L.launch_args(fn, (2,), (a, 5), ("spec",), {"BLOCK": 64}, use_raw=raw)  # a hit
     assert len(compiled) == 1
     if raw:
         assert len(raw_calls) == 1 and not runs

@@ -101,9 +101,9 @@ def launch(fn: Any, grid: tuple[int, ...], *args: Any, spec_key: Any = None, **k
 
 
 def launch_args(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], spec_key: Any,
-                kwargs: dict[str, Any], raw: bool = True) -> None:
+                kwargs: dict[str, Any], use_raw: bool = True) -> None:
     """:func:`launch` with the arguments and options as a tuple and a dict, for a caller
-    that keeps them (no re-packing of ~20 options per call). ``raw=False``: a hit runs the
+    that keeps them (no re-packing of ~20 options per call). ``use_raw=False``: a hit runs the
     compiled kernel's own launcher (``kernel.run``, which encodes its descriptors on every
     launch), never :class:`_RawLaunch`."""
     global _direct_ok
@@ -129,7 +129,7 @@ def launch_args(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], spec_key:
         if len(cache) >= _CACHE_LIMIT:  # spec keys are per input shape: serving sees many
             cache.clear()
         # the compiled kernel takes every parameter in signature order, constexprs included
-        cache[key] = (kernel, _tail(fn, len(args), kwargs), _raw_launcher(kernel) if raw else None)
+        cache[key] = (kernel, _tail(fn, len(args), kwargs), _raw_launcher(kernel) if use_raw else None)
         return
     kernel, tail, raw = hit
     g1 = grid[1] if len(grid) > 1 else 1

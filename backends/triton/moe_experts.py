@@ -1308,7 +1308,7 @@ def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
     # not found yet; HALF_TAIL is off by default.
     launch_args(_moe_gemm, grid, (a, w_nk, b, rw, out, p, sorted_pair_ids, block_expert, shift, w_desc, a_desc,
                                   a_half, u, *head, float(alpha), float(limit) if finite else 0.0, *tail), spec,
-                kwargs, raw=not kwargs["HALF_TAIL"])
+                kwargs, use_raw=not kwargs["HALF_TAIL"])
 
 
 def half_tail_unfit(cfg: dict[str, int]) -> Optional[str]:
