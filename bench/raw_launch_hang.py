@@ -1,6 +1,6 @@
 """Which launch path hangs a HALF_TAIL GEMM on the GPU (CUDA; one process per run).
 
-    for v in default rawhalf noraw nocache pos hold; do
+    for v in default rawhalf oldkey noraw nocache hold; do
       timeout 40 python3 bench/raw_launch_hang.py $v "half tail blocks"; echo "rc $?"; done
 
 Three forwards of one of ``tests/test_moe_triton.py``'s cases (bf16), each synchronised:
@@ -13,11 +13,13 @@ launch_gemm now sends HALF_TAIL through Triton's own launcher (what ``noraw`` do
 the cause is:
 
 * ``default``: as main launches (for HALF_TAIL: ``kernel.run``);
-* ``rawhalf``: the raw launcher for HALF_TAIL too, as before the workaround;
+* ``rawhalf``: the raw launcher for HALF_TAIL too, its encoded descriptors keyed by their
+  parameter as well (since the forty-first session: each parameter's encoding reads its own
+  TMA metadata);
+* ``oldkey`` (with ``rawhalf``): keyed as before, without the parameter (what hung);
 * ``noraw``: no raw launcher for any kernel (``kernel.run`` on every hit);
 * ``triton``: Triton's whole path on every launch (``fn[grid](...)``);
 * ``nocache`` (with ``rawhalf``): the raw launcher, every descriptor encoded on every launch;
-* ``pos`` (with ``rawhalf``): encoded descriptors reused, keyed by their parameter as well;
 * ``hold`` (with ``rawhalf``): encoded on every launch, every encoding kept alive.
 """
 from __future__ import annotations
@@ -42,38 +44,25 @@ def _raw_for_half() -> None:
 
 
 def _patch(variant: str) -> None:
-    if variant in ("rawhalf", "nocache", "pos", "hold"):
+    if variant in ("rawhalf", "oldkey", "nocache", "hold"):
         _raw_for_half()
     if variant == "noraw":
         L._raw_launcher = lambda kernel: None
     elif variant == "triton":
         L._direct_ok = False
     elif variant == "nocache":
-        L._RawLaunch._expand = lambda self, d, meta: self.encode(d.build() if type(d) is L.LazyDescriptor else d, meta)
+        L._RawLaunch._expand = lambda self, pos, d, meta: self.encode(
+            d.build() if type(d) is L.LazyDescriptor else d, meta)
     elif variant == "hold":
         held = []
 
-        def expand(self: L._RawLaunch, d: object, meta: object) -> list:
+        def expand(self: L._RawLaunch, pos: int, d: object, meta: object) -> list:
             held.append(self.encode(d.build() if type(d) is L.LazyDescriptor else d, meta))
             return held[-1]
         L._RawLaunch._expand = expand
-    elif variant == "pos":
-        def call(self: L._RawLaunch, g0: int, g1: int, g2: int, stream: int, args: tuple, tail: tuple) -> None:
-            params, flat, prev = args + tail, [], 0
-            for pos, meta in self.descs:
-                flat += params[prev:pos]
-                d = params[pos]
-                key = (pos, d.tensor.data_ptr(), d.key) if type(d) is L.LazyDescriptor else None
-                got = self.tmaps.get(key) if key is not None else None
-                if got is None:
-                    got = self.encode(d.build() if type(d) is L.LazyDescriptor else d, meta)
-                    if key is not None:
-                        self.tmaps[key] = got
-                flat += got
-                prev = pos + 1
-            flat += params[prev:]
-            self.c_launch(g0, g1, g2, stream, self.function, *self.head, *flat)
-        L._RawLaunch.__call__ = call
+    elif variant == "oldkey":
+        expand = L._RawLaunch._expand
+        L._RawLaunch._expand = lambda self, pos, d, meta: expand(self, 0, d, meta)  # every parameter as one
     elif variant not in ("default", "rawhalf"):
         raise SystemExit(f"unknown variant {variant!r}")
 

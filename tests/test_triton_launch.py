@@ -157,6 +157,29 @@ def test_an_encoded_descriptor_is_reused_only_for_the_same_address() -> None:
     assert calls[-1][13][1] == w.data_ptr()
 
 
+def test_each_descriptor_parameter_gets_its_own_metadata() -> None:
+    """The encoding reads the parameter's metadata (swizzle, block size) as well as the
+    tensor: one tensor with one key at two descriptor parameters is encoded once for each,
+    as Triton's wrapper encodes it, on the first launch and on later ones."""
+    signature = {"x_desc": "tensordesc<bf16[16, 16]>", "n": "i32", "y_desc": "tensordesc<bf16[16, 16]>"}
+    metas = [{"swizzle": 128}, {"swizzle": 64}]
+    encoded: list[Any] = []
+    got: list[tuple[Any, ...]] = []
+    want: list[tuple[Any, ...]] = []
+    raw = L._raw_launcher(_kernel(signature, metas, "{}".format, encoded))
+    raw.c_launch = lambda *a: got.append(a)
+    oracle = _kernel(signature, metas, lambda *x: want.append(x), [])
+    a = torch.randn(32, 16, dtype=torch.bfloat16)
+    key = (a.dtype, tuple(a.shape), a.stride(), (16, 16))
+    for _ in range(2):
+        args = (L.LazyDescriptor(a, [16, 16], key), 5, L.LazyDescriptor(a, [16, 16], key))
+        raw(1, 1, 1, 0, args, ())
+        oracle.run.launch(1, 1, 1, 0, 0xF00, False, True, None, None, (4, 1, 1024), None, None, None,
+                          *L._built(args))
+    assert got == want
+    assert [e[-1] for e in encoded] == [128, 64], "each parameter encoded once, with its own metadata"
+
+
 def test_other_layouts_keep_tritons_path() -> None:
     encoded: list[Any] = []
     assert L._raw_launcher(_kernel(SIGNATURE, METAS, "{}".format, encoded, scratch=128)) is None  # scratch

@@ -18,11 +18,11 @@ structure, per kernel: :func:`_raw_launcher`), the launch calls Triton's generat
 launcher itself. Between the two, Triton's Python (``CudaLauncher.__call__`` and its tensor
 descriptor wrapper) rebuilt the ~45 arguments into a list and encoded each TMA descriptor
 again on every launch; here the argument tuple is sliced around the descriptors, and an
-encoded descriptor is reused for the same (address, shape, strides, padding), which is
-all its encoding reads. H200, triton 3.6 (``bench/launch_overhead.py``, grid of one
-program, µs of host per launch): the forward's GEMM 14.1-15.1 through ``kernel.run``,
-7.4-8.2 through the C launcher with its descriptors encoded; the routing and combine
-kernels 5.6-8.4 and 4.7-5.9.
+encoded descriptor is reused for the same (parameter, address, shape, strides, padding),
+which is all its encoding reads (the parameter: its TMA metadata). H200, triton 3.6
+(``bench/launch_overhead.py``, grid of one program, µs of host per launch): the forward's
+GEMM 14.1-15.1 through ``kernel.run``, 7.4-8.2 through the C launcher with its descriptors
+encoded; the routing and combine kernels 5.6-8.4 and 4.7-5.9.
 """
 from __future__ import annotations
 
@@ -227,14 +227,16 @@ class _RawLaunch:
         self.descs, self.encode = descs, encode  # (position among the parameters, its TMA metadata)
         self.tmaps: dict[Any, list[Any]] = {}
 
-    def _expand(self, d: Any, meta: Any) -> list[Any]:
+    def _expand(self, pos: int, d: Any, meta: Any) -> list[Any]:
         lazy = type(d) is LazyDescriptor
         if meta is None:  # lowered without TMA: Triton's decomposition holds the tensor itself
             return self.encode(d.build() if lazy else d, meta)
+        # the encoding reads the parameter's metadata (its block size and swizzle) too: keyed
+        # by the parameter, one tensor passed at two parameters is encoded for each
         if lazy:
-            key = (d.tensor.data_ptr(), d.key)
+            key = (pos, d.tensor.data_ptr(), d.key)
         else:
-            key = (d.base.data_ptr(), tuple(d.shape), tuple(d.strides), d.padding)
+            key = (pos, d.base.data_ptr(), tuple(d.shape), tuple(d.strides), d.padding)
         got = self.tmaps.get(key)
         if got is None:
             got = self.encode(d.build() if lazy else d, meta)  # [encoded descriptor, *shape, *strides]
@@ -250,7 +252,7 @@ class _RawLaunch:
             prev = 0
             for pos, meta in self.descs:
                 flat += params[prev:pos]
-                flat += self._expand(params[pos], meta)
+                flat += self._expand(pos, params[pos], meta)
                 prev = pos + 1
             flat += params[prev:]
             params = tuple(flat)
