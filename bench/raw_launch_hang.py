@@ -1,26 +1,27 @@
-"""Which launch path hangs a HALF_TAIL GEMM on the GPU (CUDA; one process per run).
+"""Which launch path hung a HALF_TAIL GEMM on the GPU (CUDA; one process per run).
 
-    for v in default rawhalf oldkey noraw nocache hold; do
+    for v in default oldkey noraw nocache hold; do
       timeout 40 python3 bench/raw_launch_hang.py $v "half tail blocks"; echo "rc $?"; done
 
 Three forwards of one of ``tests/test_moe_triton.py``'s cases (bf16), each synchronised:
-a hang shows as the last "call i ok" line before the timeout (rc 124). On the H200
-(triton 3.6, 2026-12-05) what is now ``rawhalf`` hung at the second or third call in each
-of 5 processes whose GEMMs had tensor descriptors (three half-tile cases, the suite's two
-among them); ``noraw``, ``triton`` and ``nocache`` ran all three calls in 7 of 7.
-launch_gemm now sends HALF_TAIL through Triton's own launcher (what ``noraw`` does), so
-``default`` should no longer hang; the variants below patch the raw launcher itself, where
-the cause is:
+a hang shows as the last "call i ok" line before the timeout (rc 124). What it found (H200,
+triton 3.6, 2026-12-05): the raw launcher (``launch._RawLaunch``) reused an encoded tensor
+descriptor across the kernel's descriptor parameters. A launch without a spec key (given
+configs: the tests, the tuner, these benches) passes built descriptors, whose cache key was
+(address, shape, strides, padding); the encoding also reads the parameter's TMA metadata
+(its block size, swizzle), and a HALF_TAIL GEMM passes one A in full and in half tiles: the
+half-tile parameter got the full tile's encoding, TMA delivered boxes of another size than
+the kernel waited for, and it never finished. Keyed by the parameter as well (``default``, since the
+forty-first session) the raw launcher ran every case; ``oldkey`` hung at the second call,
+as before. (The table's launches pass lazy descriptors, whose keys carry the box: they never
+hung.) Variants:
 
-* ``default``: as main launches (for HALF_TAIL: ``kernel.run``);
-* ``rawhalf``: the raw launcher for HALF_TAIL too, its encoded descriptors keyed by their
-  parameter as well (since the forty-first session: each parameter's encoding reads its own
-  TMA metadata);
-* ``oldkey`` (with ``rawhalf``): keyed as before, without the parameter (what hung);
+* ``default``: as main launches (the raw launcher for every hit, HALF_TAIL included);
+* ``oldkey``: the encoded descriptors keyed as before, without the parameter;
 * ``noraw``: no raw launcher for any kernel (``kernel.run`` on every hit);
 * ``triton``: Triton's whole path on every launch (``fn[grid](...)``);
-* ``nocache`` (with ``rawhalf``): the raw launcher, every descriptor encoded on every launch;
-* ``hold`` (with ``rawhalf``): encoded on every launch, every encoding kept alive.
+* ``nocache``: the raw launcher, every descriptor encoded on every launch;
+* ``hold``: encoded on every launch, every encoding kept alive.
 """
 from __future__ import annotations
 
@@ -34,18 +35,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import test_moe_triton as T  # noqa: E402
 
 from opreg.backends.triton import launch as L  # noqa: E402
-from opreg.backends.triton import moe_experts as F  # noqa: E402
-
-
-def _raw_for_half() -> None:
-    """launch_gemm's use_raw=False for HALF_TAIL undone: every hit through the raw launcher."""
-    launch_args = F.launch_args
-    F.launch_args = lambda fn, grid, args, spec, kwargs, use_raw=True: launch_args(fn, grid, args, spec, kwargs)
 
 
 def _patch(variant: str) -> None:
-    if variant in ("rawhalf", "oldkey", "nocache", "hold"):
-        _raw_for_half()
     if variant == "noraw":
         L._raw_launcher = lambda kernel: None
     elif variant == "triton":
@@ -63,7 +55,7 @@ def _patch(variant: str) -> None:
     elif variant == "oldkey":
         expand = L._RawLaunch._expand
         L._RawLaunch._expand = lambda self, pos, d, meta: expand(self, 0, d, meta)  # every parameter as one
-    elif variant not in ("default", "rawhalf"):
+    elif variant != "default":
         raise SystemExit(f"unknown variant {variant!r}")
 
 

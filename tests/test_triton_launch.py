@@ -12,7 +12,6 @@ not taken (None: Triton's own path).
 """
 from __future__ import annotations
 
-import inspect
 import types
 from typing import Any
 
@@ -157,11 +156,16 @@ def test_an_encoded_descriptor_is_reused_only_for_the_same_address() -> None:
     assert calls[-1][13][1] == w.data_ptr()
 
 
-def test_each_descriptor_parameter_gets_its_own_metadata() -> None:
+@pytest.mark.parametrize("built", [False, True])
+def test_each_descriptor_parameter_gets_its_own_metadata(built: bool) -> None:
     """The encoding reads the parameter's metadata (swizzle, block size) as well as the
-    tensor: one tensor with one key at two descriptor parameters is encoded once for each,
-    as Triton's wrapper encodes it, on the first launch and on later ones."""
-    signature = {"x_desc": "tensordesc<bf16[16, 16]>", "n": "i32", "y_desc": "tensordesc<bf16[16, 16]>"}
+    tensor: one tensor at two descriptor parameters is encoded once for each, as Triton's
+    wrapper encodes it, on the first launch and on later ones. ``built``: descriptors built
+    before the launch (a launch without a spec key: given configs), one tensor in two boxes,
+    as a HALF_TAIL GEMM's A in full and half tiles; their key held no box, and on the H200
+    the half-tile parameter got the full tile's encoding and the GEMM hung (2026-12-05,
+    bench/raw_launch_hang.py)."""
+    signature = {"x_desc": "tensordesc<bf16[16, 16]>", "n": "i32", "y_desc": "tensordesc<bf16[8, 16]>"}
     metas = [{"swizzle": 128}, {"swizzle": 64}]
     encoded: list[Any] = []
     got: list[tuple[Any, ...]] = []
@@ -172,7 +176,10 @@ def test_each_descriptor_parameter_gets_its_own_metadata() -> None:
     a = torch.randn(32, 16, dtype=torch.bfloat16)
     key = (a.dtype, tuple(a.shape), a.stride(), (16, 16))
     for _ in range(2):
-        args = (L.LazyDescriptor(a, [16, 16], key), 5, L.LazyDescriptor(a, [16, 16], key))
+        if built:
+            args = (_desc(a, [16, 16]), 5, _desc(a, [8, 16]))
+        else:  # one key at both: the launcher may not rely on the caller's keys to tell them apart
+            args = (L.LazyDescriptor(a, [16, 16], key), 5, L.LazyDescriptor(a, [16, 16], key))
         raw(1, 1, 1, 0, args, ())
         oracle.run.launch(1, 1, 1, 0, 0xF00, False, True, None, None, (4, 1, 1024), None, None, None,
                           *L._built(args))
@@ -196,42 +203,3 @@ def test_other_layouts_keep_tritons_path() -> None:
     newer = types.SimpleNamespace(run=ns["CudaLauncher"]("{}".format), function=0, packed_metadata=())
     assert L._raw_launcher(newer) is None
 
-
-@pytest.mark.parametrize("raw", [True, False])
-def test_use_raw_false_keeps_the_kernels_own_launcher(monkeypatch: pytest.MonkeyPatch, raw: bool) -> None:
-    """``launch_args(..., use_raw=False)`` (launch_gemm's HALF_TAIL GEMMs, which hung the
-    H200 through the raw launcher): a hit runs ``kernel.run``, never :class:`_RawLaunch`; with
-    ``use_raw=True`` the same hit takes the raw launcher (so the test tells the two apart)."""
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0xABC)
-    monkeypatch.setattr(L, "_direct_ok", True)
-    kernel = _kernel({"a": "*bf16", "n": "i32", "BLOCK": "constexpr"}, [], "{}".format, [])
-    runs: list[tuple[Any, ...]] = []
-    compiled: list[tuple[Any, ...]] = []
-
-    def body(a: torch.Tensor, n: int, BLOCK: int) -> None:  # noqa: N803 - a constexpr's name
-        pass
-
-    class Fn:  # a JITFunction's surface: fn[grid](*args, **kwargs) compiles (here: records) and launches
-        signature = inspect.signature(body)
-        _opreg_launch_cache: dict[Any, Any] = {}
-
-        def __getitem__(self, grid: tuple[int, ...]) -> Any:
-            return lambda *args, **kwargs: compiled.append(args) or kernel
-
-    fn = Fn()
-    a = torch.randn(4, dtype=torch.bfloat16)
-    L.launch_args(fn, (2,), (a, 5), ("spec",), {"BLOCK": 64}, use_raw=raw)  # a miss: Triton's path
-    assert len(compiled) == 1
-    (entry,) = fn._opreg_launch_cache.values()
-    assert (entry[2] is not None) == raw
-    raw_calls: list[tuple[Any, ...]] = []
-    if raw:
-        entry[2].c_launch = lambda *x: raw_calls.append(x)
-    kernel.run = lambda *x: runs.append(x)
-    L.launch_args(fn, (2,), (a, 5), ("spec",), {"BLOCK": 64}, use_raw=raw)  # a hit
-    assert len(compiled) == 1
-    if raw:
-        assert len(raw_calls) == 1 and not runs
-    else:
-        assert not raw_calls and len(runs) == 1 and runs[0][:4] == (2, 1, 1, 0xABC) and runs[0][-3:] == (a, 5, 64)

@@ -101,11 +101,9 @@ def launch(fn: Any, grid: tuple[int, ...], *args: Any, spec_key: Any = None, **k
 
 
 def launch_args(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], spec_key: Any,
-                kwargs: dict[str, Any], use_raw: bool = True) -> None:
+                kwargs: dict[str, Any]) -> None:
     """:func:`launch` with the arguments and options as a tuple and a dict, for a caller
-    that keeps them (no re-packing of ~20 options per call). ``use_raw=False``: a hit runs the
-    compiled kernel's own launcher (``kernel.run``, which encodes its descriptors on every
-    launch), never :class:`_RawLaunch`."""
+    that keeps them (no re-packing of ~20 options per call)."""
     global _direct_ok
     if _dynamo_tracing():  # Dynamo traces this call: a node of its graph
         traced_launch(fn, grid, args, kwargs)
@@ -129,7 +127,7 @@ def launch_args(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], spec_key:
         if len(cache) >= _CACHE_LIMIT:  # spec keys are per input shape: serving sees many
             cache.clear()
         # the compiled kernel takes every parameter in signature order, constexprs included
-        cache[key] = (kernel, _tail(fn, len(args), kwargs), _raw_launcher(kernel) if use_raw else None)
+        cache[key] = (kernel, _tail(fn, len(args), kwargs), _raw_launcher(kernel))
         return
     kernel, tail, raw = hit
     g1 = grid[1] if len(grid) > 1 else 1
@@ -232,7 +230,9 @@ class _RawLaunch:
         if meta is None:  # lowered without TMA: Triton's decomposition holds the tensor itself
             return self.encode(d.build() if lazy else d, meta)
         # the encoding reads the parameter's metadata (its block size and swizzle) too: keyed
-        # by the parameter, one tensor passed at two parameters is encoded for each
+        # by the parameter, one tensor passed at two parameters is encoded for each (a built
+        # descriptor's key has no box: a HALF_TAIL GEMM's A in half tiles got its full tiles'
+        # encoding and hung the H200, bench/raw_launch_hang.py)
         if lazy:
             key = (pos, d.tensor.data_ptr(), d.key)
         else:

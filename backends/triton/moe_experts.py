@@ -1300,15 +1300,9 @@ def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
         a_half = LazyDescriptor(a, box, a_key[:-1] + (tuple(box),))
     finite = kwargs["HAS_LIMIT"]
     u = used if used is not None else block_expert  # a valid pointer, read only when PERSISTENT
-    # HALF_TAIL through Triton's own launcher: through the raw one (launch._RawLaunch, its
-    # encoded descriptors cached) the H200 hung at the second or third forward in each of
-    # 5 processes whose HALF_TAIL GEMMs had tensor descriptors; through kernel.run, Triton's
-    # path, or the raw launcher encoding them on every launch, 7 of 7 ran (half-tile cases
-    # of tests/test_moe_triton.py, triton 3.6, 2026-12-05; bench/raw_launch_hang.py). Cause
-    # not found yet; HALF_TAIL is off by default.
     launch_args(_moe_gemm, grid, (a, w_nk, b, rw, out, p, sorted_pair_ids, block_expert, shift, w_desc, a_desc,
                                   a_half, u, *head, float(alpha), float(limit) if finite else 0.0, *tail), spec,
-                kwargs, use_raw=not kwargs["HALF_TAIL"])
+                kwargs)
 
 
 def half_tail_unfit(cfg: dict[str, int]) -> Optional[str]:
