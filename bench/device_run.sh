@@ -53,7 +53,7 @@
 #                                          --half-tail) and the training step's kernels (moe_launches.py
 #                                          --variant), per config of HALF_CONFIGS at TOKENS_HALF (default 4096)
 #   STAGE=hang bash bench/device_run.sh    the raw launcher's hang on HALF_TAIL GEMMs (bench/raw_launch_hang.py):
-#                                          HANG_VARIANTS (default: default rawhalf oldkey hold) on
+#                                          HANG_VARIANTS (default: default oldkey) on
 #                                          HANG_CASES, a process each under `timeout 30` (<= 2 min)
 #   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
 # TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
@@ -223,7 +223,7 @@ if [ "$STAGE" = hang ]; then
   # one process a (variant, case): a hang is rc 124 after the last "call i ok" line
   IFS=';' read -ra cases <<< "${HANG_CASES:-half tail blocks}"
   for c in "${cases[@]}"; do
-    for v in ${HANG_VARIANTS:-default rawhalf oldkey hold}; do
+    for v in ${HANG_VARIANTS:-default oldkey}; do
       timeout 30 python3 bench/raw_launch_hang.py "$v" "$c" 2>&1 | grep " | call " | tail -1
       echo "$v | $c | rc ${PIPESTATUS[0]}"
     done
