@@ -202,4 +202,3 @@ def test_other_layouts_keep_tritons_path() -> None:
     exec(_LAUNCHER_38, ns)  # a no-descriptor kernel of triton 3.8: its launch is a C function too
     newer = types.SimpleNamespace(run=ns["CudaLauncher"]("{}".format), function=0, packed_metadata=())
     assert L._raw_launcher(newer) is None
-
