@@ -89,8 +89,11 @@ def _grads(fn: Any, args: tuple, seed: int) -> list[torch.Tensor]:
 
 def _half_tail_gemm1(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Every gemm1 pick with HALF_TAIL (as a table entry may set it), BLOCK_M >= 32 as it
-    needs; the memos of earlier picks cleared. Returns a list that grows by one per pick that
-    set it."""
+    needs. The inputs' specs start afresh: every memo and launcher entry keyed by a spec
+    (configs, launch statics, each kernel's compiled specialisation) assumes the table's
+    picks, so an earlier test's entry for the same inputs would launch a kernel compiled
+    for other configs (on the H200, 2026-12-05: the routing's and GEMM1's, after this
+    file's other mixtral case). Returns a list that grows by one per pick that set it."""
     pick, set_half = TM.pick_config, []
 
     def half(gemm: str, *args: Any, **kwargs: Any) -> dict[str, int]:
@@ -100,8 +103,7 @@ def _half_tail_gemm1(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             set_half.append(1)
         return cfg
     monkeypatch.setattr(TM, "pick_config", half)
-    monkeypatch.setattr(TM, "_CONFIGS", {})
-    monkeypatch.setattr(TM, "_GEMM_STATIC", {})
+    monkeypatch.setattr(TM, "_SPEC_IDS", {})  # new ids (never reused): nothing keyed by an old one is hit
     return set_half
 
 
