@@ -34,6 +34,11 @@ def _no_guard_latency_profile() -> None:
 
 # In the environment, so that pytest-xdist's workers (started after this) draw the same one.
 SEED = int(os.environ.setdefault("OPREG_TEST_SEED", str(random.randrange(2**31))))
+# Each Triton launch found by a spec key is checked against the full key it stands for
+# (backends/triton/launch.py, CHECK_SPEC; read at its import, after this): a test that
+# changes what a spec means (configs, a knob) fails, naming the launch, instead of running a
+# binary compiled for an earlier test's arguments (the H200 suite of 2026-12-05).
+os.environ.setdefault("OPREG_CHECK_SPEC", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:

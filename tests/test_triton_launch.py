@@ -202,3 +202,52 @@ def test_other_layouts_keep_tritons_path() -> None:
     exec(_LAUNCHER_38, ns)  # a no-descriptor kernel of triton 3.8: its launch is a C function too
     newer = types.SimpleNamespace(run=ns["CudaLauncher"]("{}".format), function=0, packed_metadata=())
     assert L._raw_launcher(newer) is None
+
+
+class JITFunction:  # the name launch_args caches for; compiles a stand-in kernel per call of fn[grid]
+    def __init__(self) -> None:
+        import inspect
+
+        self.__name__ = "toy_kernel"
+        self.signature = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                            for n in ("x", "n", "BLOCK")])
+        self.compiled: list[Any] = []
+        self.ran: list[tuple[Any, ...]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        def compile_and_run(*args: Any, **kwargs: Any) -> Any:
+            kernel = types.SimpleNamespace(function=len(self.compiled), packed_metadata=(),
+                                           run=lambda *a: self.ran.append(a))
+            self.compiled.append((L._full_key(0, args, kwargs), kernel))
+            return kernel
+        return compile_and_run
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_a_spec_key_hit_is_checked_against_the_full_key(check: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under OPREG_CHECK_SPEC (the suite's setting) a launch whose spec key hits an entry
+    compiled for another constexpr, argument class or alignment raises, naming them; a hit
+    with the same full key runs the cached kernel. Without the check the hit runs the stale
+    binary: what the check is for."""
+    monkeypatch.setattr(L, "CHECK_SPEC", check)
+    monkeypatch.setattr(L, "_direct_ok", True)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7)
+    fn = JITFunction()
+    x = torch.zeros(64)
+    for _ in range(3):  # the first launch of a kernel (Triton's path), a miss (cached), a hit
+        L.launch_args(fn, (1,), (x, 16), ("spec", 1), {"BLOCK": 32})
+    assert len(fn.compiled) == 2 and len(fn.ran) == 1
+    stale = [((x, 16), {"BLOCK": 64}, r"options \['BLOCK'\]"),  # another constexpr
+             ((x, 1), {"BLOCK": 32}, r"positions \[1\]"),  # an int that Triton specialises (== 1)
+             ((x[1:], 16), {"BLOCK": 32}, r"positions \[0\]")]  # a pointer off 16 bytes
+    for args, kwargs, names in stale:
+        if check:
+            with pytest.raises(RuntimeError, match=names):
+                L.launch_args(fn, (1,), args, ("spec", 1), kwargs)
+        else:
+            L.launch_args(fn, (1,), args, ("spec", 1), kwargs)
+    assert len(fn.compiled) == 2, "a spec hit never compiles"
+    assert len(fn.ran) == (1 if check else 4)
+    L.launch_args(fn, (1,), (x, 16), None, {"BLOCK": 64})  # without a spec key: its own entry
+    assert len(fn.compiled) == 3

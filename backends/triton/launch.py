@@ -27,6 +27,7 @@ encoded; the routing and combine kernels 5.6-8.4 and 4.7-5.9.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Optional
 
 import torch
@@ -51,6 +52,14 @@ _I32 = 2 ** 31
 # module attribute lookups of ``torch.compiler.`` saved: launches are per-µs host work)
 _dynamo_tracing = torch.compiler.is_dynamo_compiling
 _CACHE_LIMIT = 4096  # entries per kernel
+# OPREG_CHECK_SPEC=1 (the test suite sets it, tests/conftest.py): a launch that finds its
+# entry by a spec key also works out the full key and raises if the entry was compiled for
+# another one. A spec key is the caller's unchecked promise; broken, the hit runs a binary
+# compiled for other arguments or constexprs (the H200 suite of 2026-12-05: a test's
+# HALF_TAIL configs under an earlier test's spec ran GEMM1's binary for another block and
+# raised; a grid or constexpr mismatch need not raise). Off by default: the full key costs
+# what the spec key saves (~35 us a launch of the MoE GEMM on the 2-core box).
+CHECK_SPEC = os.environ.get("OPREG_CHECK_SPEC", "") == "1"
 _direct_ok: bool | None = None  # None: not tried yet; False: this Triton's kernel call differs
 
 
@@ -126,10 +135,13 @@ def launch_args(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], spec_key:
         kernel = fn[grid](*args, **kwargs)
         if len(cache) >= _CACHE_LIMIT:  # spec keys are per input shape: serving sees many
             cache.clear()
+        full = _full_key(device, args, kwargs) if CHECK_SPEC and spec_key is not None else None
         # the compiled kernel takes every parameter in signature order, constexprs included
-        cache[key] = (kernel, _tail(fn, len(args), kwargs), _raw_launcher(kernel))
+        cache[key] = (kernel, _tail(fn, len(args), kwargs), _raw_launcher(kernel), full)
         return
-    kernel, tail, raw = hit
+    kernel, tail, raw, full = hit
+    if full is not None:
+        _check_spec(fn, spec_key, full, _full_key(device, args, kwargs))
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     stream = torch._C._cuda_getCurrentRawStream(device)
@@ -177,6 +189,27 @@ class LazyDescriptor:
 
     def build(self) -> Any:
         return descriptor(self.tensor, self.box)
+
+
+def _full_key(device: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The key of a launch without a spec key (what Triton's specialisation can read)."""
+    return (device, tuple(map(_arg_key, _built(args))), tuple(kwargs.items()))
+
+
+def _check_spec(fn: Any, spec_key: Any, want: tuple[Any, ...], got: tuple[Any, ...]) -> None:
+    """Raise where a launch found by ``spec_key`` has another full key than the launch its
+    entry was compiled for (:data:`CHECK_SPEC`)."""
+    if got == want:
+        return
+    args = [i for i, (a, b) in enumerate(zip(want[1], got[1])) if a != b]
+    if len(want[1]) != len(got[1]):
+        args.append(f"{len(want[1])} arguments, now {len(got[1])}")
+    w, g = dict(want[2]), dict(got[2])
+    opts = sorted(k for k in w.keys() | g.keys() if w.get(k, None) != g.get(k, None))
+    raise RuntimeError(
+        f"opreg launch of {getattr(fn, '__name__', fn)}: spec key {spec_key!r} found an entry compiled for "
+        f"other arguments (positions {args}) or options {opts}: a spec key must determine each argument's "
+        f"dtype, alignment and int class and every constexpr and option (backends/triton/launch.py)")
 
 
 def _built(args: tuple[Any, ...]) -> tuple[Any, ...]:
