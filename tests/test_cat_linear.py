@@ -459,6 +459,10 @@ def test_path_model_picks(tmp_path):
         (8, 2, 512, 2048, "bf16"): ("dot", "gemm", True),
         # large: eager's cat + cuBLAS
         (8, 8192, 512, 2048, "bf16"): ("gemm", "gemm", True),
+        # one fp32 row: in a graph cuBLAS's matrix-vector kernel where it beats the dot kernel
+        # (32 parts: 4.1 us against 7.5), not where the dot kernel is faster (2 parts: 1.9 / 3.4)
+        (32, 1, 64, 256, "fp32"): ("dot", "gemm", False),
+        (2, 1, 64, 256, "fp32"): ("dot", "dot", False),
     }
     assert _model_picks(list(shapes), {}, tmp_path) == list(shapes.values())
     forced = _model_picks(list(shapes), {"OPREG_CAT_LINEAR_PATH": "simt"}, tmp_path)

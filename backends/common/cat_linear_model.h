@@ -100,6 +100,13 @@
 //           log 0.18): margin 1.2.
 //   fp32    g0 2.5 us, gc 3.75 us, Fg 40 TFLOP/s; measured / modelled 0.54-7.5 (cuBLAS's
 //           fp32 at small M: R8 B16 H512 K2048 109 us, R32 B16 H512 K2048 104): margin 2.0.
+//   fp32, one row (M = 1): cuBLAS runs its matrix-vector kernel, bound by the weight's read,
+//           without the spread of its fp32 GEMM kernels at small M: g0 2.75 us, gc 0.75 (16-bit's);
+//           measured / modelled 0.81-1.41 over the 13 one-row fp32 shapes of 2026-12-05's
+//           cat_linear_paths.py (R2-R32, H64-H512, K256-K2048; the worst, R32 H512 K256 at
+//           10.6 us against 7.5, N = 256 rows of K = 16384): margin 1.4, that worst. Of those 13
+//           one pick moves, R32 B1 H64 K256 fp32, from the dot kernel (7.5 us; modelled 7.8)
+//           to the GEMM path (4.1; modelled 4.0): the op had been 1.8x eager's time there.
 //   fp64    not timed: a fused pick stays.
 //   The dot's take from the GEMM path, margin 2 (kDotTakeMargin), checked against
 //   bench/sweep.py's forced columns back to back (180 list-form forward shapes). With 1.5,
@@ -186,15 +193,17 @@ constexpr double kBytesPerUs = 4.17e6;
 constexpr int64_t kDotCols = 4, kDotUnroll = 2, kDotWarpsPerSm = 64;
 constexpr double kDotT0 = 1.54, kDotRound = 0.44, kDotPart = 0.082, kDotMargin = 1.5, kDotTakeMargin = 2.0;
 
-// The GEMM path in a CUDA graph (the GRAPH section above), per element size: g0, gc, Fg
-// (FLOPs per us) and the margin (0: a fused pick stays).
+// The GEMM path in a CUDA graph (the GRAPH section above), per element size (and fp32's one
+// row apart: cuBLAS's matrix-vector kernel): g0, gc, Fg (FLOPs per us) and the margin (0: a
+// fused pick stays).
 struct GraphGemm {
   double g0, gc, flops_per_us, margin;
 };
-constexpr GraphGemm graph_gemm(int64_t elt) {
-  return elt == 2 ? GraphGemm{4.0, 0.75, 700e6, 1.2}
-       : elt == 4 ? GraphGemm{2.5, 3.75, 40e6, 2.0}
-                  : GraphGemm{0.0, 0.0, 1.0, 0.0};
+constexpr GraphGemm graph_gemm(const Work& w) {
+  return w.elt == 2 ? GraphGemm{4.0, 0.75, 700e6, 1.2}
+       : w.elt == 4 && w.M == 1 ? GraphGemm{2.75, 0.75, 40e6, 1.4}
+       : w.elt == 4 ? GraphGemm{2.5, 3.75, 40e6, 2.0}
+                    : GraphGemm{0.0, 0.0, 1.0, 0.0};
 }
 
 constexpr double dot_us_per_elem(int64_t elt) {  // dI
@@ -248,7 +257,7 @@ inline double dot_us(const Work& w, int sms) {
 
 // Device time of at::cat + cuBLAS replayed from a CUDA graph, us (the GRAPH section above).
 inline double gemm_graph_us(const Work& w) {
-  const GraphGemm g = graph_gemm(w.elt);
+  const GraphGemm g = graph_gemm(w);
   const double m = static_cast<double>(w.M), n = static_cast<double>(w.N);
   const double k = static_cast<double>(w.K), e = static_cast<double>(w.elt);
   const double cat = w.R > 1 ? g.gc + 2.0 * m * k * e / kBytesPerUs : 0.0;
@@ -317,7 +326,7 @@ inline bool graph_prefers_gemm(const Work& w, Path sizes, int sms) {
   Path forced;
   if (forced_path(&forced)) return false;
   if (!(simt_us(w, sms) < gemm_us(w))) return true;  // the dot's take: back to back only
-  const double margin = graph_gemm(w.elt).margin;
+  const double margin = graph_gemm(w).margin;
   if (!(margin > 0.0)) return false;
   const double fused = sizes == Path::kDot ? dot_us(w, sms) : simt_us(w, sms);
   return margin * gemm_graph_us(w) < fused;
