@@ -5,6 +5,13 @@ pick (``auto``), and eager's ``F.linear(torch.cat(parts, -1), W, b)``. What the 
 hide the device: CUDA graphs, and a busy GPU's queue.
 
     python bench/cat_linear_paths.py [--json out.json] [--max-macs 2**28]
+    python bench/cat_linear_paths.py --evaluate bench/data/cat_linear_paths_h200_2026-12-05.json
+
+``--evaluate`` needs no GPU: the model as this checkout has it (the header compiled with the
+host's C++ compiler, through tests/cpp/cat_linear_model_picks.cpp) picks a path per shape of
+an earlier run's JSON, and each pick is charged that run's time of the path forced; prints the
+shapes where that is > 3 % slower than eager (two checkouts' outputs side by side: what a
+change to the model moves).
 
 Shapes: bench/sweep.py's full cat_linear grid (list form), its odd sizes, and the seeds'
 (R4 B12 H32 K56), fp32 and bf16. The fused paths are forced only up to ``--max-macs``
@@ -16,7 +23,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +72,47 @@ def measure(shape: tuple[int, int, int, int, str], max_macs: int, reps: int) -> 
     return _paths.measure(f"R{r} B{b} H{h} K{k} {d}", variants, ENV, want, TOL[d], PATHS, reps)
 
 
+def evaluate(path: str) -> int:
+    """The model's picks in a CUDA graph, charged the forced paths' times of the run in ``path``."""
+    root = Path(__file__).resolve().parent.parent
+    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    if cxx is None:
+        raise SystemExit("--evaluate needs a C++ compiler (CXX, c++ or g++)")
+    rows = json.loads(Path(path).read_text())["rows"]
+    elt = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+    shapes = [r["shape"].split() for r in rows]  # "R8 B16 H64 K256 fp32"
+    lines = "".join(f"{r[1:]} {b[1:]} {h[1:]} {k[1:]} {elt[d]}\n" for r, b, h, k, d in shapes)
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "picks"
+        subprocess.run([cxx, "-std=c++17", "-O1", f"-I{root / 'backends' / 'common'}",
+                        str(root / "tests" / "cpp" / "cat_linear_model_picks.cpp"), "-o", str(exe)], check=True)
+        env = {k: v for k, v in os.environ.items() if k != "OPREG_CAT_LINEAR_PATH"}
+        out = subprocess.run([str(exe)], input=lines, capture_output=True, text=True, check=True, env=env).stdout
+    slower, count = [], {}
+    for row, picks in zip(rows, out.splitlines()):
+        us, pick = row["us"], picks.split()[1]  # the pick in a graph
+        t = us.get(pick)
+        if t is None:  # a fused path not forced at this size (--max-macs): the run's own pick
+            pick, t = "auto", us["auto"]
+        count[pick] = count.get(pick, 0) + 1
+        if t / us["eager"] > 1.03:
+            e = us["eager"]
+            slower.append(f"  {row['shape']:<26} {pick:<5} {t:8.2f} us, eager {e:8.2f} ({t / e:.3f}x)")
+    print(f"{len(rows)} shapes of {path}: the model's picks in a graph {count}, each charged that run's time "
+          f"of the path forced")
+    print(f"> 3 % slower than eager: {len(slower)}", *slower, sep="\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json")
     p.add_argument("--max-macs", type=int, default=1 << 28)
     p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--evaluate", metavar="JSON", help="no GPU: this checkout's model against an earlier run")
     a = p.parse_args(argv)
+    if a.evaluate:
+        return evaluate(a.evaluate)
     rows = []
     names = ("auto", *PATHS, "eager")
     print(_paths.header(names, 26), flush=True)
