@@ -107,6 +107,9 @@
 //           10.6 us against 7.5, N = 256 rows of K = 16384): margin 1.4, that worst. Of those 13
 //           one pick moves, R32 B1 H64 K256 fp32, from the dot kernel (7.5 us; modelled 7.8)
 //           to the GEMM path (4.1; modelled 4.0): the op had been 1.8x eager's time there.
+//           Over that run's 182 shapes (python bench/cat_linear_paths.py --evaluate
+//           bench/data/cat_linear_paths_h200_2026-12-05.json, each pick charged the run's time
+//           of its path forced): picks > 3 % slower than eager in a graph 6 -> 5, no other moves.
 //   fp64    not timed: a fused pick stays.
 //   The dot's take from the GEMM path, margin 2 (kDotTakeMargin), checked against
 //   bench/sweep.py's forced columns back to back (180 list-form forward shapes). With 1.5,
