@@ -17,6 +17,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "cat_linear.cuh"
+#include "pdl.cuh"
 
 namespace opreg {
 namespace cl_detail {
@@ -39,6 +40,7 @@ __global__ void __launch_bounds__(kDotThreads) cat_linear_dot_kernel(
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int V = VEC ? vec16<scalar_t>() : 1;  // misaligned parts: one element per load
   using vec_t = Vec<scalar_t, V>;
+  cuda::await_prior_grids();  // before any load or store (pdl.cuh)
   const int lane = threadIdx.x & 31;
   const int groups = (N + kDotCols - 1) / kDotCols;
   // 32-bit: the host keeps M * groups below INT_MAX / 2 (cat_linear_model.h, fits_dot)
@@ -115,9 +117,9 @@ void launch_dot_kernel(const PartArgs<kMaxParts>& all, int R, const scalar_t* w,
   }
   const int64_t warps = M * ((N + kDotCols - 1) / kDotCols);
   const int64_t blocks = (warps + kDotThreads / 32 - 1) / (kDotThreads / 32);
-  cat_linear_dot_kernel<scalar_t, VEC, MAXR><<<static_cast<unsigned>(blocks), kDotThreads, 0, stream>>>(
-      pa, R, w, ldw, bias, out, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cuda::launch(cat_linear_dot_kernel<scalar_t, VEC, MAXR>, dim3(static_cast<unsigned>(blocks)), dim3(kDotThreads), 0,
+               stream, cuda::pdl_wanted(), pa, R, w, ldw, bias, out, static_cast<int>(M), static_cast<int>(N),
+               static_cast<int>(K));
 }
 
 OPREG_CL_INSTANTIATE(launch_dot_kernel)

@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "cat_linear.cuh"
+#include "pdl.cuh"
 
 namespace opreg {
 namespace cl_detail {
@@ -53,6 +54,7 @@ __global__ void __launch_bounds__(kSimtThreads) cat_linear_simt_kernel(
   using vec_t = Vec<scalar_t, V>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto smem = reinterpret_cast<vec_t(*)[kTileRows][kVPR]>(smem_raw);
+  cuda::await_prior_grids();  // before any load or store (pdl.cuh)
 
   const int tid = threadIdx.x, lane = tid & 31, kg = tid >> 5;
   const int mg = lane >> 3, ng = lane & 7;
@@ -214,9 +216,9 @@ void launch_simt_kernel(const PartArgs<kMaxParts>& all, int R, const scalar_t* w
   }
   ensure_smem<scalar_t, VEC, MAXR>(dev);
   const dim3 grid(static_cast<unsigned>((N + kTN - 1) / kTN), static_cast<unsigned>((M + kTM - 1) / kTM));
-  cat_linear_simt_kernel<scalar_t, VEC, MAXR><<<grid, kSimtThreads, simt_smem_bytes<scalar_t>(), stream>>>(
-      pa, R, w, ldw, bias, out, static_cast<int>(M), static_cast<int>(N), nchunks);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cuda::launch(cat_linear_simt_kernel<scalar_t, VEC, MAXR>, grid, dim3(kSimtThreads), simt_smem_bytes<scalar_t>(),
+               stream, cuda::pdl_wanted(), pa, R, w, ldw, bias, out, static_cast<int>(M), static_cast<int>(N),
+               nchunks);
 }
 
 OPREG_CL_INSTANTIATE(launch_simt_kernel)

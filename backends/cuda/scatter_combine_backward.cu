@@ -5,6 +5,7 @@
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
 
+#include "pdl.cuh"
 #include "scatter_combine.cuh"
 
 namespace opreg {
@@ -32,6 +33,7 @@ __global__ void __launch_bounds__(kBwdThreads) scatter_backward_kernel(
   using acc_t = at::opmath_type<scalar_t>;
   using vec_t = Vec<scalar_t, V>;
   __shared__ acc_t s_part[kBwdThreads / 32];
+  cuda::await_prior_grids();  // before any load or store (pdl.cuh)
   const int tpr = 1 << tpr_log2;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sub = tid & (tpr - 1);
@@ -105,9 +107,8 @@ void launch_scatter_backward(const scalar_t* gy, const scalar_t* x, const void* 
   while ((1 << tpr_log2) < kBwdThreads && (1 << tpr_log2) * 4 < hvec) ++tpr_log2;
   const int rows_per_block = kBwdThreads >> tpr_log2;
   const int64_t blocks = (n + rows_per_block - 1) / rows_per_block;
-  scatter_backward_kernel<scalar_t, V><<<static_cast<unsigned>(blocks), kBwdThreads, 0, stream>>>(
-      gy, x, idx, idx64, gates, g32, gx, gg, n, num_tokens, hvec, tpr_log2);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cuda::launch(scatter_backward_kernel<scalar_t, V>, dim3(static_cast<unsigned>(blocks)), dim3(kBwdThreads), 0,
+               stream, cuda::pdl_wanted(), gy, x, idx, idx64, gates, g32, gx, gg, n, num_tokens, hvec, tpr_log2);
 }
 
 OPREG_SC_INSTANTIATE(launch_scatter_backward)

@@ -6,6 +6,7 @@
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
 
+#include "pdl.cuh"
 #include "scatter_combine.cuh"
 
 namespace opreg {
@@ -29,6 +30,7 @@ __global__ void __launch_bounds__(kSmallThreads) scatter_small_kernel(
   // (row << 3) | local token of this block's rows, in row order.
   extern __shared__ unsigned short s_list[];
   __shared__ int s_warp_tot[kSmallTok];
+  cuda::await_prior_grids();  // before any load or store (pdl.cuh)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t t0 = int64_t(blockIdx.x) * kSmallTok;
@@ -112,11 +114,10 @@ template <typename scalar_t, int V>
 void launch_small(const scalar_t* xp, const void* idx, bool idx64, const void* gates, bool g32,
                   scalar_t* op, int n, int64_t num_tokens, int hvec, int64_t gx_small,
                   int64_t gy_small, cudaStream_t stream) {
-  scatter_small_kernel<scalar_t, V>
-      <<<dim3(static_cast<unsigned>(gx_small), static_cast<unsigned>(gy_small)), kSmallThreads,
-         n * sizeof(unsigned short), stream>>>(
-          xp, idx, idx64, gates, g32, op, n, num_tokens, hvec);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cuda::launch(scatter_small_kernel<scalar_t, V>,
+               dim3(static_cast<unsigned>(gx_small), static_cast<unsigned>(gy_small)), dim3(kSmallThreads),
+               n * sizeof(unsigned short), stream, cuda::pdl_wanted(), xp, idx, idx64, gates, g32, op, n,
+               num_tokens, hvec);
 }
 
 OPREG_SC_INSTANTIATE(launch_small)

@@ -15,6 +15,7 @@
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
 
+#include "pdl.cuh"
 #include "scatter_combine.cuh"
 
 namespace opreg {
@@ -37,6 +38,7 @@ __global__ void __launch_bounds__(kTinyWarps * 32) scatter_tiny_kernel(
   constexpr int IPL = 16 / sizeof(idx_t);  // indices per 16-byte load
   using ivec_t = Vec<idx_t, IPL>;
   constexpr int kRows = 32 * IPL * kTinyLoads;  // rows a warp scans per batch
+  cuda::await_prior_grids();  // before any load or store (pdl.cuh)
   const int lane = threadIdx.x & 31;
   const int64_t t = int64_t(blockIdx.x) * kTinyWarps + (threadIdx.x >> 5);
   if (t >= num_tokens) return;  // warp-uniform
@@ -101,14 +103,14 @@ void launch_tiny(const scalar_t* xp, const void* idx, bool idx64, const void* ga
                  scalar_t* op, int n, int64_t num_tokens, int hvec, int64_t gy, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((num_tokens + kTinyWarps - 1) / kTinyWarps),
                   static_cast<unsigned>(gy));
+  const bool pdl = cuda::pdl_wanted();
   if (idx64) {
-    scatter_tiny_kernel<scalar_t, V, long long><<<grid, kTinyWarps * 32, 0, stream>>>(
-        xp, static_cast<const long long*>(idx), gates, g32, op, n, num_tokens, hvec);
+    cuda::launch(scatter_tiny_kernel<scalar_t, V, long long>, grid, dim3(kTinyWarps * 32), 0, stream, pdl, xp,
+                 static_cast<const long long*>(idx), gates, g32, op, n, num_tokens, hvec);
   } else {
-    scatter_tiny_kernel<scalar_t, V, int><<<grid, kTinyWarps * 32, 0, stream>>>(
-        xp, static_cast<const int*>(idx), gates, g32, op, n, num_tokens, hvec);
+    cuda::launch(scatter_tiny_kernel<scalar_t, V, int>, grid, dim3(kTinyWarps * 32), 0, stream, pdl, xp,
+                 static_cast<const int*>(idx), gates, g32, op, n, num_tokens, hvec);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 OPREG_SC_INSTANTIATE(launch_tiny)
