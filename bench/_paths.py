@@ -7,14 +7,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
 from opreg.testing import timing
 
-# name -> (the variable's value while it runs, or None: unset; the call)
-Variants = dict[str, tuple[Optional[str], Callable[[], torch.Tensor]]]
+# name -> (the variable's value while it runs, or None: unset, or a dict of variables and
+# their values; the call)
+Variants = dict[str, tuple[Optional[Union[str, dict[str, str]]], Callable[[], torch.Tensor]]]
 
 
 def measure(label: str, variants: Variants, env: str, want: torch.Tensor, tol: float,
@@ -28,8 +29,8 @@ def measure(label: str, variants: Variants, env: str, want: torch.Tensor, tol: f
     for name, call in (floors or {}).items():
         row["us"][name] = timing.graph_us(call, reps, 20)
     for name, (path, call) in variants.items():
-        if path is not None:
-            os.environ[env] = path
+        setting = {} if path is None else {env: path} if isinstance(path, str) else path
+        os.environ.update(setting)
         try:
             err = ((call().double() - want).norm() / want.norm().clamp_min(1e-30)).item()
             if not err <= tol:
@@ -37,7 +38,8 @@ def measure(label: str, variants: Variants, env: str, want: torch.Tensor, tol: f
             row["err"][name] = err
             row["us"][name] = timing.graph_us(call, reps, 20)
         finally:
-            os.environ.pop(env, None)
+            for var in setting:
+                os.environ.pop(var, None)
     forced = {p: row["us"][p] for p in paths if p in row["us"]}
     row["best"] = min(forced, key=forced.__getitem__)
     row["auto/best"] = row["us"]["auto"] / forced[row["best"]]
@@ -55,6 +57,21 @@ def line(row: dict[str, Any], names: Sequence[str], width: int) -> str:
     return f"{row['shape']:<{width}} {cols}  {row['best']:<5} {row['auto/best']:9.3f} {row['auto/eager']:10.3f}"
 
 
+def pdl(rows: list[dict[str, Any]]) -> None:
+    """The ``pdl`` column (``auto`` with OPREG_PDL=1, backends/cuda/pdl.cuh) against ``auto``:
+    the ratio's spread over the shapes, and the shapes where it differs by more than 3 %."""
+    pairs = [(r["shape"], r["us"]["pdl"] / r["us"]["auto"]) for r in rows if "pdl" in r["us"]]
+    if not pairs:
+        return
+    ratios = sorted(q for _, q in pairs)
+    print(f"\npdl / auto over {len(pairs)} shapes: median {ratios[len(ratios) // 2]:.3f}, "
+          f"min {ratios[0]:.3f}, max {ratios[-1]:.3f}; faster by > 3 % at {sum(q < 0.97 for q in ratios)}, "
+          f"slower by > 3 % at {sum(q > 1.03 for q in ratios)}")
+    for shape, q in sorted(pairs, key=lambda sq: -sq[1])[:10]:
+        if q > 1.03:
+            print(f"  pdl slower: {shape} pdl/auto {q:.3f}")
+
+
 def report(rows: list[dict[str, Any]], json_path: Optional[str]) -> None:
     """The shapes where ``auto`` is > 3 % behind the fastest forced path or slower than eager,
     and the rows as JSON."""
@@ -66,6 +83,7 @@ def report(rows: list[dict[str, Any]], json_path: Optional[str]) -> None:
         print(f"  slower than eager: {r['shape']} auto/eager {r['auto/eager']:.3f} (best {r['best']})")
     for r in sorted(behind, key=lambda r: -r["auto/best"])[:25]:
         print(f"  behind: {r['shape']} auto/best {r['auto/best']:.3f} (best {r['best']})")
+    pdl(rows)
     if json_path:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
         Path(json_path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

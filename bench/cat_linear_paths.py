@@ -1,6 +1,8 @@
 """cat_linear's CUDA paths side by side, each call's device time from a CUDA graph (the host
 taken out): the dot, SIMT and GEMM paths forced (``OPREG_CAT_LINEAR_PATH``), the model's own
-pick (``auto``), and eager's ``F.linear(torch.cat(parts, -1), W, b)``. What the path model
+pick (``auto``), that pick launched with programmatic dependent launch (``pdl``:
+``OPREG_PDL=1``, backends/cuda/pdl.cuh; the GEMM path's kernels are eager's and take no PDL), and
+eager's ``F.linear(torch.cat(parts, -1), W, b)``. What the path model
 (backends/common/cat_linear_model.h) is fitted and checked against where the host does not
 hide the device: CUDA graphs, and a busy GPU's queue.
 
@@ -17,7 +19,9 @@ Shapes: bench/sweep.py's full cat_linear grid (list form), its odd sizes, and th
 (R4 B12 H32 K56), fp32 and bf16. The fused paths are forced only up to ``--max-macs``
 multiply-adds (each walks K per warp or block: slow beyond). Every variant's output is
 checked against the float64 reference first. Prints, per shape, µs per call and auto's ratio
-to the fastest forced path and to eager, then the shapes where auto is > 3 % behind either.
+to the fastest forced path and to eager, then the shapes where auto is > 3 % behind either,
+and pdl against auto (a graph replays 20 calls of the op: with PDL each launch overlaps the
+previous call's kernel).
 """
 from __future__ import annotations
 
@@ -65,7 +69,8 @@ def measure(shape: tuple[int, int, int, int, str], max_macs: int, reps: int) -> 
         return torch.ops.opreg.cat_linear(parts, w, bias)
 
     variants: _paths.Variants = {
-        "auto": (None, op), "eager": (None, lambda: F.linear(torch.cat(parts, -1), w, bias))}
+        "auto": (None, op), "pdl": ({"OPREG_PDL": "1"}, op),
+        "eager": (None, lambda: F.linear(torch.cat(parts, -1), w, bias))}
     if b * k * r * h <= max_macs:
         variants.update({p: (p, op) for p in ("dot", "simt")})
     variants["gemm"] = ("gemm", op)
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.evaluate:
         return evaluate(a.evaluate)
     rows = []
-    names = ("auto", *PATHS, "eager")
+    names = ("auto", "pdl", *PATHS, "eager")
     print(_paths.header(names, 26), flush=True)
     for s in shapes():
         rows.append(measure(s, a.max_macs, a.reps))

@@ -6,11 +6,19 @@ Per case and variant: host-timed per-call µs of back-to-back calls (what a mode
 sees at small sizes), the same calls replayed from a CUDA graph, and the device time
 from CUDA events (median of many); with GB/s (scatter) or TFLOP/s (cat_linear).
 Every variant's output is checked against the float64 reference first.
+
+The small (seed-size) cases also run the op with programmatic dependent launch (``OPREG_PDL=1``,
+backends/cuda/pdl.cuh: its kernel may launch while the kernel before it runs): alone, where a
+graph's calls follow one another (each launch overlaps the previous call's kernel), and each
+call after a foreign kernel (``z.add_(1)``, as a model's op follows other ops), with and
+without PDL, so the gain is shown for both neighbours.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 from typing import Any, Callable
@@ -94,6 +102,44 @@ def device_us(fn: Callable[[], Any], reps: int = 15, batch: int = 10) -> float:
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def env(setting: dict[str, str]) -> Any:
+    """``setting`` in the environment while a variant is measured (the ops read OPREG_PDL per
+    call: a capture records what it read)."""
+    os.environ.update(setting)
+    try:
+        yield
+    finally:
+        for var in setting:
+            os.environ.pop(var, None)
+
+
+PDL = {"OPREG_PDL": "1"}
+_Z = []
+
+
+def after_add(call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` preceded by a foreign kernel (an in-place add on a scratch tensor)."""
+    if not _Z:
+        _Z.append(torch.zeros(1024, device=DEV))
+    z = _Z[0]
+
+    def both() -> Any:
+        z.add_(1)
+        return call()
+    return both
+
+
+def with_pdl(variants: dict[str, Callable[[], Any]], name: str) -> dict[str, tuple[dict[str, str], Callable[[], Any]]]:
+    """Each variant with no extra environment, plus ``name`` with PDL, and both after a foreign
+    kernel."""
+    out = {k: ({}, f) for k, f in variants.items()}
+    out[f"{name}, OPREG_PDL=1"] = (PDL, variants[name])
+    out[f"{name} after add_"] = ({}, after_add(variants[name]))
+    out[f"{name} after add_, OPREG_PDL=1"] = (PDL, after_add(variants[name]))
+    return out
+
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).norm() / want.norm()).item()
 
@@ -132,23 +178,25 @@ def scatter_rows() -> list[dict[str, Any]]:
         want = sc_ref(hidden.double(), idx, gates.double(), t)
         nbytes = (n * h + t * h) * hidden.element_size() + n * (4 + gates.element_size())
         torch._dynamo.reset()
-        variants = {
+        fns = {
             "eager index_add_": index_add,
             "inductor": torch.compile(index_add, dynamic=False),
             "opreg cuda": opreg.get("scatter_combine", impl="cuda"),  # pinned (a Python wrapper)
             "opreg": opreg.get("scatter_combine"),  # what users call: the C++ entry
         }
+        calls = {name: (lambda fn: lambda: fn(hidden, idx, gates, t))(fn) for name, fn in fns.items()}
+        variants = with_pdl(calls, "opreg") if small else {v: ({}, f) for v, f in calls.items()}
         case = f"scatter {t}x{k}x{h} {str(dtype)[6:]}"
-        for name, fn in variants.items():
-            call = lambda: fn(hidden, idx, gates, t)  # noqa: E731
-            err = rel_err(call(), want)
-            dev = device_us(call)
-            rows.append({"case": case, "variant": name, "rel_err": err, "device_us": dev,
-                         "GB/s": nbytes / dev / 1e3,
-                         "per_call_us": per_call_us(call) if small else None,
-                         "graph_us": graph_us(call) if small else None})
-            if name == "opreg cuda":
-                rows[-1]["deterministic"] = all(torch.equal(call(), call()) for _ in range(3))
+        for name, (setting, call) in variants.items():
+            with env(setting):
+                err = rel_err(call(), want)
+                dev = device_us(call)
+                rows.append({"case": case, "variant": name, "rel_err": err, "device_us": dev,
+                             "GB/s": nbytes / dev / 1e3,
+                             "per_call_us": per_call_us(call) if small else None,
+                             "graph_us": graph_us(call) if small else None})
+                if name == "opreg cuda":
+                    rows[-1]["deterministic"] = all(torch.equal(call(), call()) for _ in range(3))
     return rows
 
 
@@ -165,16 +213,17 @@ def cat_rows() -> list[dict[str, Any]]:
         want = cat_ref([p.double() for p in parts], weight.double(), bias.double())
         flops = 2 * b * r * h * k
         torch._dynamo.reset()
-        variants = {
+        calls = {
             "eager": lambda: cat_eager(parts, weight, bias),
             "inductor": (lambda f: lambda: f(parts, weight, bias))(
                 torch.compile(cat_eager, dynamic=False)),
             "opreg cuda": lambda: cl(parts, weight, bias),
             "opreg cuda stacked": lambda: stacked(x, 0, weight, bias),
         }
+        variants = with_pdl(calls, "opreg cuda") if small else {v: ({}, f) for v, f in calls.items()}
         case = f"cat_linear R{r} B{b} H{h} K{k} {str(dtype)[6:]}"
-        for name, call in variants.items():
-            with torch.no_grad():
+        for name, (setting, call) in variants.items():
+            with torch.no_grad(), env(setting):
                 err = rel_err(call(), want)
                 dev = device_us(call)
                 rows.append({"case": case, "variant": name, "rel_err": err, "device_us": dev,

@@ -1,8 +1,10 @@
 """scatter_combine's CUDA forward paths side by side, each call's device time from a CUDA
 graph (the host taken out): the tiny, small and large paths forced
-(``OPREG_SCATTER_COMBINE_PATH``), the sizes' own pick (``auto``), and eager's
-``zeros.index_add_``. What the paths' bounds (backends/cuda/scatter_combine.cuh) are set and
-checked against where the host does not hide the device.
+(``OPREG_SCATTER_COMBINE_PATH``), the sizes' own pick (``auto``), that pick with programmatic
+dependent launch (``pdl``: ``OPREG_PDL=1``, backends/cuda/pdl.cuh: the tiny and small paths;
+the large path's cooperative launch takes none), and eager's ``zeros.index_add_``. What the
+paths' bounds (backends/cuda/scatter_combine.cuh) are set and checked against where the host
+does not hide the device.
 
     python bench/scatter_paths.py [--json out.json]
 
@@ -57,7 +59,7 @@ def measure(shape: tuple[int, int, int, str], reps: int) -> dict[str, Any]:
     def eager() -> torch.Tensor:
         return torch.zeros(t, h, device="cuda", dtype=dt).index_add_(0, idx, x * g[:, None])
 
-    variants: _paths.Variants = {"auto": (None, op), "eager": (None, eager)}
+    variants: _paths.Variants = {"auto": (None, op), "pdl": ({"OPREG_PDL": "1"}, op), "eager": (None, eager)}
     variants.update({p: (p, op) for p in PATHS if p != "small" or n <= 8192})
     rows = torch.empty_like(x)
     floors = {"copy": lambda: rows.copy_(x), "gather": lambda: torch.index_select(x, 0, idx, out=rows)}
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="comma-separated shapes as printed, e.g. 'T1536 k2 H128 fp32'")
     a = p.parse_args(argv)
     rows = []
-    names = ("auto", *PATHS, "eager", "copy", "gather")
+    names = ("auto", "pdl", *PATHS, "eager", "copy", "gather")
     todo = shapes()
     if a.only:
         want = {w.strip() for w in a.only.split(",")}
