@@ -144,6 +144,17 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).norm() / want.norm()).item()
 
 
+def timed_row(case: str, name: str, call: Callable[[], Any], want: torch.Tensor, small: bool,
+              rate: str, work_per_us: float) -> dict[str, Any]:
+    """One variant's row: its error against ``want``, device µs, ``rate`` (``work_per_us`` per
+    device µs) and, for the small cases, µs per call back to back and replayed from a graph."""
+    err = rel_err(call(), want)
+    dev = device_us(call)
+    return {"case": case, "variant": name, "rel_err": err, "device_us": dev, rate: work_per_us / dev,
+            "per_call_us": per_call_us(call) if small else None,
+            "graph_us": graph_us(call) if small else None}
+
+
 def index_add(hidden, idx, gates, t):
     out = torch.zeros(t, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
     return out.index_add_(0, idx, hidden * gates[:, None].to(hidden.dtype))
@@ -189,12 +200,7 @@ def scatter_rows() -> list[dict[str, Any]]:
         case = f"scatter {t}x{k}x{h} {str(dtype)[6:]}"
         for name, (setting, call) in variants.items():
             with env(setting):
-                err = rel_err(call(), want)
-                dev = device_us(call)
-                rows.append({"case": case, "variant": name, "rel_err": err, "device_us": dev,
-                             "GB/s": nbytes / dev / 1e3,
-                             "per_call_us": per_call_us(call) if small else None,
-                             "graph_us": graph_us(call) if small else None})
+                rows.append(timed_row(case, name, call, want, small, "GB/s", nbytes / 1e3))
                 if name == "opreg cuda":
                     rows[-1]["deterministic"] = all(torch.equal(call(), call()) for _ in range(3))
     return rows
@@ -224,12 +230,7 @@ def cat_rows() -> list[dict[str, Any]]:
         case = f"cat_linear R{r} B{b} H{h} K{k} {str(dtype)[6:]}"
         for name, (setting, call) in variants.items():
             with torch.no_grad(), env(setting):
-                err = rel_err(call(), want)
-                dev = device_us(call)
-                rows.append({"case": case, "variant": name, "rel_err": err, "device_us": dev,
-                             "TFLOP/s": flops / dev / 1e6,
-                             "per_call_us": per_call_us(call) if small else None,
-                             "graph_us": graph_us(call) if small else None})
+                rows.append(timed_row(case, name, call, want, small, "TFLOP/s", flops / 1e6))
     return rows
 
 
