@@ -63,7 +63,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
@@ -116,13 +115,7 @@ static_assert(model::kDotCols == kDotCols && model::kDotUnroll == kDotUnroll &&
 
 // The device's SM count, read once per device (an attribute query: legal while capturing).
 int sm_count(c10::DeviceIndex dev) {
-  static std::atomic<int> cached[C10_COMPILE_TIME_MAX_GPUS] = {};
-  int n = cached[dev].load(std::memory_order_relaxed);
-  if (n == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    cached[dev].store(n, std::memory_order_relaxed);
-  }
-  return n;
+  return cuda::device_attribute<cudaDevAttrMultiProcessorCount>(dev);
 }
 
 // The tensors unpacked for launch_dot_kernel (cat_linear_dot.cu) or launch_simt_kernel

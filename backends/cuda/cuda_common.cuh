@@ -5,10 +5,13 @@
 // is a user-facing cost.
 #pragma once
 
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAMacros.h>
 #include <c10/macros/Macros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <atomic>
 #include <cstdint>
 
 // The floating types every kernel is built for, as the host dispatches them
@@ -105,6 +108,20 @@ __device__ __forceinline__ void cp_async_wait() {
 
 inline bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+// Device attribute A of device `dev`, queried once per device (an attribute query is legal
+// while a stream captures; a concurrent first call at worst queries twice).
+template <cudaDeviceAttr A>
+int device_attribute(int dev) {
+  static std::atomic<int> cached[C10_COMPILE_TIME_MAX_GPUS] = {};
+  int v = cached[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, A, dev));
+    cached[dev].store(v + 1, std::memory_order_relaxed);  // stored + 1: 0 means not queried yet
+    return v;
+  }
+  return v - 1;
 }
 
 } // namespace cuda

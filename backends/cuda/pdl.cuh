@@ -25,12 +25,12 @@
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAMacros.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdlib>
 #include <utility>
+
+#include "cuda_common.cuh"
 
 namespace opreg {
 namespace cuda {
@@ -50,13 +50,7 @@ inline bool pdl_wanted() {
   if (e == nullptr || e[0] != '1' || e[1] != '\0') return false;
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  static std::atomic<int> major[C10_COMPILE_TIME_MAX_GPUS] = {};
-  int m = major[dev].load(std::memory_order_relaxed);
-  if (m == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev));
-    major[dev].store(m, std::memory_order_relaxed);
-  }
-  return m >= 9;
+  return device_attribute<cudaDevAttrComputeCapabilityMajor>(dev) >= 9;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), with PDL where `pdl`; checked.

@@ -658,13 +658,7 @@ const Residency& residency(c10::DeviceIndex dev) {
 
 // Does this device launch cooperative kernels (cudaDevAttrCooperativeLaunch)? Once per device.
 bool cooperative_device(c10::DeviceIndex dev) {
-  static int cache[C10_COMPILE_TIME_MAX_GPUS] = {};  // 0 unknown, 1 yes, 2 no
-  if (cache[dev] == 0) {
-    int coop = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
-    cache[dev] = coop ? 1 : 2;
-  }
-  return cache[dev] == 1;
+  return cuda::device_attribute<cudaDevAttrCooperativeLaunch>(dev) != 0;
 }
 
 // The workspace the host carved (scatter_combine.cu), and the call's sizes.
