@@ -10,6 +10,11 @@
 #   STAGE=pdl bash bench/device_run.sh     programmatic dependent launch (OPREG_PDL=1): its tests, both ops'
 #                                          CUDA tests with it on, the seeds' times with it and without
 #                                          (gpu_report.py); STAGE=paths has a pdl column too
+#   STAGE=scatter bash bench/device_run.sh scatter_combine's CUDA tests, then the >= 16 MB sweep of the
+#                                          short rows (SC_ONLY, default " H128 ": the short-row reducers);
+#                                          with SC_ALT=<file> (in the tree) that sweep again with the file
+#                                          built as backends/cuda/scatter_combine_large.cu: a back-to-back
+#                                          A/B on one machine (bench/sweep_diff.py; <= 5 min)
 #   STAGE=moe bash bench/device_run.sh     the MoE layer: the block vs HF's grouped_mm + Inductor over
 #                                          TOKENS_MOE (default 64,4096,16384), host vs GPU time eager and
 #                                          compiled (moe_profile.py --inductor), the GEMMs per config
@@ -146,6 +151,27 @@ if [ "$STAGE" = pdl ]; then
     tests/test_scatter_combine.py -k cuda 2>&1 | tail -5
   timeout 200 python3 bench/gpu_report.py --json "$OUT/gpu_report.json" > "$OUT/gpu_report.log" 2>&1
   grep -E "^# |^\| (case|host|scatter 1536|cat_linear R4 B12|cat_linear R4 B64)" "$OUT/gpu_report.log"
+fi
+
+if [ "$STAGE" = scatter ]; then
+  python3 -m opreg build >/dev/null 2>&1
+  python3 -m pytest -q -n ${PYTEST_WORKERS:-14} --dist load tests/test_scatter_combine.py -k cuda 2>&1 | tail -3
+  sc_sweep() {  # $1: the run's name (its log and JSON in $OUT)
+    timeout $((${SC_S:-100} + 15)) python3 bench/sweep.py --ops scatter_combine --min-mb 16 --inductor none \
+      --only "${SC_ONLY:- H128 }" --budget-s ${SC_S:-100} --json "$OUT/$1.json" > "$OUT/$1.log" 2>&1
+    grep -E "in a CUDA graph|sweep took" "$OUT/$1.log"
+  }
+  sc_sweep sweep_sc_a
+  if [ -n "${SC_ALT:-}" ]; then
+    cp backends/cuda/scatter_combine_large.cu /tmp/sc_large_a.cu
+    cp "$SC_ALT" backends/cuda/scatter_combine_large.cu
+    python3 -m opreg build --only cuda 2>&1 | tail -1
+    sc_sweep sweep_sc_b
+    cp /tmp/sc_large_a.cu backends/cuda/scatter_combine_large.cu
+    python3 -m opreg build --only cuda >/dev/null 2>&1
+    python3 bench/sweep_diff.py "$OUT/sweep_sc_a.json" "$OUT/sweep_sc_b.json" | tail -4
+  fi
+  rm -f "$OUT/install.log"
 fi
 
 if [ "$STAGE" = moe ]; then
