@@ -145,6 +145,11 @@ def _check(got: torch.Tensor, expected: torch.Tensor) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["explain"]:  # its own parser, --help included (a REMAINDER stub can't take "-h")
+        from opreg import explain
+
+        return explain.main(args_in[1:])
     p = argparse.ArgumentParser(prog="python -m opreg", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="ops x implementations, available or why not")
@@ -161,11 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t = sub.add_parser("tune", help="choose an op's fused-kernel block configs on this GPU (--help after the op)")
     t.add_argument("op", choices=["moe_experts"])
     t.add_argument("rest", nargs=argparse.REMAINDER)
-    args = p.parse_args(argv)
-    if args.cmd == "explain":
-        from opreg import explain
-
-        return explain.main(args.rest)
+    args = p.parse_args(args_in)
     if args.cmd == "tune":
         from opreg.backends.triton import tune
 

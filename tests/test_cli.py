@@ -87,3 +87,15 @@ def test_bad_subcommand_is_an_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["frobnicate"])
     assert exc.value.code != 0 and "invalid choice: 'frobnicate'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_explain_help_lists_its_arguments(flag, capsys):
+    # `explain` has its own parser (opreg/explain.py): its help names SPEC and --choose, not the
+    # stub argument the top-level parser would show
+    from opreg.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["explain", flag])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "spec" in out and "--choose" in out and "rest" not in out, out
