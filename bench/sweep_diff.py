@@ -3,10 +3,10 @@
     python bench/sweep_diff.py A.json B.json [--op scatter_combine]
 
 For an A/B of a kernel change on one machine (``STAGE=scatter SC_ALT=... bash
-bench/device_run.sh`` writes both runs): per row, opreg's median time host-timed and, where
-the sweep replayed it from a CUDA graph (scatter_combine >= 16 MB), its fraction of the
-copy bound in each run; then the geometric mean of B / A and the rows below 70 % of copy in
-each. Rows in one run only are listed, not compared.
+bench/device_run.sh`` writes both runs): per row, opreg's median time host-timed, B / A,
+and, where the sweep replayed it from a CUDA graph (scatter_combine >= 16 MB), its fraction
+of the copy bound in each run and the graph time's B / A; then the geometric means and the
+rows below 70 % of copy in each. Rows in one run only are listed, not compared.
 """
 from __future__ import annotations
 
@@ -31,16 +31,20 @@ def main() -> None:
     args = p.parse_args()
     a, b = rows_of(args.a, args.op), rows_of(args.b, args.op)
     common = [k for k in a if k in b]
-    print(f"{'row':52s} {'A us':>8s} {'B us':>8s} {'B/A':>6s}  {'A graph':>7s} {'B graph':>7s}")
-    logs = []
+    print(f"{'row':52s} {'A us':>8s} {'B us':>8s} {'B/A':>6s}  {'A graph':>7s} {'B graph':>7s} {'B/A':>6s}")
+    logs, glogs = [], []
     for k in common:
         ta, tb = a[k]["median_us"]["opreg"], b[k]["median_us"]["opreg"]
         ga, gb = a[k].get("frac_copy_graph"), b[k].get("frac_copy_graph")
         logs.append(math.log(tb / ta))
-        graph = f"{ga:7.2f} {gb:7.2f}" if ga is not None and gb is not None else ""
+        graph = ""
+        if ga and gb:  # fractions of the same copy time: time B / time A = ga / gb
+            glogs.append(math.log(ga / gb))
+            graph = f"{ga:7.2f} {gb:7.2f} {ga / gb:6.3f}"
         print(f"{' '.join(k[1:]):52s} {ta:8.1f} {tb:8.1f} {tb / ta:6.3f}  {graph}")
     if logs:
-        print(f"\n{len(common)} rows in both: geometric mean B / A {math.exp(sum(logs) / len(logs)):.3f}")
+        print(f"\n{len(common)} rows in both: geometric mean B / A {math.exp(sum(logs) / len(logs)):.3f} host-timed"
+              + (f", {math.exp(sum(glogs) / len(glogs)):.3f} in a CUDA graph ({len(glogs)} rows)" if glogs else ""))
     for name, rows in (("A", a), ("B", b)):
         graph = [r for k, r in rows.items() if k in common and r.get("frac_copy_graph") is not None]
         below = sum(1 for r in graph if r["frac_copy_graph"] < COPY_FRAC)
