@@ -27,7 +27,7 @@ def _version(mod: object) -> tuple[int, ...]:
 # range() over a scalar tensor: a kernel's int argument (the one-program routing's
 # `range(0, num_chunks)`) or a loaded count (the decode kernels' `range(0, count, BLOCK_M)`).
 # TypeError "only 0-dimensional arrays can be converted to Python scalars", inside triton;
-# the GPU runs both (and the CPU suite's larger interpreted shapes take other routes).
+# the GPU runs both (the CPU suite's other interpreted cases pass with these versions).
 def _interpreter_takes_scalar_bounds() -> bool:
     if TM.triton is None or torch.cuda.is_available():
         return True
