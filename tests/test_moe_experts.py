@@ -111,6 +111,25 @@ def _grads(fn, args: tuple, cot: torch.Tensor) -> list[torch.Tensor]:
     return list(torch.autograd.grad(fn(*args), leaves, cot))
 
 
+def _route_terms(args: tuple, cot: torch.Tensor) -> torch.Tensor:
+    """(T, k) float64: the magnitude of the terms each d top_k_weights[t, j] sums,
+    sum over H of |cot[t]| |y| with y slot j's expert output for token t (0 at a sentinel
+    slot). The grouped path forms it as that dot over H, which cancels: its rounding grows
+    with these terms, not with their sum (``assert_matches``' ``scale``)."""
+    x, ids, _, w1, b1, w2, b2, act, gated, transposed, interleaved, alpha, limit = args
+    e, k = w1.shape[0], ids.shape[1]
+    terms = torch.zeros(ids.numel(), dtype=torch.float64)
+    for p, ex in enumerate(ids.reshape(-1).tolist()):  # values only: no graph
+        if 0 <= ex < e:
+            t = p // k
+            bias = (lambda b: None if b is None else b[ex].detach().double())  # noqa: E731
+            pre = M._linear(x[t].detach().double(), w1[ex].detach().double(), bias(b1), transposed)
+            y = M._linear(M.apply_gate(pre[None], act, gated, interleaved, alpha, limit)[0],
+                          w2[ex].detach().double(), bias(b2), transposed)
+            terms[p] = (cot[t].detach().double().abs() * y.abs()).sum()
+    return terms.view(ids.shape)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_grouped_path_gradients(family, dtype):
@@ -197,9 +216,14 @@ def test_cpu_grouped_mm_half_gradients(family, dtype):
                                      a.is_floating_point() else a for a in args), True)
     want = M.reference(*args64)
     assert_matches(G.grouped(*args), want, dtype)
-    cot = torch.randn_like(want)
-    for got, ref in zip(_grads(G.grouped, args, cot.to(dtype)), _grads(M.reference, args64, cot)):
-        assert_matches(got, ref, dtype)
+    # The reference's cotangent is the one the path gets (rounded to dtype): the rounding of a
+    # float64 cot alone moved d top_k_weights (a dot over H that cancels) past float16's
+    # tolerance in 3 of 1200 seeds x families; as in test_moe_triton_backward.py.
+    cot = torch.randn_like(want).to(dtype)
+    got, ref = _grads(G.grouped, args, cot), _grads(M.reference, args64, cot.double())
+    for j, (g, r) in enumerate(zip(got, ref)):
+        # d top_k_weights (leaf 1) against the terms it sums (assert_matches' scale)
+        assert_matches(g, r, dtype, _route_terms(args64, cot.double()) if j == 1 else None)
 
 
 def _per_group(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
