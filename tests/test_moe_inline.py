@@ -93,14 +93,17 @@ def _half_tail_gemm1(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     (configs, launch statics, each kernel's compiled specialisation) assumes the table's
     picks, so an earlier test's entry for the same inputs would launch a kernel compiled
     for other configs (on the H200, 2026-12-05: the routing's and GEMM1's, after this
-    file's other mixtral case). Returns a list that grows by one per pick that set it."""
+    file's other mixtral case). Returns a list that grows by one per eager pick that set it
+    (not per traced one: Dynamo guards a list it appends to, and the changed length recompiled
+    every call, which ran the picks' Python per call: on the H100, 2026-12-05)."""
     pick, set_half = TM.pick_config, []
 
     def half(gemm: str, *args: Any, **kwargs: Any) -> dict[str, int]:
         cfg = pick(gemm, *args, **kwargs)
         if gemm == "gemm1" and not cfg.get("PERSISTENT", 0):
             cfg = {**cfg, "BLOCK_M": max(32, cfg["BLOCK_M"]), "HALF_TAIL": 1}
-            set_half.append(1)
+            if not torch.compiler.is_compiling():  # counted in eager: an append Dynamo traces
+                set_half.append(1)  # guards the list's length, so every call recompiled
         return cfg
     monkeypatch.setattr(TM, "pick_config", half)
     monkeypatch.setattr(TM, "_SPEC_IDS", {})  # new ids (never reused): nothing keyed by an old one is hit
