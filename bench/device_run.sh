@@ -155,7 +155,10 @@ fi
 
 if [ "$STAGE" = scatter ]; then
   python3 -m opreg build >/dev/null 2>&1
-  python3 -m pytest -q -n ${PYTEST_WORKERS:-14} --dist load tests/test_scatter_combine.py -k cuda 2>&1 | tail -3
+  # the tests' summary again at the end: the sweeps' lines push it out of a call's output tail
+  python3 -m pytest -q -n ${PYTEST_WORKERS:-14} --dist load tests/test_scatter_combine.py -k cuda \
+    > "$OUT/sc_tests.log" 2>&1
+  tail -3 "$OUT/sc_tests.log"
   sc_sweep() {  # $1: the run's name (its log and JSON in $OUT)
     timeout $((${SC_S:-100} + 15)) python3 bench/sweep.py --ops scatter_combine --min-mb 16 --inductor none \
       --only "${SC_ONLY:- H128 }" --budget-s ${SC_S:-100} --json "$OUT/$1.json" > "$OUT/$1.log" 2>&1
@@ -171,6 +174,7 @@ if [ "$STAGE" = scatter ]; then
     python3 -m opreg build --only cuda >/dev/null 2>&1
     python3 bench/sweep_diff.py "$OUT/sweep_sc_a.json" "$OUT/sweep_sc_b.json" | tail -4
   fi
+  echo "scatter_combine's CUDA tests: $(tail -1 "$OUT/sc_tests.log")"
   rm -f "$OUT/install.log"
 fi
 
