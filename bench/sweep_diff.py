@@ -19,7 +19,8 @@ COPY_FRAC = 0.70  # sweep.py's bar
 
 
 def rows_of(path: str, op: str) -> dict[tuple[str, str, str], dict[str, Any]]:
-    doc = json.load(open(path))
+    with open(path) as f:
+        doc = json.load(f)
     return {(r["form"], r["mode"], r["label"]): r for r in doc["rows"] if r["op"] == op}
 
 
