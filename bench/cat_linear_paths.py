@@ -6,7 +6,7 @@ eager's ``F.linear(torch.cat(parts, -1), W, b)``. What the path model
 (backends/common/cat_linear_model.h) is fitted and checked against where the host does not
 hide the device: CUDA graphs, and a busy GPU's queue.
 
-    python bench/cat_linear_paths.py [--json out.json] [--max-macs 2**28]
+    python bench/cat_linear_paths.py [--json out.json] [--max-macs 2**28] [--only 'R2 B4 H512 K2048 fp32,...']
     python bench/cat_linear_paths.py --evaluate bench/data/cat_linear_paths_h200_2026-12-05.json
 
 ``--evaluate`` needs no GPU: the model as this checkout has it (the header compiled with the
@@ -115,13 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-macs", type=int, default=1 << 28)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--evaluate", metavar="JSON", help="no GPU: this checkout's model against an earlier run")
+    p.add_argument("--only", help="comma-separated shapes as printed, e.g. 'R2 B4 H512 K2048 fp32'")
     a = p.parse_args(argv)
     if a.evaluate:
         return evaluate(a.evaluate)
     rows = []
     names = ("auto", "pdl", *PATHS, "eager")
+    todo = shapes()
+    if a.only:
+        want = {w.strip() for w in a.only.split(",")}
+        todo = [s for s in todo if "R{} B{} H{} K{} {}".format(*s) in want]
+        if len(todo) != len(want):
+            p.error(f"--only: {sorted(want)} are not all among the shapes")
     print(_paths.header(names, 26), flush=True)
-    for s in shapes():
+    for s in todo:
         rows.append(measure(s, a.max_macs, a.reps))
         print(_paths.line(rows[-1], names, 26), flush=True)
     _paths.report(rows, a.json)
