@@ -63,6 +63,11 @@
 #   STAGE=hang bash bench/device_run.sh    the raw launcher's hang on HALF_TAIL GEMMs (bench/raw_launch_hang.py):
 #                                          HANG_VARIANTS (default: default oldkey) on
 #                                          HANG_CASES, a process each under `timeout 30` (<= 2 min)
+#   STAGE=ab bash bench/device_run.sh      one command timed against two versions of one source:
+#                                          AB_CMD (bash; it may write "$AB_JSON") with AB_FILE as the tree
+#                                          has it (A), then with AB_ALT built in its place (B; a file in the
+#                                          tree, e.g. `git show main:$AB_FILE > ab/x`), back to back on
+#                                          one machine; $OUT/ab_a.log, ab_b.log; AB_DIFF=1: sweep_diff B / A
 #   (default: tests and bench). Logs and JSON land in $OUT (default /tmp/opreg-out).
 # TESTS="tests/x.py ..." narrows the test stage; PYTEST_WORKERS (default 14 of the H200 box's
 # 16 cores) runs it with xdist; FIRST_CALL=0 skips the first-call timing.
@@ -297,4 +302,21 @@ if [ "$STAGE" = half ]; then
       --variant "half={$fwd$back}" > "$OUT/half_step_$c.log" 2>&1)
     grep -E "T=[0-9]+ |rounds;|half:|table's configs, given:" "$OUT/half_step_$c.log"
   done
+fi
+
+if [ "$STAGE" = ab ]; then
+  : "${AB_FILE:?AB_FILE: the source to swap}" "${AB_ALT:?AB_ALT: its B version}" "${AB_CMD:?AB_CMD: what to time}"
+  python3 -m opreg build >/dev/null 2>&1
+  cp "$AB_FILE" /tmp/ab_a.src
+  for v in a b; do
+    # the build hashes the headers into every compile, so a header swap rebuilds what includes it
+    [ $v = b ] && { cp "$AB_ALT" "$AB_FILE"; python3 -m opreg build 2>&1 | tail -1; }
+    AB_JSON="$OUT/ab_$v.json" timeout ${AB_S:-250} bash -c "$AB_CMD" > "$OUT/ab_$v.log" 2>&1
+    rc=$?; src=$AB_ALT; [ $v = a ] && src="$AB_FILE as the tree has it"
+    echo "== $v ($src): rc $rc"
+    tail -${AB_TAIL:-12} "$OUT/ab_$v.log"
+  done
+  cp /tmp/ab_a.src "$AB_FILE"; python3 -m opreg build >/dev/null 2>&1
+  [ "${AB_DIFF:-0}" = 1 ] && python3 bench/sweep_diff.py "$OUT/ab_a.json" "$OUT/ab_b.json" | tail -6
+  rm -f "$OUT/install.log"
 fi
