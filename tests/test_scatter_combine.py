@@ -256,6 +256,25 @@ def test_cuda_short_rows_same_bits_as_every_path(fanout, h, dtype, idx_dtype, or
     assert torch.equal(_multi(x_wide, idx, g, t, monkeypatch)[:, :h], out)
 
 
+# Fan-out above kEll = 8 (12 here; Qwen3-Next routes a token to 10 experts): all tokens but the
+# few _routing empties or moves have more than 8 rows, so the short-row reducer leaves nearly
+# every token to its long-token pass, which spreads them over the grid's warps
+# (scatter_combine_large.cu, reduce_long_tokens); the wide-row reducer sums them in its loop.
+@pytest.mark.cuda
+@pytest.mark.parametrize("order,idx_dtype", [("sorted", torch.int64), ("random", torch.int32)], ids=str)
+@pytest.mark.parametrize("h,dtype", [(128, torch.bfloat16), (128, torch.float32), (256, torch.float16),
+                                     (1024, torch.bfloat16)], ids=str)
+def test_cuda_every_token_long_same_bits_as_every_path(h, dtype, order, idx_dtype, monkeypatch):
+    skip_without("cuda")
+    t = 12288 // 12 + 1
+    idx = _routing(t, 12, order, idx_dtype).cuda()
+    x = torch.randn(idx.numel(), h, dtype=dtype, device="cuda")
+    g = (torch.rand(idx.numel(), device="cuda") + 0.1).to(dtype)
+    counts = torch.bincount(idx[(idx >= 0) & (idx < t)].long(), minlength=t)
+    assert int((counts > 8).sum()) >= t - 8   # all but the tokens _routing empties or moves
+    _check_large_call(x, idx, g, t, dtype, idx_dtype, monkeypatch)
+
+
 # Wide rows: 16-byte vectors (1024), more than one column chunk per token (4096), and
 # rows that are not a multiple of 16 bytes (1001: V = 1).
 @pytest.mark.cuda

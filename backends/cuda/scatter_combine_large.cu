@@ -272,23 +272,48 @@ __device__ __forceinline__ void accumulate_long_token(
   }
 }
 
-// The whole of a long token's output row, summed by one warp.
+// The short-row reducer's tokens with more than kEll rows (flag set by
+// count_rows), after its own loop, by the same warps: one warp per long token,
+// each lane NV vectors of the row (32 NV >= hvec), each warp reading 32 of its
+// tokens' counts at once and balloting out the long ones (every count read
+// once more, 4 bytes a token, and only when flag says some token is long).
+// Why not in ShortReduce's loop, where it was until 2026-12-05: there this
+// path's shared-memory sort, overflow walk and their addresses were live
+// beside the rows in flight (ShortReduce's registers, below). A token's sum is
+// the same FMA chain over its sorted rows (accumulate_long_token), so the same
+// bits.
 template <bool kCoh, typename scalar_t, int V, int NV>
-__device__ __forceinline__ void reduce_long_token(
-    int64_t t, int cnt, int mine, int* rows, const Vec<scalar_t, V>* __restrict__ xv,
-    const void* __restrict__ idx, bool idx64, const void* __restrict__ gates, bool g32,
-    const int* __restrict__ ooff, const int* __restrict__ operm, scalar_t* __restrict__ out,
-    int n, int hvec) {
+__device__ __forceinline__ void reduce_long_tokens(
+    const int* flag, const Vec<scalar_t, V>* __restrict__ xv, const void* __restrict__ idx, bool idx64,
+    const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
+    const int* __restrict__ ooff, const int* __restrict__ operm, scalar_t* __restrict__ out, int n,
+    int64_t num_tokens, int hvec, int* rows) {
+  if (ws_load<kCoh>(flag) == 0) return;  // written before the last grid barrier / launch: grid-uniform
   using acc_t = at::opmath_type<scalar_t>;
   const int lane = threadIdx.x & 31;
-  acc_t acc[NV][V];
+  // Token t is warp (t mod warps)'s: neighbouring tokens on different warps, so that many long
+  // tokens (at fan-out > kEll every token is one) spread over the grid as run()'s tokens do.
+  const int64_t warps = int64_t(gridDim.x) * kRedWarps;
+  for (int64_t tb = int64_t(blockIdx.x) * kRedWarps + (threadIdx.x >> 5); tb < num_tokens; tb += 32 * warps) {
+    const int64_t t_l = tb + lane * warps;
+    const int c_l = t_l < num_tokens ? ws_load<kCoh>(counts + t_l) : 0;
+    unsigned longs = __ballot_sync(kFull, c_l > kEll);
+    while (longs) {  // warp-uniform
+      const int src = __ffs(longs) - 1;
+      longs &= longs - 1;
+      const int64_t t = tb + src * warps;
+      const int cnt = __shfl_sync(kFull, c_l, src);
+      const int mine = lane < kEll ? ws_load<kCoh>(ell + t * kEll + lane) : 0;
+      acc_t acc[NV][V];
 #pragma unroll
-  for (int k = 0; k < NV; ++k)
+      for (int k = 0; k < NV; ++k)
 #pragma unroll
-    for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
-  accumulate_long_token<kCoh, scalar_t, V, NV, 2>(t, cnt, mine, rows, xv, idx, idx64, gates, g32, ooff,
-                                            operm, n, hvec, lane, acc);
-  cuda::store_row<scalar_t, V, NV>(out, t, hvec, lane, acc);
+        for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
+      accumulate_long_token<kCoh, scalar_t, V, NV, 2>(t, cnt, mine, rows, xv, idx, idx64, gates, g32, ooff,
+                                                      operm, n, hvec, lane, acc);
+      cuda::store_row<scalar_t, V, NV>(out, t, hvec, lane, acc);
+    }
+  }
 }
 
 // Lane k of each aligned group of kEll lanes gets the k-th smallest of the
@@ -329,6 +354,8 @@ struct ReduceWork {
 // for bf16.)
 template <typename scalar_t, int V, int U>
 struct WideReduce {
+  static constexpr int kMinBlocks = 0;  // none asked: 80 registers, no spills, as before
+
   template <bool kCoh>
   static __device__ __forceinline__ void run(
       const scalar_t* __restrict__ x,
@@ -397,6 +424,12 @@ struct WideReduce {
       mine = mine_n;
     }
   }
+
+  // run() sums every token itself, the long ones included (per item).
+  template <bool kCoh>
+  static __device__ __forceinline__ void long_tokens(const int*, const scalar_t*, const void*, bool, const void*,
+                                                     bool, const int*, const int*, const int*, const int*,
+                                                     scalar_t*, int, int64_t, int) {}
 };
 
 // Short rows (16-byte vectors, hvec <= 64: H <= 256 for fp32, <= 512 for
@@ -409,17 +442,24 @@ struct WideReduce {
 // its token's rows before the first FMA (U * NV = 8 vectors = 32 registers in
 // flight per lane, whatever the row width). At fan-out 2 a warp has 4 tokens
 // x 2 rows in flight (2 KB at H = 128 bf16, 4 KB at H = 128 fp32) instead of
-// 512 B. Tokens with more than kEll rows are then summed one at a time by the
-// whole warp, with the helper WideReduce uses. The per-element FMA chain is
-// the same: same bits.
-// ptxas gives this reducer 96-167 registers (bf16 highest; the long-token
-// sort and row walk are inlined). Pinning 6 blocks per SM (80 registers)
+// 512 B. Tokens with more than kEll rows are left to long_tokens(), which the
+// kernels call after run(): whole warps, with the helper WideReduce uses. The
+// per-element FMA chain is the same: same bits.
+// Registers (ptxas, nvcc 13.0, sm_90): 72-80 for 32- and 64-bit elements,
+// 84-109 for fp16, 115-128 for bf16, without spills (4-8 bytes in two bf16
+// kernels). They were 94-168, bf16 at H <= 128 with 76-188 bytes of spills,
+// while the long tokens were summed inside run()'s loop (bench/RESULTS.md,
+// forty-fourth session). Pinning 6 blocks per SM (80 registers) for bf16
 // spilled 200-800 bytes and measured slower on the H200 (T16384 k8 H128 bf16:
-// 55 vs 38 us), so no minimum is asked for.
+// 55 vs 38 us), hence kMinBlocks by element size.
 template <typename scalar_t, int V, int TPW, int NV, int U>
 struct ShortReduce {
   static_assert(TPW == 2 || TPW == 4, "a token's kEll metadata lanes must fit in its lanes");
   static_assert(kEll % U == 0, "row batches must tile the kEll sorted rows");
+  // Blocks per SM asked of ptxas (__launch_bounds__): 6 (<= 80 registers) for 32- and 64-bit
+  // elements, which it then fits in 72-80 without spills (unasked it chose 64 and spilled 16-56
+  // bytes); 4 (<= 128) for 16-bit ones, which need 84-128 (80 spilled 280 bytes).
+  static constexpr int kMinBlocks = sizeof(scalar_t) >= 4 ? 6 : 4;
 
   template <bool kCoh>
   static __device__ __forceinline__ void run(
@@ -439,9 +479,7 @@ struct ShortReduce {
       ReduceWork /*w*/) {
     using acc_t = at::opmath_type<scalar_t>;
     using vec_t = Vec<scalar_t, V>;
-    constexpr int L = 32 / TPW;              // lanes per token in the common case
-    constexpr int NVW = (NV * L + 31) / 32;  // vectors per lane when the whole warp sums one token
-    __shared__ int s_rows[kRedWarps][kWarpSortCap];
+    constexpr int L = 32 / TPW;  // lanes per token
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const vec_t* xv = reinterpret_cast<const vec_t*>(x);
     const int64_t ngroups = (num_tokens + TPW - 1) / TPW;
@@ -523,34 +561,37 @@ struct ShortReduce {
         }
       }
 
-      // Tokens of this group with more than kEll rows: one at a time, whole warp.
-      unsigned long_tok = __ballot_sync(kFull, (lane & (kEll - 1)) == 0 && cnt > kEll);
-      while (long_tok) {  // warp-uniform
-        const int src = __ffs(long_tok) - 1;
-        long_tok &= long_tok - 1;
-        const int64_t tl = grp * TPW + src / kEll;
-        const int cl = __shfl_sync(kFull, cnt, src);
-        const int ml = __shfl_sync(kFull, mine, src + (lane & (kEll - 1)));
-        reduce_long_token<kCoh, scalar_t, V, NVW>(tl, cl, ml, s_rows[warp], xv, idx, idx64, gates,
-                                                  g32, ooff, operm, out, n, hvec);
-      }
-
       if (next >= ngroups) break;
       grp = next;
       cnt = cnt_n;
       mine = mine_n;
     }
   }
+
+  // The tokens run() left (more than kEll rows), after it, whole warps.
+  template <bool kCoh>
+  static __device__ __forceinline__ void long_tokens(
+      const int* flag, const scalar_t* __restrict__ x, const void* __restrict__ idx, bool idx64,
+      const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
+      const int* __restrict__ ooff, const int* __restrict__ operm, scalar_t* __restrict__ out, int n,
+      int64_t num_tokens, int hvec) {
+    constexpr int NVW = (NV * (32 / TPW) + 31) / 32;  // vectors per lane when the whole warp sums one token
+    __shared__ int s_rows[kRedWarps][kWarpSortCap];
+    reduce_long_tokens<kCoh, scalar_t, V, NVW>(flag, reinterpret_cast<const Vec<scalar_t, V>*>(x), idx, idx64,
+                                               gates, g32, counts, ell, ooff, operm, out, n, num_tokens, hvec,
+                                               s_rows[threadIdx.x >> 5]);
+  }
 };
 
 // The multi-kernel path's reduce: one launch of reducer Red.
 template <typename scalar_t, typename Red>
-__global__ void __launch_bounds__(kRedWarps * 32) scatter_reduce_kernel(
+__global__ void __launch_bounds__(kRedWarps * 32, Red::kMinBlocks) scatter_reduce_kernel(
     const scalar_t* __restrict__ x,
     const void* __restrict__ idx,
     bool idx64,
     const void* __restrict__ gates,
     bool g32,
+    const int* __restrict__ flag,
     const int* __restrict__ counts,
     const int* __restrict__ ell,
     const int* __restrict__ ooff,
@@ -562,6 +603,8 @@ __global__ void __launch_bounds__(kRedWarps * 32) scatter_reduce_kernel(
     ReduceWork w) {
   Red::template run<false>(x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
                            num_tokens, hvec, w);
+  Red::template long_tokens<false>(flag, x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
+                                   num_tokens, hvec);
 }
 
 // Phases 0-2 of the fused kernel (below): zero flag | counts and the overflow
@@ -601,13 +644,14 @@ __device__ __noinline__ void build_lists(
 // writes before the next phase's reads (ws_load<true>: L2 reads):
 //   0-2. build_lists: zero, count (count_rows, as the multi-kernel path),
 //        and, only if needed, overflow offsets (alloc_overflow) + place;
-//   3.   reduce (Red::run<true>: the same code as scatter_reduce_kernel<Red>).
+//   3.   reduce (Red::run<true>, then Red::long_tokens<true>: the same code
+//        as scatter_reduce_kernel<Red>).
 // Phases 0-2 need few registers; the kernel's count is its reducer's (one
-// instantiation per reducer: the short-row reducers' 94-168 registers stay
+// instantiation per reducer: the short-row reducers' 72-128 registers stay
 // out of the wide-row kernels), so it fits as many blocks per SM as the
 // multi-kernel path's reduce kernel.
 template <typename scalar_t, typename Red>
-__global__ void __launch_bounds__(kRedWarps * 32) scatter_large_fused_kernel(
+__global__ void __launch_bounds__(kRedWarps * 32, Red::kMinBlocks) scatter_large_fused_kernel(
     const scalar_t* __restrict__ x,
     const void* __restrict__ idx,
     bool idx64,
@@ -628,6 +672,9 @@ __global__ void __launch_bounds__(kRedWarps * 32) scatter_large_fused_kernel(
   build_lists(idx, idx64, n, num_tokens, flag, counts, ell, ooff, slot, operm, cursor);
   Red::template run<true>(x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
                           num_tokens, hvec, w);
+  // no barrier: the long tokens' rows are not the ones run() writes
+  Red::template long_tokens<true>(flag, x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
+                                  num_tokens, hvec);
 }
 
 int grid_for(int64_t work, int threads) {
@@ -710,7 +757,7 @@ void launch_multi(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blo
   const Residency& res = residency<kernel>(c.dev);
   const int64_t grid = std::min<int64_t>(reduce_blocks, int64_t(res.sms) * std::max(res.per_sm, 1));
   kernel<<<static_cast<unsigned>(grid), kRedWarps * 32, 0, c.stream>>>(
-      c.xp, c.idx, c.idx64, c.gates, c.g32, c.counts, c.ell, c.ooff, c.operm, c.op, c.n,
+      c.xp, c.idx, c.idx64, c.gates, c.g32, c.flag, c.counts, c.ell, c.ooff, c.operm, c.op, c.n,
       c.num_tokens, c.hvec, w);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
