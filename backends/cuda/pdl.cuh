@@ -12,16 +12,24 @@
 // The device side is await_prior_grids(), the first statement of every such kernel: every
 // global load AND store comes after the wait (a store must not land while the kernel before
 // still reads that memory: the caching allocator hands freed blocks to the next op at once).
-// Then it lets the next PDL launch be scheduled (launch_dependents): that kernel also waits
-// for this one to complete before it touches memory, so the release is safe anywhere. Without
-// PDL both instructions return at once; below sm_90 they are compiled out.
+// Without PDL it returns at once; below sm_90 it is compiled out.
+//
+// No kernel calls griddepcontrol.launch_dependents, so the next PDL launch is released as
+// this kernel's blocks exit (the implicit trigger), not at its start. Why: with the release
+// as the first statement, after the wait, cat_linear's dot kernel ran 15-42 % slower in a
+// CUDA graph at three fp32 shapes with B = 4 (R2 B4 H512 K2048 1.416x, R32 B4 H64 K2048
+// 1.322, R8 B4 H64 K2048 1.148; the same three in two runs, H100, 2026-12-05); with no
+// explicit release, over the same 48 B = 2 / 4 shapes, none was slower by more than 0.3 %,
+// and the median gain stayed (0.956 against 0.952 of the time without PDL), as did the seeds'
+// (bench/RESULTS.md, forty-sixth session). Why the early release costs there is not known:
+// those grids fit the GPU in one wave.
 //
 // The host side is launch(): with `pdl`, the kernel is launched through cudaLaunchKernelEx with
 // cudaLaunchAttributeProgrammaticStreamSerialization; a stream capture records the relation as
 // a programmatic edge of the graph (CUDA 12.3+). pdl_wanted() decides: OPREG_PDL=1 in the
 // environment (read per call, as OPREG_CAT_LINEAR_PATH, so a benchmark compares both in one
-// process) and a device of compute capability 9.0 or newer. Off by default until a GPU run
-// has measured it and its tests have passed there (bench/RESULTS.md, "Not yet run").
+// process) and a device of compute capability 9.0 or newer. Off by default until the H200
+// has timed every path with it (bench/RESULTS.md, "Not yet run"); on the H100 its tests pass.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -39,7 +47,6 @@ namespace cuda {
 __device__ __forceinline__ void await_prior_grids() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
 
