@@ -47,6 +47,17 @@ def measure(label: str, variants: Variants, env: str, want: torch.Tensor, tol: f
     return row
 
 
+def only(shapes: list[Any], spec: Optional[str], label: Callable[[Any], str]) -> list[Any]:
+    """The shapes whose label is one of ``spec``'s comma-separated labels (all if no spec)."""
+    if not spec:
+        return shapes
+    want = {w.strip() for w in spec.split(",")}
+    picked = [s for s in shapes if label(s) in want]
+    if len(picked) != len(want):
+        raise SystemExit(f"--only: {sorted(want - {label(s) for s in picked})} are not among the shapes")
+    return picked
+
+
 def header(names: Sequence[str], width: int) -> str:
     return f"{'shape':<{width}} " + " ".join(f"{n:>8}" for n in names) + "  best  auto/best auto/eager"
 

@@ -121,12 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return evaluate(a.evaluate)
     rows = []
     names = ("auto", "pdl", *PATHS, "eager")
-    todo = shapes()
-    if a.only:
-        want = {w.strip() for w in a.only.split(",")}
-        todo = [s for s in todo if "R{} B{} H{} K{} {}".format(*s) in want]
-        if len(todo) != len(want):
-            p.error(f"--only: {sorted(want)} are not all among the shapes")
+    todo = _paths.only(shapes(), a.only, lambda s: "R{} B{} H{} K{} {}".format(*s))
     print(_paths.header(names, 26), flush=True)
     for s in todo:
         rows.append(measure(s, a.max_macs, a.reps))

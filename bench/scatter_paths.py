@@ -74,12 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     rows = []
     names = ("auto", "pdl", *PATHS, "eager", "copy", "gather")
-    todo = shapes()
-    if a.only:
-        want = {w.strip() for w in a.only.split(",")}
-        todo = [s for s in todo if f"T{s[0]} k{s[1]} H{s[2]} {s[3]}" in want]
-        if len(todo) != len(want):
-            p.error(f"--only: {sorted(want)} are not all among the shapes")
+    todo = _paths.only(shapes(), a.only, lambda s: f"T{s[0]} k{s[1]} H{s[2]} {s[3]}")
     print(_paths.header(names, 22), flush=True)
     for s in todo:
         rows.append(measure(s, a.reps))
