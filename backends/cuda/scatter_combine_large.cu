@@ -355,6 +355,7 @@ struct ReduceWork {
 template <typename scalar_t, int V, int U>
 struct WideReduce {
   static constexpr int kMinBlocks = 0;  // none asked: 80 registers, no spills, as before
+  static constexpr int kFusedMaxBlocks = INT_MAX;  // the fused grid: every co-resident block
 
   template <bool kCoh>
   static __device__ __forceinline__ void run(
@@ -460,6 +461,14 @@ struct ShortReduce {
   // elements, which it then fits in 72-80 without spills (unasked it chose 64 and spilled 16-56
   // bytes); 4 (<= 128) for 16-bit ones, which need 84-128 (80 spilled 280 bytes).
   static constexpr int kMinBlocks = sizeof(scalar_t) >= 4 ? 6 : 4;
+  // The fused grid's blocks per SM (launch_fused) for 32- and 64-bit elements: 5, as before
+  // the registers came down, not the 6-7 that now fit. Short rows are bandwidth-bound with 5,
+  // and each extra block adds to every grid barrier and to the count phase's atomics: on the
+  // H100 the fp32 H = 128 forward rows at T = 16384 ran 3-8 % faster in CUDA graphs with 5
+  // (two A/B runs, the unchanged backward and wide-row rows as controls; T = 4096 and 65536
+  // within 1 %; bench/RESULTS.md, forty-seventh session). fp64 was not timed: the same
+  // registers, so the same occupancy. 16-bit elements fit 4 anyway.
+  static constexpr int kFusedMaxBlocks = sizeof(scalar_t) >= 4 ? 5 : INT_MAX;
 
   template <bool kCoh>
   static __device__ __forceinline__ void run(
@@ -767,8 +776,9 @@ void launch_multi(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blo
 // an SM (cudaOccupancyMaxActiveBlocksPerMultiprocessor = 0), or where the
 // driver refuses the grid as too large (cudaErrorCooperativeLaunchTooLarge:
 // fewer SMs available than the attribute says, e.g. under MPS limits).
-// Grid: every co-resident block (blocks per SM x SMs), capped by the work
-// (the reduce's blocks or one row per thread for the count, whichever is more).
+// Grid: every co-resident block (blocks per SM x SMs, at most Red::kFusedMaxBlocks
+// per SM), capped by the work (the reduce's blocks or one row per thread for the
+// count, whichever is more).
 template <typename scalar_t, typename Red>
 bool launch_fused(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blocks) {
   if (!cooperative_device(c.dev)) return false;
@@ -776,7 +786,8 @@ bool launch_fused(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blo
   const Residency& res = residency<kernel>(c.dev);
   if (res.per_sm < 1) return false;
   const int64_t want = std::max<int64_t>({reduce_blocks, (c.n + kRedWarps * 32 - 1) / (kRedWarps * 32), 1});
-  const int64_t grid = std::min<int64_t>(want, int64_t(res.sms) * res.per_sm);
+  const int per_sm = std::min(res.per_sm, Red::kFusedMaxBlocks);
+  const int64_t grid = std::min<int64_t>(want, int64_t(res.sms) * per_sm);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
   cfg.blockDim = dim3(kRedWarps * 32);
