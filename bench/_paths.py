@@ -42,6 +42,8 @@ def measure(label: str, variants: Variants, env: str, want: torch.Tensor, tol: f
                 os.environ.pop(var, None)
     forced = {p: row["us"][p] for p in paths if p in row["us"]}
     row["best"] = min(forced, key=forced.__getitem__)
+    # which path auto ran is not reported by the op: the forced path nearest its time
+    row["auto~"] = min(forced, key=lambda p: abs(forced[p] - row["us"]["auto"]))
     row["auto/best"] = row["us"]["auto"] / forced[row["best"]]
     row["auto/eager"] = row["us"]["auto"] / row["us"]["eager"]
     return row
@@ -68,24 +70,37 @@ def line(row: dict[str, Any], names: Sequence[str], width: int) -> str:
     return f"{row['shape']:<{width}} {cols}  {row['best']:<5} {row['auto/best']:9.3f} {row['auto/eager']:10.3f}"
 
 
-def pdl(rows: list[dict[str, Any]]) -> None:
+def pdl(rows: list[dict[str, Any]], no_pdl: Sequence[str] = ()) -> None:
     """The ``pdl`` column (``auto`` with OPREG_PDL=1, backends/cuda/pdl.cuh) against ``auto``:
-    the ratio's spread over the shapes, and the shapes where it differs by more than 3 %."""
-    pairs = [(r["shape"], r["us"]["pdl"] / r["us"]["auto"]) for r in rows if "pdl" in r["us"]]
+    the ratio's spread over the shapes, and the shapes where it differs by more than 3 %;
+    separately where auto runs a PDL kernel and where it runs one of ``no_pdl`` (paths whose
+    kernels take no PDL: there pdl and auto launch the same kernels, and their ratio is the
+    timing's own spread). Auto's path is inferred (``auto~``: the forced path nearest its time)."""
+    pairs = [(r["shape"], r["us"]["pdl"] / r["us"]["auto"], r.get("auto~")) for r in rows if "pdl" in r["us"]]
     if not pairs:
         return
-    ratios = sorted(q for _, q in pairs)
-    print(f"\npdl / auto over {len(pairs)} shapes: median {ratios[len(ratios) // 2]:.3f}, "
-          f"min {ratios[0]:.3f}, max {ratios[-1]:.3f}; faster by > 3 % at {sum(q < 0.97 for q in ratios)}, "
-          f"slower by > 3 % at {sum(q > 1.03 for q in ratios)}")
-    for shape, q in sorted(pairs, key=lambda sq: -sq[1])[:10]:
-        if q > 1.03:
-            print(f"  pdl slower: {shape} pdl/auto {q:.3f}")
+    groups = [("shapes", pairs)]
+    if no_pdl:
+        groups += [(f"shapes where auto runs a PDL kernel (auto~ not {'/'.join(no_pdl)})",
+                    [q for q in pairs if q[2] not in no_pdl]),
+                   (f"shapes where auto runs {'/'.join(no_pdl)} (no PDL kernel)", [q for q in pairs if q[2] in no_pdl])]
+    for what, group in groups:
+        ratios = sorted(q for _, q, _ in group)
+        if not ratios:
+            continue
+        print(f"\npdl / auto over {len(ratios)} {what}: median {ratios[len(ratios) // 2]:.3f}, "
+              f"min {ratios[0]:.3f}, max {ratios[-1]:.3f}; faster by > 3 % at {sum(q < 0.97 for q in ratios)}, "
+              f"slower by > 3 % at {sum(q > 1.03 for q in ratios)}")
+        if group is pairs:
+            continue
+        for shape, q, path in sorted(group, key=lambda sq: -sq[1])[:10]:
+            if q > 1.03:
+                print(f"  pdl slower: {shape} pdl/auto {q:.3f} (auto~ {path})")
 
 
-def report(rows: list[dict[str, Any]], json_path: Optional[str]) -> None:
+def report(rows: list[dict[str, Any]], json_path: Optional[str], no_pdl: Sequence[str] = ()) -> None:
     """The shapes where ``auto`` is > 3 % behind the fastest forced path or slower than eager,
-    and the rows as JSON."""
+    PDL against auto (:func:`pdl`), and the rows as JSON."""
     behind = [r for r in rows if r["auto/best"] > 1.03]
     slower = [r for r in rows if r["auto/eager"] > 1.03]
     print(f"\n{len(rows)} shapes; auto > 3 % behind the fastest forced path at {len(behind)}, "
@@ -94,7 +109,7 @@ def report(rows: list[dict[str, Any]], json_path: Optional[str]) -> None:
         print(f"  slower than eager: {r['shape']} auto/eager {r['auto/eager']:.3f} (best {r['best']})")
     for r in sorted(behind, key=lambda r: -r["auto/best"])[:25]:
         print(f"  behind: {r['shape']} auto/best {r['auto/best']:.3f} (best {r['best']})")
-    pdl(rows)
+    pdl(rows, no_pdl)
     if json_path:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
         Path(json_path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -10,8 +10,10 @@ Every variant's output is checked against the float64 reference first.
 The small (seed-size) cases also run the op with programmatic dependent launch (``OPREG_PDL=1``,
 backends/cuda/pdl.cuh: its kernel may launch while the kernel before it runs): alone, where a
 graph's calls follow one another (each launch overlaps the previous call's kernel), and each
-call after a foreign kernel (``z.add_(1)``, as a model's op follows other ops), with and
-without PDL, so the gain is shown for both neighbours.
+call after a foreign kernel, with and without PDL, so the gain is shown for each neighbour:
+``z.add_(1)`` (one wave, no PDL of its own) and a cuBLAS bf16 GEMM of a few waves (2048^3),
+as a model's op follows a Linear: a library kernel that releases its dependents early would
+let the op's blocks sit resident, waiting, beside its last waves.
 """
 from __future__ import annotations
 
@@ -115,28 +117,40 @@ def env(setting: dict[str, str]) -> Any:
 
 
 PDL = {"OPREG_PDL": "1"}
-_Z = []
+_FOREIGN: dict[str, Callable[[], Any]] = {}
 
 
-def after_add(call: Callable[[], Any]) -> Callable[[], Any]:
-    """``call`` preceded by a foreign kernel (an in-place add on a scratch tensor)."""
-    if not _Z:
-        _Z.append(torch.zeros(1024, device=DEV))
-    z = _Z[0]
+def _foreign(kind: str) -> Callable[[], Any]:
+    """The foreign kernel ``kind`` ("add_" or "mm") on scratch tensors made once."""
+    if kind not in _FOREIGN:
+        if kind == "add_":
+            z = torch.zeros(1024, device=DEV)
+            _FOREIGN[kind] = lambda: z.add_(1)
+        else:
+            a = torch.randn(2048, 2048, device=DEV, dtype=torch.bfloat16)
+            b, c = torch.randn_like(a), torch.empty_like(a)
+            _FOREIGN[kind] = lambda: torch.mm(a, b, out=c)
+    return _FOREIGN[kind]
+
+
+def after(kind: str, call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` preceded by the foreign kernel ``kind``."""
+    first = _foreign(kind)
 
     def both() -> Any:
-        z.add_(1)
+        first()
         return call()
     return both
 
 
 def with_pdl(variants: dict[str, Callable[[], Any]], name: str) -> dict[str, tuple[dict[str, str], Callable[[], Any]]]:
-    """Each variant with no extra environment, plus ``name`` with PDL, and both after a foreign
-    kernel."""
+    """Each variant with no extra environment, plus ``name`` with PDL, and both after each
+    foreign kernel."""
     out = {k: ({}, f) for k, f in variants.items()}
     out[f"{name}, OPREG_PDL=1"] = (PDL, variants[name])
-    out[f"{name} after add_"] = ({}, after_add(variants[name]))
-    out[f"{name} after add_, OPREG_PDL=1"] = (PDL, after_add(variants[name]))
+    for kind in ("add_", "mm"):
+        out[f"{name} after {kind}"] = ({}, after(kind, variants[name]))
+        out[f"{name} after {kind}, OPREG_PDL=1"] = (PDL, after(kind, variants[name]))
     return out
 
 

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in todo:
         rows.append(measure(s, a.reps))
         print(_paths.line(rows[-1], names, 22), flush=True)
-    _paths.report(rows, a.json)
+    _paths.report(rows, a.json, no_pdl=("large",))
     return 0
 
 
