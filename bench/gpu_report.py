@@ -11,9 +11,10 @@ The small (seed-size) cases also run the op with programmatic dependent launch (
 backends/cuda/pdl.cuh: its kernel may launch while the kernel before it runs): alone, where a
 graph's calls follow one another (each launch overlaps the previous call's kernel), and each
 call after a foreign kernel, with and without PDL, so the gain is shown for each neighbour:
-``z.add_(1)`` (one wave, no PDL of its own) and a cuBLAS bf16 GEMM of a few waves (2048^3),
-as a model's op follows a Linear: a library kernel that releases its dependents early would
-let the op's blocks sit resident, waiting, beside its last waves.
+``z.add_(1)`` (one wave, no PDL of its own) and a cuBLAS bf16 GEMM of several waves (8192 x
+256 @ 256 x 1024: 256-512 output tiles, ~10 us), as a model's op follows a Linear: a library
+kernel that releases its dependents early would let the op's blocks sit resident, waiting,
+beside its last waves.
 """
 from __future__ import annotations
 
@@ -127,8 +128,9 @@ def _foreign(kind: str) -> Callable[[], Any]:
             z = torch.zeros(1024, device=DEV)
             _FOREIGN[kind] = lambda: z.add_(1)
         else:
-            a = torch.randn(2048, 2048, device=DEV, dtype=torch.bfloat16)
-            b, c = torch.randn_like(a), torch.empty_like(a)
+            a = torch.randn(8192, 256, device=DEV, dtype=torch.bfloat16)
+            b = torch.randn(256, 1024, device=DEV, dtype=torch.bfloat16)
+            c = torch.empty(8192, 1024, device=DEV, dtype=torch.bfloat16)
             _FOREIGN[kind] = lambda: torch.mm(a, b, out=c)
     return _FOREIGN[kind]
 
