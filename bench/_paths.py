@@ -70,37 +70,39 @@ def line(row: dict[str, Any], names: Sequence[str], width: int) -> str:
     return f"{row['shape']:<{width}} {cols}  {row['best']:<5} {row['auto/best']:9.3f} {row['auto/eager']:10.3f}"
 
 
-def pdl(rows: list[dict[str, Any]], no_pdl: Sequence[str] = ()) -> None:
-    """The ``pdl`` column (``auto`` with OPREG_PDL=1, backends/cuda/pdl.cuh) against ``auto``:
-    the ratio's spread over the shapes, and the shapes where it differs by more than 3 %;
-    separately where auto runs a PDL kernel and where it runs one of ``no_pdl`` (paths whose
-    kernels take no PDL: there pdl and auto launch the same kernels, and their ratio is the
-    timing's own spread). Auto's path is inferred (``auto~``: the forced path nearest its time)."""
-    pairs = [(r["shape"], r["us"]["pdl"] / r["us"]["auto"], r.get("auto~")) for r in rows if "pdl" in r["us"]]
+def pdl(rows: list[dict[str, Any]], no_pdl_paths: Sequence[str] = ()) -> None:
+    """``auto`` (PDL on, the default; backends/cuda/pdl.cuh) against the ``no_pdl`` column (auto
+    with OPREG_PDL=0): the ratio's spread over the shapes, and the shapes where PDL is slower by
+    more than 3 %; separately where auto runs a PDL kernel and where it runs one of ``no_pdl_paths``
+    (paths whose kernels take no PDL: there both columns launch the same kernels, and their
+    ratio is the timing's own spread). Auto's path is inferred (``auto~``: the forced path
+    nearest its time)."""
+    pairs = [(r["shape"], r["us"]["auto"] / r["us"]["no_pdl"], r.get("auto~")) for r in rows if "no_pdl" in r["us"]]
     if not pairs:
         return
     groups = [("shapes", pairs)]
-    if no_pdl:
-        groups += [(f"shapes where auto runs a PDL kernel (auto~ not {'/'.join(no_pdl)})",
-                    [q for q in pairs if q[2] not in no_pdl]),
-                   (f"shapes where auto runs {'/'.join(no_pdl)} (no PDL kernel)", [q for q in pairs if q[2] in no_pdl])]
+    if no_pdl_paths:
+        groups += [(f"shapes where auto runs a PDL kernel (auto~ not {'/'.join(no_pdl_paths)})",
+                    [q for q in pairs if q[2] not in no_pdl_paths]),
+                   (f"shapes where auto runs {'/'.join(no_pdl_paths)} (no PDL kernel)",
+                    [q for q in pairs if q[2] in no_pdl_paths])]
     for what, group in groups:
         ratios = sorted(q for _, q, _ in group)
         if not ratios:
             continue
-        print(f"\npdl / auto over {len(ratios)} {what}: median {ratios[len(ratios) // 2]:.3f}, "
-              f"min {ratios[0]:.3f}, max {ratios[-1]:.3f}; faster by > 3 % at {sum(q < 0.97 for q in ratios)}, "
+        print(f"\nauto / no_pdl over {len(ratios)} {what}: median {ratios[len(ratios) // 2]:.3f}, "
+              f"min {ratios[0]:.3f}, max {ratios[-1]:.3f}; PDL faster by > 3 % at {sum(q < 0.97 for q in ratios)}, "
               f"slower by > 3 % at {sum(q > 1.03 for q in ratios)}")
-        if group is pairs and no_pdl:  # its slower shapes are listed in their group below
+        if group is pairs and no_pdl_paths:  # its slower shapes are listed in their group below
             continue
         for shape, q, path in sorted(group, key=lambda sq: -sq[1])[:10]:
             if q > 1.03:
-                print(f"  pdl slower: {shape} pdl/auto {q:.3f} (auto~ {path})")
+                print(f"  PDL slower: {shape} auto/no_pdl {q:.3f} (auto~ {path})")
 
 
-def report(rows: list[dict[str, Any]], json_path: Optional[str], no_pdl: Sequence[str] = ()) -> None:
+def report(rows: list[dict[str, Any]], json_path: Optional[str], no_pdl_paths: Sequence[str] = ()) -> None:
     """The shapes where ``auto`` is > 3 % behind the fastest forced path or slower than eager,
-    PDL against auto (:func:`pdl`), and the rows as JSON."""
+    auto (PDL) against no_pdl (:func:`pdl`), and the rows as JSON."""
     behind = [r for r in rows if r["auto/best"] > 1.03]
     slower = [r for r in rows if r["auto/eager"] > 1.03]
     print(f"\n{len(rows)} shapes; auto > 3 % behind the fastest forced path at {len(behind)}, "
@@ -109,7 +111,7 @@ def report(rows: list[dict[str, Any]], json_path: Optional[str], no_pdl: Sequenc
         print(f"  slower than eager: {r['shape']} auto/eager {r['auto/eager']:.3f} (best {r['best']})")
     for r in sorted(behind, key=lambda r: -r["auto/best"])[:25]:
         print(f"  behind: {r['shape']} auto/best {r['auto/best']:.3f} (best {r['best']})")
-    pdl(rows, no_pdl)
+    pdl(rows, no_pdl_paths)
     if json_path:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
         Path(json_path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -1,10 +1,11 @@
 """cat_linear's CUDA paths side by side, each call's device time from a CUDA graph (the host
 taken out): the dot, SIMT and GEMM paths forced (``OPREG_CAT_LINEAR_PATH``), the model's own
-pick (``auto``), that pick launched with programmatic dependent launch (``pdl``:
-``OPREG_PDL=1``, backends/cuda/pdl.cuh; the GEMM path's kernels are eager's and take no PDL), and
-eager's ``F.linear(torch.cat(parts, -1), W, b)``. What the path model
-(backends/common/cat_linear_model.h) is fitted and checked against where the host does not
-hide the device: CUDA graphs, and a busy GPU's queue.
+pick (``auto``; its dot and SIMT kernels launch with programmatic dependent launch,
+backends/cuda/pdl.cuh), that pick without PDL (``no_pdl``: ``OPREG_PDL=0``; the GEMM path's
+kernels are eager's and take no PDL either way), and eager's
+``F.linear(torch.cat(parts, -1), W, b)``. What the path model (backends/common/cat_linear_model.h)
+is fitted and checked against where the host does not hide the device: CUDA graphs, and a busy
+GPU's queue.
 
     python bench/cat_linear_paths.py [--json out.json] [--max-macs 2**28] [--only 'R2 B4 H512 K2048 fp32,...']
     python bench/cat_linear_paths.py --evaluate bench/data/cat_linear_paths_h200_2026-12-05.json
@@ -20,7 +21,7 @@ Shapes: bench/sweep.py's full cat_linear grid (list form), its odd sizes, and th
 multiply-adds (each walks K per warp or block: slow beyond). Every variant's output is
 checked against the float64 reference first. Prints, per shape, µs per call and auto's ratio
 to the fastest forced path and to eager, then the shapes where auto is > 3 % behind either,
-and pdl against auto (a graph replays 20 calls of the op: with PDL each launch overlaps the
+and auto against no_pdl (a graph replays 20 calls of the op: with PDL each launch overlaps the
 previous call's kernel).
 """
 from __future__ import annotations
@@ -69,7 +70,7 @@ def measure(shape: tuple[int, int, int, int, str], max_macs: int, reps: int) -> 
         return torch.ops.opreg.cat_linear(parts, w, bias)
 
     variants: _paths.Variants = {
-        "auto": (None, op), "pdl": ({"OPREG_PDL": "1"}, op),
+        "auto": (None, op), "no_pdl": ({"OPREG_PDL": "0"}, op),
         "eager": (None, lambda: F.linear(torch.cat(parts, -1), w, bias))}
     if b * k * r * h <= max_macs:
         variants.update({p: (p, op) for p in ("dot", "simt")})
@@ -120,13 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.evaluate:
         return evaluate(a.evaluate)
     rows = []
-    names = ("auto", "pdl", *PATHS, "eager")
+    names = ("auto", "no_pdl", *PATHS, "eager")
     todo = _paths.only(shapes(), a.only, lambda s: "R{} B{} H{} K{} {}".format(*s))
     print(_paths.header(names, 26), flush=True)
     for s in todo:
         rows.append(measure(s, a.max_macs, a.reps))
         print(_paths.line(rows[-1], names, 26), flush=True)
-    _paths.report(rows, a.json, no_pdl=("gemm",))
+    _paths.report(rows, a.json, no_pdl_paths=("gemm",))
     return 0
 
 

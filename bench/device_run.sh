@@ -7,9 +7,9 @@
 #                                          per-call times (gpu_report.py); SLOWER_S (default 300) shared
 #   STAGE=paths bash bench/device_run.sh   the fused ops' paths forced, timed in CUDA graphs beside the
 #                                          sizes' own pick and eager (cat_linear_paths.py, scatter_paths.py)
-#   STAGE=pdl bash bench/device_run.sh     programmatic dependent launch (OPREG_PDL=1): its tests, both ops'
-#                                          CUDA tests with it on, the seeds' times with it and without
-#                                          (gpu_report.py); STAGE=paths has a pdl column too
+#   STAGE=pdl bash bench/device_run.sh     programmatic dependent launch (on by default): its tests, both
+#                                          ops' CUDA tests with OPREG_PDL=0, the seeds' times with it and
+#                                          without (gpu_report.py); STAGE=paths has a no_pdl column too
 #   STAGE=scatter bash bench/device_run.sh scatter_combine's CUDA tests, then the >= 16 MB sweep of the
 #                                          short rows (SC_ONLY, default " H128 ": the short-row reducers);
 #                                          with SC_ALT=<file> (in the tree) that sweep again with the file
@@ -141,18 +141,19 @@ if [ "$STAGE" = paths ]; then
   # cat_linear's dot / SIMT / GEMM and scatter_combine's tiny / small / large forward, beside
   # the sizes' own pick and eager (~2 min together)
   timeout 190 python3 bench/cat_linear_paths.py --json "$OUT/cat_linear_paths.json" > "$OUT/cat_linear_paths.log" 2>&1
-  grep -A12 "^[0-9]* shapes" "$OUT/cat_linear_paths.log"; grep -A10 "^pdl / auto" "$OUT/cat_linear_paths.log"
+  grep -A12 "^[0-9]* shapes" "$OUT/cat_linear_paths.log"; grep -A10 "^auto / no_pdl" "$OUT/cat_linear_paths.log"
   timeout 120 python3 bench/scatter_paths.py --json "$OUT/scatter_paths.json" > "$OUT/scatter_paths.log" 2>&1
-  grep -A12 "^[0-9]* shapes" "$OUT/scatter_paths.log"; grep -A10 "^pdl / auto" "$OUT/scatter_paths.log"
+  grep -A12 "^[0-9]* shapes" "$OUT/scatter_paths.log"; grep -A10 "^auto / no_pdl" "$OUT/scatter_paths.log"
 fi
 
 if [ "$STAGE" = pdl ]; then
   python3 -m opreg build >/dev/null 2>&1
-  # programmatic dependent launch (backends/cuda/pdl.cuh, OPREG_PDL=1; off by default): its
-  # tests, then both ops' CUDA tests with it on for every call, then the seeds' per-call and
-  # CUDA-graph times with it and without, and after a foreign kernel (gpu_report.py; ~2 min)
+  # programmatic dependent launch (backends/cuda/pdl.cuh; on by default on sm_90+, off with
+  # OPREG_PDL=0): its tests, then both ops' CUDA tests without it (STAGE=tests runs them with
+  # it), then the seeds' per-call and CUDA-graph times with it and without, and after a
+  # foreign kernel (gpu_report.py; ~2 min)
   python3 -m pytest -q -n ${PYTEST_WORKERS:-14} --dist load tests/test_pdl.py 2>&1 | tail -5
-  OPREG_PDL=1 python3 -m pytest -q -n ${PYTEST_WORKERS:-14} --dist load tests/test_cat_linear.py \
+  OPREG_PDL=0 python3 -m pytest -q -n ${PYTEST_WORKERS:-14} --dist load tests/test_cat_linear.py \
     tests/test_scatter_combine.py -k cuda 2>&1 | tail -5
   timeout 200 python3 bench/gpu_report.py --json "$OUT/gpu_report.json" > "$OUT/gpu_report.log" 2>&1
   grep -E "^# |^\| (case|host|scatter 1536|cat_linear R4 B12|cat_linear R4 B64)" "$OUT/gpu_report.log"

@@ -7,10 +7,11 @@ sees at small sizes), the same calls replayed from a CUDA graph, and the device 
 from CUDA events (median of many); with GB/s (scatter) or TFLOP/s (cat_linear).
 Every variant's output is checked against the float64 reference first.
 
-The small (seed-size) cases also run the op with programmatic dependent launch (``OPREG_PDL=1``,
-backends/cuda/pdl.cuh: its kernel may launch while the kernel before it runs): alone, where a
-graph's calls follow one another (each launch overlaps the previous call's kernel), and each
-call after a foreign kernel, with and without PDL, so the gain is shown for each neighbour:
+The small (seed-size) cases also run the op without programmatic dependent launch
+(``OPREG_PDL=0``; on by default, backends/cuda/pdl.cuh: its kernel may launch while the kernel
+before it runs): alone, where a graph's calls follow one another (with PDL each launch overlaps
+the previous call's kernel), and each call after a foreign kernel, with and without PDL, so the
+gain is shown for each neighbour:
 ``z.add_(1)`` (one wave, no PDL of its own) and a cuBLAS bf16 GEMM of several waves (8192 x
 256 @ 256 x 1024: 256-512 output tiles, ~10 us), as a model's op follows a Linear: a library
 kernel that releases its dependents early would let the op's blocks sit resident, waiting,
@@ -108,16 +109,20 @@ def device_us(fn: Callable[[], Any], reps: int = 15, batch: int = 10) -> float:
 @contextlib.contextmanager
 def env(setting: dict[str, str]) -> Any:
     """``setting`` in the environment while a variant is measured (the ops read OPREG_PDL per
-    call: a capture records what it read)."""
+    call: a capture records what it read); the variable's former value restored after."""
+    before = {var: os.environ.get(var) for var in setting}
     os.environ.update(setting)
     try:
         yield
     finally:
-        for var in setting:
-            os.environ.pop(var, None)
+        for var, value in before.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
 
 
-PDL = {"OPREG_PDL": "1"}
+NO_PDL = {"OPREG_PDL": "0"}
 _FOREIGN: dict[str, Callable[[], Any]] = {}
 
 
@@ -146,13 +151,13 @@ def after(kind: str, call: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def with_pdl(variants: dict[str, Callable[[], Any]], name: str) -> dict[str, tuple[dict[str, str], Callable[[], Any]]]:
-    """Each variant with no extra environment, plus ``name`` with PDL, and both after each
-    foreign kernel."""
+    """Each variant with no extra environment (PDL on, the default), plus ``name`` without PDL,
+    and both after each foreign kernel."""
     out = {k: ({}, f) for k, f in variants.items()}
-    out[f"{name}, OPREG_PDL=1"] = (PDL, variants[name])
+    out[f"{name}, OPREG_PDL=0"] = (NO_PDL, variants[name])
     for kind in ("add_", "mm"):
         out[f"{name} after {kind}"] = ({}, after(kind, variants[name]))
-        out[f"{name} after {kind}, OPREG_PDL=1"] = (PDL, after(kind, variants[name]))
+        out[f"{name} after {kind}, OPREG_PDL=0"] = (NO_PDL, after(kind, variants[name]))
     return out
 
 

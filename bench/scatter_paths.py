@@ -1,10 +1,10 @@
 """scatter_combine's CUDA forward paths side by side, each call's device time from a CUDA
 graph (the host taken out): the tiny, small and large paths forced
-(``OPREG_SCATTER_COMBINE_PATH``), the sizes' own pick (``auto``), that pick with programmatic
-dependent launch (``pdl``: ``OPREG_PDL=1``, backends/cuda/pdl.cuh: the tiny and small paths;
-the large path's cooperative launch takes none), and eager's ``zeros.index_add_``. What the
-paths' bounds (backends/cuda/scatter_combine.cuh) are set and checked against where the host
-does not hide the device.
+(``OPREG_SCATTER_COMBINE_PATH``), the sizes' own pick (``auto``; the tiny and small paths
+launch with programmatic dependent launch, backends/cuda/pdl.cuh, the large path's cooperative
+launch takes none), that pick without PDL (``no_pdl``: ``OPREG_PDL=0``), and eager's
+``zeros.index_add_``. What the paths' bounds (backends/cuda/scatter_combine.cuh) are set and
+checked against where the host does not hide the device.
 
     python bench/scatter_paths.py [--json out.json]
 
@@ -59,7 +59,7 @@ def measure(shape: tuple[int, int, int, str], reps: int) -> dict[str, Any]:
     def eager() -> torch.Tensor:
         return torch.zeros(t, h, device="cuda", dtype=dt).index_add_(0, idx, x * g[:, None])
 
-    variants: _paths.Variants = {"auto": (None, op), "pdl": ({"OPREG_PDL": "1"}, op), "eager": (None, eager)}
+    variants: _paths.Variants = {"auto": (None, op), "no_pdl": ({"OPREG_PDL": "0"}, op), "eager": (None, eager)}
     variants.update({p: (p, op) for p in PATHS if p != "small" or n <= 8192})
     rows = torch.empty_like(x)
     floors = {"copy": lambda: rows.copy_(x), "gather": lambda: torch.index_select(x, 0, idx, out=rows)}
@@ -73,13 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="comma-separated shapes as printed, e.g. 'T1536 k2 H128 fp32'")
     a = p.parse_args(argv)
     rows = []
-    names = ("auto", "pdl", *PATHS, "eager", "copy", "gather")
+    names = ("auto", "no_pdl", *PATHS, "eager", "copy", "gather")
     todo = _paths.only(shapes(), a.only, lambda s: f"T{s[0]} k{s[1]} H{s[2]} {s[3]}")
     print(_paths.header(names, 22), flush=True)
     for s in todo:
         rows.append(measure(s, a.reps))
         print(_paths.line(rows[-1], names, 22), flush=True)
-    _paths.report(rows, a.json, no_pdl=("large",))
+    _paths.report(rows, a.json, no_pdl_paths=("large",))
     return 0
 
 

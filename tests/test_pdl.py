@@ -1,6 +1,6 @@
-"""Programmatic dependent launch (backends/cuda/pdl.cuh; ``OPREG_PDL=1``, read per call) on the
-ops' single-launch kernels: cat_linear's dot and SIMT kernels, scatter_combine's tiny and small
-forward kernels and its backward kernel.
+"""Programmatic dependent launch (backends/cuda/pdl.cuh; on by default on sm_90+, off with
+``OPREG_PDL=0``, read per call) on the ops' single-launch kernels: cat_linear's dot and SIMT
+kernels, scatter_combine's tiny and small forward kernels and its backward kernel.
 
 A kernel launched with PDL may start while the kernel before it on the stream still runs, so
 each must wait (griddepcontrol.wait) before its first load and store. These tests run chains
@@ -9,7 +9,7 @@ that each kernel follows one of its own, or through a foreign kernel): a kernel 
 before the wait would read memory its predecessor had not written yet. Every chain must give
 the bits of the same chain without PDL, and its first step float64's values; and the same
 inside a CUDA graph that begins with a memcpy node (``copy_``) before the op's kernel.
-(The whole CUDA suite of both ops can also run with PDL: ``OPREG_PDL=1 pytest
+(The whole CUDA suite of both ops runs with PDL, the default; without it: ``OPREG_PDL=0 pytest
 tests/test_cat_linear.py tests/test_scatter_combine.py``.)"""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def _both(monkeypatch, chain: Callable[[], list[torch.Tensor]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The chain's outputs without PDL and with it (each run from the same inputs)."""
-    monkeypatch.delenv("OPREG_PDL", raising=False)
+    monkeypatch.setenv("OPREG_PDL", "0")
     plain = chain()
     monkeypatch.setenv("OPREG_PDL", "1")
     pdl = chain()
@@ -184,7 +184,7 @@ def test_cat_linear_graph(path, monkeypatch):
         return x
 
     got = _captured(monkeypatch, src, steps)
-    monkeypatch.delenv("OPREG_PDL")
+    monkeypatch.setenv("OPREG_PDL", "0")
     assert torch.equal(got, steps(src.clone()))
 
 
@@ -207,5 +207,22 @@ def test_scatter_combine_graph(path, monkeypatch):
         return gx + gg[:, None]
 
     got = _captured(monkeypatch, src, steps)
-    monkeypatch.delenv("OPREG_PDL")
+    monkeypatch.setenv("OPREG_PDL", "0")
     assert torch.equal(got, steps(src.clone()))
+
+
+@pytest.mark.parametrize("value", ["2", "on", "1 "])
+def test_bad_value_is_an_error(value, monkeypatch):
+    """OPREG_PDL takes 0 or 1 (unset: 1); anything else raises, naming the variable, rather
+    than launching one way or the other unannounced."""
+    skip_without("cuda")
+    parts, w, bias = _cat_inputs(torch.float32)
+    monkeypatch.setenv("OPREG_CAT_LINEAR_PATH", "dot")
+    monkeypatch.setenv("OPREG_PDL", value)
+    with pytest.raises(RuntimeError, match="OPREG_PDL must be 0 or 1"):
+        with torch.no_grad():
+            CAT(parts, w, bias)
+    monkeypatch.setenv("OPREG_PDL", "")  # empty: the default
+    with torch.no_grad():
+        got = CAT(parts, w, bias)
+    assert_matches(got, cat_reference([p.double() for p in parts], w.double(), bias.double()), torch.float32)
