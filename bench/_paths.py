@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -16,6 +19,23 @@ from opreg.testing import timing
 # name -> (the variable's value while it runs, or None: unset, or a dict of variables and
 # their values; the call)
 Variants = dict[str, tuple[Optional[Union[str, dict[str, str]]], Callable[[], torch.Tensor]]]
+
+
+def host_picks(source: str, lines: str, env: str) -> list[str]:
+    """What a path choice in backends/common picks, with no GPU: tests/cpp/``source`` compiled
+    with the host's C++ compiler, fed ``lines`` (one shape each), with the override ``env``
+    unset; its output lines."""
+    root = Path(__file__).resolve().parent.parent
+    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    if cxx is None:
+        raise SystemExit("--evaluate needs a C++ compiler (CXX, c++ or g++)")
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "picks"
+        subprocess.run([cxx, "-std=c++17", "-O1", f"-I{root / 'backends' / 'common'}",
+                        str(root / "tests" / "cpp" / source), "-o", str(exe)], check=True)
+        run_env = {k: v for k, v in os.environ.items() if k != env}
+        return subprocess.run([str(exe)], input=lines, capture_output=True, text=True, check=True,
+                              env=run_env).stdout.splitlines()
 
 
 def measure(label: str, variants: Variants, env: str, want: torch.Tensor, tol: float,

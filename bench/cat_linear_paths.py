@@ -29,11 +29,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -80,22 +76,13 @@ def measure(shape: tuple[int, int, int, int, str], max_macs: int, reps: int) -> 
 
 def evaluate(path: str) -> int:
     """The model's picks in a CUDA graph, charged the forced paths' times of the run in ``path``."""
-    root = Path(__file__).resolve().parent.parent
-    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-    if cxx is None:
-        raise SystemExit("--evaluate needs a C++ compiler (CXX, c++ or g++)")
     rows = json.loads(Path(path).read_text())["rows"]
     elt = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
     shapes = [r["shape"].split() for r in rows]  # "R8 B16 H64 K256 fp32"
     lines = "".join(f"{r[1:]} {b[1:]} {h[1:]} {k[1:]} {elt[d]}\n" for r, b, h, k, d in shapes)
-    with tempfile.TemporaryDirectory() as tmp:
-        exe = Path(tmp) / "picks"
-        subprocess.run([cxx, "-std=c++17", "-O1", f"-I{root / 'backends' / 'common'}",
-                        str(root / "tests" / "cpp" / "cat_linear_model_picks.cpp"), "-o", str(exe)], check=True)
-        env = {k: v for k, v in os.environ.items() if k != "OPREG_CAT_LINEAR_PATH"}
-        out = subprocess.run([str(exe)], input=lines, capture_output=True, text=True, check=True, env=env).stdout
+    out = _paths.host_picks("cat_linear_model_picks.cpp", lines, ENV)
     slower, count = [], {}
-    for row, picks in zip(rows, out.splitlines()):
+    for row, picks in zip(rows, out):
         us, pick = row["us"], picks.split()[1]  # the pick in a graph
         t = us.get(pick)
         if t is None:  # a fused path not forced at this size (--max-macs): the run's own pick

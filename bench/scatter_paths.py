@@ -6,7 +6,15 @@ launch takes none), that pick without PDL (``no_pdl``: ``OPREG_PDL=0``), and eag
 ``zeros.index_add_``. What the paths' bounds (backends/cuda/scatter_combine.cuh) are set and
 checked against where the host does not hide the device.
 
-    python bench/scatter_paths.py [--json out.json]
+    python bench/scatter_paths.py [--json out.json] [--only 'T1536 k2 H128 fp32,...']
+    python bench/scatter_paths.py --evaluate bench/data/scatter_paths_h100_2026-12-05.json
+
+``--evaluate`` needs no GPU: the choice as this checkout has it
+(backends/common/scatter_combine_paths.h, compiled with the host's C++ compiler through
+tests/cpp/scatter_combine_picks.cpp) picks a path per shape of an earlier run's JSON, and each
+pick is charged that run's time of the path forced; prints where the pick differs from that
+run's own (auto's path: the forced one nearest its time) and what it costs there, and the
+picks > 3 % behind the fastest forced path.
 
 Shapes: T x fan-out x H over the one-launch paths' range (N = T k <= 32768), fp32 and bf16,
 int32 indices in expert order (an MoE dispatch's), plus the seeds' T1536 k2 H128 fp32. Every
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -66,12 +75,42 @@ def measure(shape: tuple[int, int, int, str], reps: int) -> dict[str, Any]:
     return _paths.measure(f"T{t} k{k} H{h} {d}", variants, ENV, want, TOL[d], PATHS, reps, floors)
 
 
+def evaluate(path: str) -> int:
+    """This checkout's picks, charged the forced paths' times of the run in ``path``."""
+    rows = json.loads(Path(path).read_text())["rows"]
+    elt = {"fp32": 4, "bf16": 2}
+    shapes = [r["shape"].split() for r in rows]  # "T1536 k2 H128 fp32"
+    lines = "".join(f"{t[1:]} {k[1:]} {h[1:]} {elt[d]}\n" for t, k, h, d in shapes)
+    picks = _paths.host_picks("scatter_combine_picks.cpp", lines, ENV)
+    moved, behind, count = [], [], {}
+    for row, pick in zip(rows, picks):
+        us = row["us"]
+        forced = {p: us[p] for p in PATHS if p in us}
+        count[pick] = count.get(pick, 0) + 1
+        before = min(forced, key=lambda p: abs(forced[p] - us["auto"]))
+        best = min(forced, key=forced.__getitem__)
+        if pick != before:
+            moved.append(f"  {row['shape']:<22} {before} -> {pick}: {forced[before]:6.2f} -> {forced[pick]:6.2f} us "
+                         f"({forced[pick] / forced[before]:.3f})")
+        if forced[pick] > 1.03 * forced[best]:
+            behind.append(f"  {row['shape']:<22} {pick} {forced[pick]:6.2f} us, {best} {forced[best]:6.2f} "
+                          f"({forced[pick] / forced[best]:.3f})")
+    print(f"{len(rows)} shapes of {path}: this checkout's picks {count}, each charged that run's time of the "
+          f"path forced")
+    print(f"picks that differ from that run's own: {len(moved)}", *moved, sep="\n")
+    print(f"picks > 3 % behind the fastest forced path: {len(behind)}", *behind, sep="\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--only", help="comma-separated shapes as printed, e.g. 'T1536 k2 H128 fp32'")
+    p.add_argument("--evaluate", metavar="JSON", help="no GPU: this checkout's choice against an earlier run")
     a = p.parse_args(argv)
+    if a.evaluate:
+        return evaluate(a.evaluate)
     rows = []
     names = ("auto", "no_pdl", *PATHS, "eager", "copy", "gather")
     todo = _paths.only(shapes(), a.only, lambda s: f"T{s[0]} k{s[1]} H{s[2]} {s[3]}")

@@ -438,3 +438,53 @@ def test_cuda_forward_path_kernels(monkeypatch):
     buf = torch.empty(idx.numel() + 1, dtype=idx.dtype, device="cuda")
     buf[1:] = idx
     only(kernels((x, buf[1:], g, t), "tiny"), "scatter_small_kernel")
+    # the tiny kernel up to 2^20 index reads in at most 1024 warps (T256 k8 H128), not past
+    # 1024 warps (T256 k1 H4096 bf16: 2048): backends/common/scatter_combine_paths.h
+    only(kernels(make_inputs(256, 8, 128, torch.float32, torch.int32, "random", "cuda"), None),
+         "scatter_tiny_kernel")
+    only(kernels(make_inputs(256, 1, 4096, torch.bfloat16, torch.int32, "random", "cuda"), None),
+         "scatter_small_kernel")
+
+
+def _path_picks(shapes: list[tuple[int, int, int, int]], env: dict[str, str], tmp_path) -> list[str]:
+    """backends/common/scatter_combine_paths.h's forward paths for (T, k, H, element bytes)
+    shapes, through tests/cpp's harness compiled here."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("needs a C++ compiler")
+    root = Path(__file__).resolve().parent
+    exe = tmp_path / "picks"
+    subprocess.run([cxx, "-std=c++17", "-O1", f"-I{root.parent / 'backends' / 'common'}",
+                    str(root / "cpp" / "scatter_combine_picks.cpp"), "-o", str(exe)], check=True)
+    lines = "".join(f"{t} {k} {h} {e}\n" for t, k, h, e in shapes)
+    run_env = {k: v for k, v in os.environ.items() if k != PATH_ENV} | env
+    return subprocess.run([str(exe)], input=lines, capture_output=True, text=True, check=True,
+                          env=run_env).stdout.split()
+
+
+def test_forward_path_picks(tmp_path):
+    """The forward's choice where both GPUs measured each path forced in CUDA graphs
+    (bench/scatter_paths.py; scatter_combine_paths.h has the figures), so that a change to the
+    bounds shows here, without a GPU."""
+    shapes = {
+        (16, 8, 128, 2): "tiny",      # few tokens: 3.6 us against the small path's 4.8 (H200)
+        (256, 8, 128, 4): "tiny",     # 2^19 reads, 256 warps: 3.85 against 4.58 (H100)
+        (1024, 1, 128, 2): "tiny",    # 2^20 reads, 1024 warps: 2.62 against 3.30 (H100)
+        (256, 1, 4096, 2): "small",   # 2048 warps: the tiny path 4.19 against 3.65 (H200)
+        (1024, 2, 1024, 4): "small",  # 2^22 reads: the tiny path 6.06 against 5.03 (H100)
+        (1536, 2, 128, 4): "small",   # the seeds' size: 4.1 against the tiny path's 4.6
+        (4096, 1, 128, 4): "large",   # 2^21 small-path reads: 6.3 against its 8.7 (H100)
+        (4096, 8, 128, 2): "large",   # N = 32768 > the small path's 8192 rows
+        (16, 1, 12, 2): "tiny",       # rows of 24 bytes (no 16-byte vectors): one chunk
+    }
+    assert _path_picks(list(shapes), {}, tmp_path) == list(shapes.values())
+    # forced where the path can take the call; a forced small call past 8192 rows runs large
+    forced = _path_picks([(1536, 2, 128, 4), (4096, 8, 128, 2)], {PATH_ENV: "tiny"}, tmp_path)
+    assert forced == ["tiny", "tiny"]
+    assert _path_picks([(16, 8, 128, 2), (4096, 8, 128, 2)], {PATH_ENV: "small"}, tmp_path) == ["small", "large"]
+    assert _path_picks([(16, 8, 128, 2)], {PATH_ENV: "large"}, tmp_path) == ["large"]

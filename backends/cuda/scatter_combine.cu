@@ -8,9 +8,10 @@
 // chain, so results are bitwise reproducible for any row order and any path.
 //
 // Three paths, chosen on the host from sizes alone (never from data):
-//  * tiny (N x T x column chunks <= kTinyMaxWork, token_idx 16-byte aligned): ONE launch, no
-//    shared memory, no barrier: a warp per token reads all of token_idx in 16-byte loads and
-//    ballots out its rows in row order (scatter_combine_tiny.cu).
+//  * tiny (N x T x column chunks <= kTinyMaxWork, T x column chunks <= kTinyMaxWarps,
+//    token_idx 16-byte aligned): ONE launch, no shared memory, no barrier: a warp per token
+//    reads all of token_idx in 16-byte loads and ballots out its rows in row order
+//    (scatter_combine_tiny.cu). The bounds and the choice: backends/common/scatter_combine_paths.h.
 //  * small (N <= 8192 and little total index-scan work): ONE launch. Each
 //    block owns 8 tokens, reads all of token_idx itself (redundant across
 //    blocks, served by L2) and compacts the rows of its tokens in row order (a block-wide scan of per-thread counts
@@ -114,20 +115,13 @@ bool large_fused_allowed() {
 // Benchmark/test override: OPREG_SCATTER_COMBINE_PATH=tiny|small|large forces the forward's
 // path where it can take the call (tiny: token_idx 16-byte aligned; small: N <= 8192); unset
 // or empty, the sizes decide. Read per call; any other value is an error.
-enum class ForwardPath { kAuto, kTiny, kSmall, kLarge };
-ForwardPath forced_forward_path() {
+paths::Path forced_forward_path() {
   const char* e = std::getenv("OPREG_SCATTER_COMBINE_PATH");
-  if (e == nullptr || e[0] == '\0') return ForwardPath::kAuto;
-  if (std::strcmp(e, "tiny") == 0) return ForwardPath::kTiny;
-  if (std::strcmp(e, "small") == 0) return ForwardPath::kSmall;
-  if (std::strcmp(e, "large") == 0) return ForwardPath::kLarge;
+  if (e == nullptr || e[0] == '\0') return paths::Path::kAuto;
+  if (std::strcmp(e, "tiny") == 0) return paths::Path::kTiny;
+  if (std::strcmp(e, "small") == 0) return paths::Path::kSmall;
+  if (std::strcmp(e, "large") == 0) return paths::Path::kLarge;
   TORCH_CHECK_VALUE(false, "OPREG_SCATTER_COMBINE_PATH must be tiny, small or large, got '", e, "'");
-}
-
-// a * b * c <= limit, without the product overflowing int64 at absurd sizes (doubles are exact
-// well past the limits compared here).
-bool work_at_most(int64_t a, int64_t b, int64_t c, int64_t limit) {
-  return double(a) * double(b) * double(c) <= double(limit);
 }
 
 // Debug mode only: synchronizes (two scalar reads).
@@ -160,21 +154,17 @@ void launch_forward(
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   const int64_t gx_small = (num_tokens + kSmallTok - 1) / kSmallTok;
-  constexpr int snv = small_nv<V>();
-  const int64_t gy_small = std::max<int64_t>(1, (hvec + 32 * snv - 1) / (32 * snv));
-  const ForwardPath forced = forced_forward_path();
+  const int64_t gy_small = paths::column_chunks(hvec, V);
   const bool tiny_ok = cuda::aligned16(idx.const_data_ptr()) && gy_small <= 65535 &&
                        num_tokens < INT_MAX;
   const bool small_ok = n <= kSmallMaxRows && gy_small <= 65535;
-  const bool tiny = tiny_ok && (forced == ForwardPath::kTiny ||
-                                (forced == ForwardPath::kAuto && work_at_most(n, num_tokens, gy_small, kTinyMaxWork)));
-  if (tiny) {
+  const paths::Path path = paths::choose_forward(n, num_tokens, gy_small, tiny_ok, small_ok, forced_forward_path());
+  if (path == paths::Path::kTiny) {
     launch_tiny<scalar_t, V>(xp, idx.const_data_ptr(), idx64, g.const_data_ptr(), g32, op, n,
                              num_tokens, hvec, gy_small, stream);
     return;
   }
-  if (small_ok && (forced == ForwardPath::kSmall || forced == ForwardPath::kTiny ||
-                   (forced == ForwardPath::kAuto && work_at_most(n, gx_small, gy_small, kSmallMaxWork)))) {
+  if (path == paths::Path::kSmall) {
     launch_small<scalar_t, V>(xp, idx.const_data_ptr(), idx64, g.const_data_ptr(), g32, op, n,
                               num_tokens, hvec, gx_small, gy_small, stream);
     return;

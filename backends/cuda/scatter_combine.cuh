@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "cuda_common.cuh"
+#include "scatter_combine_paths.h"
 
 namespace opreg {
 namespace sc_detail {
@@ -27,43 +28,25 @@ using cuda::load_index;
 constexpr unsigned kFull = 0xffffffffu;
 
 // ---------------------------------------------------------------------------
-// Small path: one launch (kernel in scatter_combine_small.cu).
-constexpr int kSmallTok = 8;                 // tokens (= warps) per block
+// Small path: one launch (kernel in scatter_combine_small.cu). The host's choice between the
+// paths, and the bounds it uses, are in backends/common/scatter_combine_paths.h.
+namespace paths = scatter_combine_paths;
+constexpr int kSmallTok = static_cast<int>(paths::kSmallTok);  // tokens (= warps) per block
 constexpr int kSmallThreads = kSmallTok * 32;
 // Column vectors per lane per block (2 for 16-bit types: 204 -> ~110 registers).
 template <int V>
 constexpr int small_nv() {
-  return V >= 8 ? 2 : 4;
+  return static_cast<int>(paths::small_nv(V));
 }
-constexpr int kSmallMaxRows = 8192;          // list entry (row << 3 | token) fits 16 bits
-// N * blocks index reads: every block scans all N indices, so the small path's time grows
-// with this product while the large path pays a fixed ~5-8 us (zeroing, counting, grid
-// barriers). H200, 2026-12-03, each shape's sums timed through both paths in a CUDA graph
-// (bench/scatter_phases.py; the large path by appending ignored rows), small / large us:
-// work 2^21: T1024 k8 H1024 bf16 17.3 / 13.1, fp32 20.7 / 15.9, T1024 k2 H4096 bf16 17.0 /
-// 14.8; 2^20: T1024 k8 H128 bf16 10.3 / 8.4, T1024 k1 H4096 bf16 12.8 / 12.3; 589824:
-// T1536 k2 H128 fp32 (the seeds' size) 4.6 / 5.7; 524288: T512 k8 H1024 bf16 10.0 / 11.2,
-// T256 k8 H4096 bf16 10.6 / 13.2. The small path's slope there (~12 us per 2^20 reads)
-// meets the large path's fixed cost between 0.65 and 0.9 x 2^20; this bound is in between.
-// (It was 2^21 until then.)
-constexpr int64_t kSmallMaxWork = int64_t(3) << 18;
+constexpr int kSmallMaxRows = static_cast<int>(paths::kSmallMaxRows);  // list entry (row << 3 | token) fits 16 bits
 constexpr int kSmallU = 4;                   // rows whose loads are in flight together
 constexpr int kSmallPer = 32;                // rows per thread in the index scan (a 32-bit mask)
 static_assert(kSmallTok == 8, "list entries pack the local token in 3 bits");
 
 // ---------------------------------------------------------------------------
 // Tiny path: one launch, a warp per token (kernel in scatter_combine_tiny.cu).
-constexpr int kTinyWarps = 4;   // tokens (= warps) per block
+constexpr int kTinyWarps = static_cast<int>(paths::kTinyWarps);  // tokens (= warps) per block
 constexpr int kTinyLoads = 8;   // 16-byte index loads per lane in flight: 1024 int32 rows a batch
-// N * T * column chunks index reads (every warp scans all N indices, 8x the small path's N *
-// T / 8 * chunks): the tiny path's bound. H200, 2026-12-04, each path forced on 91 shapes in a
-// CUDA graph (bench/scatter_paths.py, int32 indices in expert order): up to 2^18 the tiny
-// path is never slower than the path the sizes took before (the small one there), and
-// 0.6-0.9x of it at T <= 256 (T64 k8 H4096 fp32 3.9 us against 4.9, T256 k8 H128 3.8 against
-// 4.5); from 2^19 it loses on some shapes (T256 k1 H4096 bf16, 2^19 reads: 4.19 against
-// 3.65; T256 k8 H4096 bf16, 2^22: 11.4 against 6.9; the seeds' T1536 k2 H128 fp32, 2^22.2:
-// 4.60 against 4.06), where the redundant scan outgrows the barriers it saves.
-constexpr int64_t kTinyMaxWork = int64_t(1) << 18;
 
 // ---------------------------------------------------------------------------
 // Large path (kernels and their design notes in scatter_combine_large.cu):

@@ -8,7 +8,8 @@
 // Why: the small path's block-wide compaction (its index scan, a block scan and two barriers
 // before the first row load) is most of its time at small T: in a CUDA graph on the H200
 // (bench/scatter_paths.py, 2026-12-04) this kernel takes 0.6-0.9x of its time where the
-// host's bound (kTinyMaxWork) sends calls here, e.g. T16 k8 H128 bf16 3.6 us against 4.8.
+// host's bounds (backends/common/scatter_combine_paths.h) send calls here, e.g. T16 k8 H128
+// bf16 3.6 us against 4.8.
 // It does not reach the seeds' size (T1536 k2 H128 fp32: 4.6 us against the small path's 4.1,
 // Inductor's memset + atomic index_add 3.1): there every warp reading all 3072 indices costs
 // more than the barriers it saves.

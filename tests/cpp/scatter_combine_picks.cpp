@@ -1,0 +1,35 @@
+// What backends/common/scatter_combine_paths.h picks, for tests/test_scatter_combine.py and
+// bench/scatter_paths.py --evaluate on any machine (the choice is plain C++ on sizes: no CUDA).
+// Reads lines "T k H elt" (T tokens, k rows each: N = T k; rows of H elements of elt bytes;
+// token_idx 16-byte aligned, rows in 16-byte vectors where H elt is a multiple of 16) and
+// writes the forward's path for each: tiny, small or large. OPREG_SCATTER_COMBINE_PATH is
+// read as the op reads it.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "scatter_combine_paths.h"
+
+namespace p = opreg::scatter_combine_paths;
+
+static p::Path forced() {
+  const char* e = std::getenv("OPREG_SCATTER_COMBINE_PATH");
+  if (e == nullptr || e[0] == '\0') return p::Path::kAuto;
+  if (std::strcmp(e, "tiny") == 0) return p::Path::kTiny;
+  if (std::strcmp(e, "small") == 0) return p::Path::kSmall;
+  if (std::strcmp(e, "large") == 0) return p::Path::kLarge;
+  std::fprintf(stderr, "OPREG_SCATTER_COMBINE_PATH must be tiny, small or large, got '%s'\n", e);
+  std::exit(2);
+}
+
+int main() {
+  long long t, k, h, elt;
+  const p::Path f = forced();
+  while (std::scanf("%lld %lld %lld %lld", &t, &k, &h, &elt) == 4) {
+    const long long v = (h * elt) % 16 == 0 ? 16 / elt : 1, n = t * k;
+    const long long gy = p::column_chunks(h / v, v);
+    const p::Path path = p::choose_forward(n, t, gy, gy <= 65535, n <= p::kSmallMaxRows && gy <= 65535, f);
+    std::printf("%s\n", path == p::Path::kTiny ? "tiny" : path == p::Path::kSmall ? "small" : "large");
+  }
+  return 0;
+}
