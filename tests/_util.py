@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from opreg.testing import TOL, assert_matches, map_tensors, poison
 
 __all__ = ["DEVICES", "FLOAT_DTYPES", "TOL", "DispatchRecording", "FunctionRecording", "assert_matches",
-           "cuda_kernels", "once_per_run", "poison", "set_requires_grad", "skip_without"]
+           "cuda_kernels", "host_picks", "once_per_run", "poison", "set_requires_grad", "skip_without"]
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -24,6 +24,25 @@ FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 def skip_without(device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+
+
+def host_picks(source: str, lines: str, override: str, env: dict[str, str], tmp_path: Path) -> list[str]:
+    """The output lines of tests/cpp/``source`` (a path choice from backends/common, plain C++
+    on sizes) compiled here and fed ``lines``: with the override variable ``override`` unset,
+    then ``env`` set. Skips without a C++ compiler."""
+    import shutil
+    import subprocess
+
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("needs a C++ compiler")
+    root = Path(__file__).resolve().parent
+    exe = tmp_path / "picks"
+    subprocess.run([cxx, "-std=c++17", "-O1", f"-I{root.parent / 'backends' / 'common'}",
+                    str(root / "cpp" / source), "-o", str(exe)], check=True)
+    run_env = {k: v for k, v in os.environ.items() if k != override} | env
+    return subprocess.run([str(exe)], input=lines, capture_output=True, text=True, check=True,
+                          env=run_env).stdout.splitlines()
 
 
 def cuda_kernels(call: Callable[[], Any]) -> list[str]:

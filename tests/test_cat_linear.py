@@ -10,7 +10,8 @@ import torch
 from opreg.ops.cat_linear import reference, reference_stacked
 from opreg.testing import OpTestSuite, Sample
 
-from _util import DEVICES, FLOAT_DTYPES, assert_matches, cuda_kernels, poison, set_requires_grad, skip_without
+from _util import (DEVICES, FLOAT_DTYPES, assert_matches, cuda_kernels, host_picks, poison, set_requires_grad,
+                   skip_without)
 
 OP = torch.ops.opreg.cat_linear.default
 STACKED = torch.ops.opreg.cat_linear_stacked.default
@@ -422,23 +423,10 @@ def test_cuda_graph_capture_without_cublas_keeps_fused(monkeypatch):
 def _model_picks(shapes: list[tuple[int, int, int, int, str]], env: dict[str, str], tmp_path) -> list[tuple]:
     """cat_linear_model.h's picks for (R, B, H, K, dtype) shapes, through tests/cpp's harness
     compiled here: (back to back, in a CUDA graph, with gradients eager's ops)."""
-    import os
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("needs a C++ compiler")
-    root = Path(__file__).resolve().parent
-    exe = tmp_path / "picks"
-    subprocess.run([cxx, "-std=c++17", "-O1", f"-I{root.parent / 'backends' / 'common'}",
-                    str(root / "cpp" / "cat_linear_model_picks.cpp"), "-o", str(exe)], check=True)
     elt = {"fp32": 4, "bf16": 2, "fp64": 8}
     lines = "".join(f"{r} {b} {h} {k} {elt[d]}\n" for r, b, h, k, d in shapes)
-    run_env = {k: v for k, v in os.environ.items() if k != "OPREG_CAT_LINEAR_PATH"} | env
-    out = subprocess.run([str(exe)], input=lines, capture_output=True, text=True, check=True, env=run_env).stdout
-    return [(s, g, e == "1") for s, g, e in (line.split() for line in out.splitlines())]
+    out = host_picks("cat_linear_model_picks.cpp", lines, "OPREG_CAT_LINEAR_PATH", env, tmp_path)
+    return [(s, g, e == "1") for s, g, e in (line.split() for line in out)]
 
 
 def test_path_model_picks(tmp_path):

@@ -11,7 +11,8 @@ import opreg
 from opreg.ops.scatter_combine import reference
 from opreg.testing import OpTestSuite, Sample
 
-from _util import DEVICES, FLOAT_DTYPES, assert_matches, cuda_kernels, set_requires_grad, skip_without
+from _util import (DEVICES, FLOAT_DTYPES, assert_matches, cuda_kernels, host_picks, set_requires_grad,
+                   skip_without)
 
 OP = torch.ops.opreg.scatter_combine.default
 
@@ -449,22 +450,8 @@ def test_cuda_forward_path_kernels(monkeypatch):
 def _path_picks(shapes: list[tuple[int, int, int, int]], env: dict[str, str], tmp_path) -> list[str]:
     """backends/common/scatter_combine_paths.h's forward paths for (T, k, H, element bytes)
     shapes, through tests/cpp's harness compiled here."""
-    import os
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("needs a C++ compiler")
-    root = Path(__file__).resolve().parent
-    exe = tmp_path / "picks"
-    subprocess.run([cxx, "-std=c++17", "-O1", f"-I{root.parent / 'backends' / 'common'}",
-                    str(root / "cpp" / "scatter_combine_picks.cpp"), "-o", str(exe)], check=True)
     lines = "".join(f"{t} {k} {h} {e}\n" for t, k, h, e in shapes)
-    run_env = {k: v for k, v in os.environ.items() if k != PATH_ENV} | env
-    return subprocess.run([str(exe)], input=lines, capture_output=True, text=True, check=True,
-                          env=run_env).stdout.split()
+    return host_picks("scatter_combine_picks.cpp", lines, PATH_ENV, env, tmp_path)
 
 
 def test_forward_path_picks(tmp_path):
