@@ -3,7 +3,7 @@ graph (the host taken out): the tiny, small and large paths forced
 (``OPREG_SCATTER_COMBINE_PATH``), the sizes' own pick (``auto``; the tiny and small paths
 launch with programmatic dependent launch, backends/cuda/pdl.cuh, the large path's cooperative
 launch takes none), that pick without PDL (``no_pdl``: ``OPREG_PDL=0``), and eager's
-``zeros.index_add_``. What the paths' bounds (backends/cuda/scatter_combine.cuh) are set and
+``zeros.index_add_``. What the paths' bounds (backends/common/scatter_combine_paths.h) are set and
 checked against where the host does not hide the device.
 
     python bench/scatter_paths.py [--json out.json] [--only 'T1536 k2 H128 fp32,...']

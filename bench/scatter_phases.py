@@ -31,7 +31,7 @@ SHAPES = ["T4096 k1 H1024 bf16", "T16384 k1 H1024 bf16", "T65536 k1 H1024 bf16",
           "T1024 k8 H1024 bf16", "T1024 k1 H4096 bf16", "T256 k8 H4096 bf16", "T1024 k2 H1024 bf16",
           "T512 k8 H1024 bf16", "T1024 k8 H128 bf16"]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-SMALL_MAX_ROWS = 8192  # kSmallMaxRows (backends/cuda/scatter_combine.cuh): above it, the large path
+SMALL_MAX_ROWS = 8192  # kSmallMaxRows (backends/common/scatter_combine_paths.h): above it, the large path
 
 
 def parse_shape(s: str) -> tuple[int, int, int, torch.dtype]:
