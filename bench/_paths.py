@@ -4,6 +4,7 @@ held through the check, the capture and the replays), checked against float64 an
 a CUDA graph; and the report over the shapes."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -45,28 +46,45 @@ def measure(label: str, variants: Variants, env: str, want: torch.Tensor, tol: f
     replayed from a CUDA graph; the fastest of ``paths`` and the ratios of ``auto`` to it and
     to ``eager``. ``floors``: reference kernels timed the same way (not checked: they compute
     something else), what no variant's kind of kernel can beat at the shape."""
-    row: dict[str, Any] = {"shape": label, "us": {}, "err": {}}
+    row: dict[str, Any] = {"shape": label, "us": {}, "err": {}, "bits": {}}
     for name, call in (floors or {}).items():
         row["us"][name] = timing.graph_us(call, reps, 20)
     for name, (path, call) in variants.items():
         setting = {} if path is None else {env: path} if isinstance(path, str) else path
         os.environ.update(setting)
         try:
-            err = ((call().double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+            out = call()
+            err = ((out.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
             if not err <= tol:
                 raise AssertionError(f"{label} {name}: relative error {err:.2e} > {tol}")
             row["err"][name] = err
+            row["bits"][name] = fingerprint(out)
             row["us"][name] = timing.graph_us(call, reps, 20)
         finally:
             for var in setting:
                 os.environ.pop(var, None)
     forced = {p: row["us"][p] for p in paths if p in row["us"]}
     row["best"] = min(forced, key=forced.__getitem__)
-    # which path auto ran is not reported by the op: the forced path nearest its time
-    row["auto~"] = min(forced, key=lambda p: abs(forced[p] - row["us"]["auto"]))
+    row["auto~"] = infer_auto(row, forced)
     row["auto/best"] = row["us"]["auto"] / forced[row["best"]]
     row["auto/eager"] = row["us"]["auto"] / row["us"]["eager"]
     return row
+
+
+def fingerprint(out: torch.Tensor) -> str:
+    """The output's bits, hashed: two paths whose outputs hash alike computed the same bits."""
+    raw = out.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    return hashlib.blake2b(raw, digest_size=8).hexdigest()
+
+
+def infer_auto(row: dict[str, Any], forced: dict[str, float]) -> str:
+    """Which path ``auto`` ran (the op does not report it): among the forced paths whose output
+    has auto's bits, the one nearest auto's time; the nearest of all where none has them. Time
+    alone misreads a shape whose auto timing is an outlier (the forty-ninth session: a cat_linear
+    shape's auto at 3.00 us against its own dot kernel's 2.31, read as the simt path's 3.18)."""
+    bits = row.get("bits", {})
+    same = [p for p in forced if "auto" in bits and bits.get(p) == bits["auto"]]
+    return min(same or forced, key=lambda p: abs(forced[p] - row["us"]["auto"]))
 
 
 def only(shapes: list[Any], spec: Optional[str], label: Callable[[Any], str]) -> list[Any]:
@@ -95,9 +113,12 @@ def pdl(rows: list[dict[str, Any]], no_pdl_paths: Sequence[str] = ()) -> None:
     with OPREG_PDL=0): the ratio's spread over the shapes, and the shapes where PDL is slower by
     more than 3 %; separately where auto runs a PDL kernel and where it runs one of ``no_pdl_paths``
     (paths whose kernels take no PDL: there both columns launch the same kernels, and their
-    ratio is the timing's own spread). Auto's path is inferred (``auto~``: the forced path
-    nearest its time)."""
+    ratio is the timing's own spread). Auto's path is inferred (``auto~``, :func:`infer_auto`). A
+    slower shape is printed with auto against that path forced, the same kernels with PDL on: a
+    ratio far from 1 there is the timing's spread at the shape, not PDL."""
     pairs = [(r["shape"], r["us"]["auto"] / r["us"]["no_pdl"], r.get("auto~")) for r in rows if "no_pdl" in r["us"]]
+    same = {r["shape"]: r["us"]["auto"] / r["us"][r["auto~"]] for r in rows
+            if "no_pdl" in r["us"] and r.get("auto~") in r["us"]}
     if not pairs:
         return
     groups = [("shapes", pairs)]
@@ -117,7 +138,8 @@ def pdl(rows: list[dict[str, Any]], no_pdl_paths: Sequence[str] = ()) -> None:
             continue
         for shape, q, path in sorted(group, key=lambda sq: -sq[1])[:10]:
             if q > 1.03:
-                print(f"  PDL slower: {shape} auto/no_pdl {q:.3f} (auto~ {path})")
+                spread = f", auto / {path} forced {same[shape]:.3f}" if shape in same else ""
+                print(f"  PDL slower: {shape} auto/no_pdl {q:.3f} (auto~ {path}{spread})")
 
 
 def report(rows: list[dict[str, Any]], json_path: Optional[str], no_pdl_paths: Sequence[str] = ()) -> None:
