@@ -321,3 +321,15 @@ if [ "$STAGE" = ab ]; then
   [ "${AB_DIFF:-0}" = 1 ] && python3 bench/sweep_diff.py "$OUT/ab_a.json" "$OUT/ab_b.json" | tail -6
   rm -f "$OUT/install.log"
 fi
+
+# A call brings back at most 8 files from $OUT. Stages chained in one call can write more, and
+# the rest would be lost: on 2026-12-05, STAGE=slower then STAGE=pdl wrote 11 files, and the
+# scatter sweep's JSON and log stayed behind. Past 8, every file moves into $OUT/out.tar
+# (`tar xf out.tar`), which each later stage appends to.
+n_out=$(find "$OUT" -type f ! -name out.tar | wc -l)
+if [ -f "$OUT/out.tar" ] || [ "$n_out" -gt 8 ]; then
+  (cd "$OUT" && find . -type f ! -name out.tar | sort > /tmp/opreg-out-list \
+    && tar rf out.tar -T /tmp/opreg-out-list && xargs -d '\n' rm -f < /tmp/opreg-out-list \
+    && find . -mindepth 1 -type d -empty -delete)
+  echo "$n_out files under $OUT (a call returns at most 8): packed into out.tar"
+fi
