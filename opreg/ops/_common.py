@@ -4,10 +4,10 @@ returns, and the registration of a built-in op.
 An op's spec (``opreg/ops/<op>.py``) says once what fits the op: ``unsupported(...)``
 returns a :class:`Reason` (a message that also knows its exception type) or None. The
 op's ``check`` raises it; a pattern or loop idiom reports it as the reason it left the
-user's code alone. The rules mirror the op's C++ checks (``backends/<op>/checks.h``:
-same exception types, same wording), so an op fails the same way whichever
-implementation runs: shapes and devices raise ValueError, dtypes TypeError,
-out-of-range indices IndexError.
+user's code alone. The rules mirror the op's C++ checks where it has C++ kernels
+(``backends/common/<op>_checks.h``: same exception types, same wording), so an op fails
+the same way whichever implementation runs: shapes and devices raise ValueError, dtypes
+TypeError, out-of-range indices IndexError.
 
 Sizes may be SymInts. ``holds(cond)`` turns a size comparison into a bool: plain ``bool``
 at run time (a guard is fine there); a pattern passes a guard-free "provably true".

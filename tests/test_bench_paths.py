@@ -1,0 +1,58 @@
+"""bench/_paths.py on the CPU: which path ``auto`` ran, inferred from its output's bits first
+and its time second, and the PDL report's line for a slower shape (the timings stubbed)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def paths():
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("opreg_bench_paths", ROOT / "bench" / "_paths.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    yield mod
+    sys.path.remove(str(ROOT / "bench"))
+
+
+def row(us: dict[str, float], bits: dict[str, str]) -> dict:
+    return {"shape": "s", "us": us, "bits": bits}
+
+
+def test_same_bits_beat_a_nearer_time(paths):
+    # auto's timing an outlier (3.00 against its own kernel's 2.31), nearer another path's
+    r = row({"auto": 3.00, "dot": 2.31, "simt": 3.18}, {"auto": "a", "dot": "a", "simt": "b"})
+    assert paths.infer_auto(r, {"dot": 2.31, "simt": 3.18}) == "dot"
+
+
+def test_time_decides_among_equal_bits_and_without_bits(paths):
+    forced = {"tiny": 2.0, "small": 3.0, "large": 5.0}
+    same = row({"auto": 2.9, **forced}, {"auto": "a", "tiny": "a", "small": "a", "large": "b"})
+    assert paths.infer_auto(same, forced) == "small"
+    none = row({"auto": 4.8, **forced}, {"auto": "z", "tiny": "a", "small": "a", "large": "b"})
+    assert paths.infer_auto(none, forced) == "large"
+    older = {"shape": "s", "us": {"auto": 2.1, **forced}}  # a JSON from before bits were kept
+    assert paths.infer_auto(older, forced) == "tiny"
+
+
+def test_measure_keeps_bits_and_pdl_shows_the_spread(paths, monkeypatch, capsys):
+    times = iter([3.00, 2.31, 3.18, 2.62, 4.0])
+    monkeypatch.setattr(paths.timing, "graph_us", lambda call, reps, calls: next(times))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    other = x * 1.5
+    variants = {"auto": (None, lambda: x.clone()), "dot": ("dot", lambda: x.clone()),
+                "simt": ("simt", lambda: other.clone()), "no_pdl": ({"OPREG_PDL": "0"}, lambda: x.clone()),
+                "eager": ("gemm", lambda: x.clone())}
+    r = paths.measure("R2 B2", variants, "OPREG_TEST_PATH", x.double(), 1.0, ["dot", "simt"], 3)
+    assert r["bits"]["auto"] == r["bits"]["dot"] != r["bits"]["simt"]
+    assert r["auto~"] == "dot" and r["best"] == "dot"
+    paths.pdl([r], ["gemm"])
+    out = capsys.readouterr().out
+    assert "PDL slower: R2 B2 auto/no_pdl 1.145 (auto~ dot, auto / dot forced 1.299)" in out
