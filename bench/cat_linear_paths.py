@@ -19,7 +19,9 @@ change to the model moves).
 Shapes: bench/sweep.py's full cat_linear grid (list form), its odd sizes, and the seeds'
 (R4 B12 H32 K56), fp32 and bf16. The fused paths are forced only up to ``--max-macs``
 multiply-adds (each walks K per warp or block: slow beyond). Every variant's output is
-checked against the float64 reference first. Prints, per shape, µs per call and auto's ratio
+checked against the float64 reference first; each variant is timed twice, the order reversed
+the second time, and keeps the better time (``_paths.measure``: a place in the order cost
+some shapes 4-10 %). Prints, per shape, µs per call and auto's ratio
 to the fastest forced path and to eager, then the shapes where auto is > 3 % behind either,
 and auto against no_pdl (a graph replays 20 calls of the op: with PDL each launch overlaps the
 previous call's kernel).

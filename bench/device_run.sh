@@ -139,7 +139,7 @@ if [ "$STAGE" = paths ]; then
   python3 -m opreg build >/dev/null 2>&1
   # the fused ops' paths, each forced, device time from CUDA graphs (the host taken out):
   # cat_linear's dot / SIMT / GEMM and scatter_combine's tiny / small / large forward, beside
-  # the sizes' own pick and eager (~2 min together)
+  # the sizes' own pick and eager (each timed in two orders: ~3 min together)
   timeout 190 python3 bench/cat_linear_paths.py --json "$OUT/cat_linear_paths.json" > "$OUT/cat_linear_paths.log" 2>&1
   grep -A12 "^[0-9]* shapes" "$OUT/cat_linear_paths.log"; grep -A10 "^auto / no_pdl" "$OUT/cat_linear_paths.log"
   timeout 120 python3 bench/scatter_paths.py --json "$OUT/scatter_paths.json" > "$OUT/scatter_paths.log" 2>&1

@@ -18,8 +18,9 @@ picks > 3 % behind the fastest forced path.
 
 Shapes: T x fan-out x H over the one-launch paths' range (N = T k <= 32768), fp32 and bf16,
 int32 indices in expert order (an MoE dispatch's), plus the seeds' T1536 k2 H128 fp32. Every
-variant's output is checked against the float64 reference first. Two floors beside them, timed
-the same way: ``copy``, a copy of the rows (one round trip to memory, no dependence), and
+variant's output is checked against the float64 reference first; each variant is timed twice,
+the order reversed the second time, and keeps the better time (``_paths.measure``). Two floors
+beside them, timed the same way: ``copy``, a copy of the rows (one round trip to memory, no dependence), and
 ``gather``, ``x.index_select(0, token_idx)`` (every row load waits for its index's load: the
 least any combine that finds its rows through the indices does).
 """

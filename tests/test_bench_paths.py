@@ -3,6 +3,7 @@ and its time second, and the PDL report's line for a slower shape (the timings s
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -42,15 +43,27 @@ def test_time_decides_among_equal_bits_and_without_bits(paths):
     assert paths.infer_auto(older, forced) == "tiny"
 
 
-def test_measure_keeps_bits_and_pdl_shows_the_spread(paths, monkeypatch, capsys):
-    times = iter([3.00, 2.31, 3.18, 2.62, 4.0])
-    monkeypatch.setattr(paths.timing, "graph_us", lambda call, reps, calls: next(times))
+def test_measure_keeps_bits_both_orders_and_pdl_shows_the_spread(paths, monkeypatch, capsys):
+    # forward order, then reversed: auto, dot, simt, no_pdl, eager; eager, no_pdl, simt, dot, auto
+    times = iter([3.00, 2.31, 3.18, 2.62, 4.0, 4.1, 2.70, 3.30, 2.40, 3.10])
+    seen = []
+
+    def graph_us(call, reps, calls):
+        seen.append((os.environ.get("OPREG_TEST_PATH"), os.environ.get("OPREG_PDL")))
+        return next(times)
+
+    monkeypatch.setattr(paths.timing, "graph_us", graph_us)
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
     other = x * 1.5
     variants = {"auto": (None, lambda: x.clone()), "dot": ("dot", lambda: x.clone()),
                 "simt": ("simt", lambda: other.clone()), "no_pdl": ({"OPREG_PDL": "0"}, lambda: x.clone()),
-                "eager": ("gemm", lambda: x.clone())}
+                "eager": (None, lambda: x.clone())}
     r = paths.measure("R2 B2", variants, "OPREG_TEST_PATH", x.double(), 1.0, ["dot", "simt"], 3)
+    assert seen == [(None, None), ("dot", None), ("simt", None), (None, "0"), (None, None),
+                    (None, None), (None, "0"), ("simt", None), ("dot", None), (None, None)]
+    assert "OPREG_TEST_PATH" not in os.environ and "OPREG_PDL" not in os.environ
+    assert r["us_each"]["eager"] == [4.0, 4.1] and r["us_each"]["auto"] == [3.00, 3.10]
+    assert r["us"] == {"auto": 3.00, "dot": 2.31, "simt": 3.18, "no_pdl": 2.62, "eager": 4.0}
     assert r["bits"]["auto"] == r["bits"]["dot"] != r["bits"]["simt"]
     assert r["auto~"] == "dot" and r["best"] == "dot"
     paths.pdl([r], ["gemm"])
