@@ -3,6 +3,7 @@ and its time second, and the PDL report's line for a slower shape (the timings s
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -69,3 +70,28 @@ def test_measure_keeps_bits_both_orders_and_pdl_shows_the_spread(paths, monkeypa
     paths.pdl([r], ["gemm"])
     out = capsys.readouterr().out
     assert "PDL slower: R2 B2 auto/no_pdl 1.145 (auto~ dot, auto / dot forced 1.299)" in out
+
+
+def load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"opreg_bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+@pytest.mark.parametrize("bench, data", [
+    ("cat_linear_paths", "cat_linear_paths_h100_2026-12-05.json"),
+    ("scatter_paths", "scatter_paths_h100_2026-12-05.json")])
+def test_evaluate_a_kept_run(paths, bench, data, capsys):
+    """--evaluate (no GPU: the path choice compiled with the host's C++ compiler) on a run kept
+    in bench/data: every shape gets a pick; a GEMM pick charged more than eager's time is marked
+    as eager's own kernels."""
+    assert load_bench(bench).main(["--evaluate", str(ROOT / "bench" / "data" / data)]) == 0
+    out = capsys.readouterr().out
+    rows = len(json.loads((ROOT / "bench" / "data" / data).read_text())["rows"])
+    assert f"{rows} shapes of " in out
+    if bench == "cat_linear_paths":
+        losses = [line for line in out.splitlines() if line.startswith("  R")]
+        gemm = [line for line in losses if line.split()[5] == "gemm"]
+        assert gemm and all("(eager's kernels: the timing's spread)" in line for line in gemm)
+        assert f"({len(gemm)} of them on the GEMM path" in out
