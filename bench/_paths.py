@@ -58,10 +58,14 @@ def measure(label: str, variants: Variants, env: str, want: torch.Tensor, tol: f
         name: ({}, call) for name, call in (floors or {}).items()}
     for name, (path, call) in variants.items():
         setting = {} if path is None else {env: path} if isinstance(path, str) else path
-        out = _with_env(setting, call)
-        err = ((out.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
-        if not err <= tol:
-            raise AssertionError(f"{label} {name}: relative error {err:.2e} > {tol}")
+        # checked as called eagerly and as a graph's replay computes it, which is what is timed:
+        # the two can run different paths (cat_linear moves some fused picks to the GEMM path
+        # while a graph is captured: cat_linear_model.h's graph_prefers_gemm), and the bits that
+        # tell auto's path apart are the replay's
+        for out in (_with_env(setting, call), _with_env(setting, lambda: graph_output(call))):
+            err = ((out.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+            if not err <= tol:
+                raise AssertionError(f"{label} {name}: relative error {err:.2e} > {tol}")
         row["err"][name] = err
         row["bits"][name] = fingerprint(out)
         calls[name] = (setting, call)
@@ -77,6 +81,24 @@ def measure(label: str, variants: Variants, env: str, want: torch.Tensor, tol: f
     row["auto/best"] = row["us"]["auto"] / forced[row["best"]]
     row["auto/eager"] = row["us"]["auto"] / row["us"]["eager"]
     return row
+
+
+def graph_output(call: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``call``'s output as a replay of it captured in a CUDA graph computes it (after a warm-up
+    call on a side stream, as capture needs); the eager call's output where there is no CUDA."""
+    if not torch.cuda.is_available():
+        return call()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out.clone()
 
 
 def _with_env(setting: dict[str, str], fn: Callable[[], Any]) -> Any:
@@ -96,10 +118,11 @@ def fingerprint(out: torch.Tensor) -> str:
 
 
 def infer_auto(row: dict[str, Any], forced: dict[str, float]) -> str:
-    """Which path ``auto`` ran (the op does not report it): among the forced paths whose output
-    has auto's bits, the one nearest auto's time; the nearest of all where none has them. Time
-    alone misreads a shape whose auto timing is an outlier (the forty-ninth session: a cat_linear
-    shape's auto at 3.00 us against its own dot kernel's 2.31, read as the simt path's 3.18)."""
+    """Which path ``auto`` ran in the timed graph (the op does not report it): among the forced
+    paths whose replayed output has auto's bits, the one nearest auto's time; the nearest of all
+    where none has them. Time alone misreads a shape whose auto timing is an outlier (the
+    forty-ninth session: a cat_linear shape's auto at 3.00 us against its own dot kernel's
+    2.31, read as the simt path's 3.18)."""
     bits = row.get("bits", {})
     same = [p for p in forced if "auto" in bits and bits.get(p) == bits["auto"]]
     return min(same or forced, key=lambda p: abs(forced[p] - row["us"]["auto"]))

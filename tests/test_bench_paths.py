@@ -95,3 +95,26 @@ def test_evaluate_a_kept_run(paths, bench, data, capsys):
         gemm = [line for line in losses if line.split()[5] == "gemm"]
         assert gemm and all("(eager's kernels: the timing's spread)" in line for line in gemm)
         assert f"({len(gemm)} of them on the GEMM path" in out
+
+
+def test_bits_are_the_replays(paths, monkeypatch):
+    """Auto's path is read from the output a graph's replay computes, which is what is timed:
+    there cat_linear may run another path than an eager call does (graph_prefers_gemm)."""
+    monkeypatch.setattr(paths.timing, "graph_us", lambda call, reps, calls: 1.0)
+
+    def captured(call):
+        os.environ["OPREG_TEST_CAPTURING"] = "1"
+        try:
+            return call()
+        finally:
+            del os.environ["OPREG_TEST_CAPTURING"]
+
+    monkeypatch.setattr(paths, "graph_output", captured)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    gemm = x * 1.5
+    variants = {"auto": (None, lambda: gemm.clone() if "OPREG_TEST_CAPTURING" in os.environ else x.clone()),
+                "dot": ("dot", lambda: x.clone()), "gemm": ("gemm", lambda: gemm.clone()),
+                "eager": (None, lambda: gemm.clone())}
+    r = paths.measure("R32 B1", variants, "OPREG_TEST_PATH", x.double(), 1.0, ["dot", "gemm"], 3)
+    assert r["bits"]["auto"] == r["bits"]["gemm"] != r["bits"]["dot"]
+    assert r["auto~"] == "gemm"
