@@ -49,10 +49,11 @@ def measure(label: str, variants: Variants, env: str, want: torch.Tensor, tol: f
 
     Every variant is timed ``orders`` times, the order reversed each time, and keeps its
     best (``us_each``: every timing). Why: a place in the order cost some shapes 4-10 %. In
-    the three runs of 2026-12-05 (H100 twice, H200), auto was timed first and eager third.
-    At R32 B1 H64 K256 fp32 and R5 B333 H80 K1000 fp32, auto read 1.06-1.10x and eager
-    1.02-1.05x of the same cuBLAS kernels forced and timed last. At R32 B8192 H64 K256 fp32
-    auto read 1.04-1.07x. On average over the ~93 GEMM-path shapes the place cost nothing."""
+    the runs of 2026-12-05 (two on the H100, one on the H200), auto was timed first and eager
+    third, on the same cuBLAS kernels as the GEMM path forced and timed last. Auto read
+    1.04-1.10x of the forced path at three shapes: R5 B333 H80 K1000 fp32 and R32 B8192 H64
+    K256 fp32 in all three runs, R32 B1 H64 K256 fp32 in both H100 runs. Eager read 1.02-1.05x
+    at the first and third. Over the ~93 GEMM-path shapes the mean ratio was 1.00."""
     row: dict[str, Any] = {"shape": label, "us": {}, "err": {}, "bits": {}, "us_each": {}}
     calls: dict[str, tuple[dict[str, str], Callable[[], Any]]] = {
         name: ({}, call) for name, call in (floors or {}).items()}
