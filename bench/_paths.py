@@ -89,14 +89,7 @@ def graph_output(call: Callable[[], torch.Tensor]) -> torch.Tensor:
     call on a side stream, as capture needs); the eager call's output where there is no CUDA."""
     if not torch.cuda.is_available():
         return call()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = timing.captured(call, 1, warmups=1)
     graph.replay()
     torch.cuda.synchronize()
     return out.clone()

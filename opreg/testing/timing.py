@@ -32,6 +32,24 @@ def median_us(call: Callable[[], Any], reps: int, cuda: bool) -> float:
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
 
 
+def captured(call: Callable[[], Any], calls: int = 1, warmups: int = 3) -> tuple[Any, Any]:
+    """``calls`` calls captured in one CUDA graph, after ``warmups`` calls on a side stream (as
+    capture needs): the graph, not yet replayed, and the last call's output (the tensors the
+    replays write)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    out = None
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            out = call()
+    return graph, out
+
+
 def graph_us(call: Callable[[], Any], reps: int, calls: int = 20) -> float:
     """Device time of one call, in µs: ``calls`` calls captured in one CUDA graph (after
     warm-ups on a side stream, as capture needs), the graph replayed ``reps`` times under
@@ -39,16 +57,7 @@ def graph_us(call: Callable[[], Any], reps: int, calls: int = 20) -> float:
     they run eagerly (the MoE decode path: ~76 µs a call on the H200 box whatever the
     shape, its kernels' bytes ~16-21 µs at the HBM's rate), whose back-to-back events
     (:func:`median_us`) time the host instead. ``call`` must be capturable."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            call()
+    graph, _ = captured(call, calls)
     graph.replay()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     torch.cuda.synchronize()
