@@ -134,7 +134,8 @@
 //   (R32 B1 H64 K256 fp32: dot 7.9, eager 4.3), below what the fp32 model can tell, and two
 //   GEMM picks within eager's own spread.
 // MARGINS (2026-12-05, fiftieth session). Three runs of bench/cat_linear_paths.py in CUDA graphs
-//   (H200 2026-12-05 forty-first and fiftieth sessions, H100 forty-eighth; bench/data/), each pick
+//   (bench/data/cat_linear_paths_{h200_2026-12-05,h200_2026-12-05_s50,h100_2026-12-05}.json: the
+//   H200 in the forty-first and fiftieth sessions, the H100 in the forty-eighth), each pick
 //   charged its run's time of the path forced (`cat_linear_paths.py --evaluate`): with 16-bit
 //   1.2 and one fp32 row 1.4 the same 4-5 fused picks were > 3 % slower than eager in all three.
 //   16-bit and one fp32 row at 1.0 move four picks to the GEMM path, the same four in each run:
