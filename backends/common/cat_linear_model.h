@@ -48,9 +48,10 @@
 //   (dot_us or simt_us): only that way, never GEMM -> fused, so a call eager would run on
 //   cuBLAS still does. In a graph the GEMM path is eager's own kernels (at::cat + cuBLAS: forced
 //   GEMM / eager 0.99-1.03 over the fiftieth session's 182 shapes on the H200, the rest timing
-//   spread), so a move to it is never slower than eager; it can only give up a fused kernel's lead. A margin above 1 keeps such leads where
-//   the GEMM model may under-predict; 1 trusts the model. (backends/cuda/cat_linear.cu: the capture's switch needs cuBLAS set up
-//   on that thread outside the capture, which a call that would switch does first.)
+//   spread), so a move to it is never slower than eager; it can only give up a fused kernel's
+//   lead. A margin above 1 keeps such leads where the GEMM model may under-predict; 1 trusts
+//   the model. (backends/cuda/cat_linear.cu: the capture's switch needs cuBLAS set up on that
+//   thread outside the capture, which a call that would switch does first.)
 //
 // CONSTANTS (H200, torch 2.11; the sweep is bench/sweep.py --json, 2026-12-01, its forced
 // OPREG_CAT_LINEAR_PATH=simt|gemm columns, list form, no_grad):
@@ -127,7 +128,8 @@
 //   -> 33.7 us on the same shape). With margin 2 the take moves 11 of those shapes, 0.27-0.83x
 //   of the GEMM path's time there (R8 B2 H512 K2048 bf16 40.7 -> 15.0 us), none slower.
 //   The margins (16-bit's until the fiftieth session: MARGINS below) are the smallest whose
-//   capture-time picks are nowhere > 3 % slower than the sizes' picks on that sweep (the models evaluated per shape against its measured paths):
+//   capture-time picks are nowhere > 3 % slower than the sizes' picks on that sweep (the
+//   models evaluated per shape against its measured paths):
 //   17 picks move to the GEMM path, and the shapes > 3 % slower than eager in a graph go
 //   from 22 to 8 (R32 B16 H64 K2048 bf16 30.3 -> 6.8 us, R8 B1024 H64 K256 bf16 22.7 -> 5.5),
 //   none slower than before. Left: fp32 shapes where cuBLAS is 5-50 % faster than the pick
@@ -143,11 +145,11 @@
 //   fp32 (dot 6.9-7.2, eager 6.5-6.8: 1.05-1.10x -> 1.00) stop losing; R2 B16 H64 K2048 bf16
 //   gives up the SIMT kernel's lead (0.87-0.94x of eager -> 1.00) and R32 B1 H64 K2048 bf16
 //   moves within 3 % of eager. No pick becomes slower than eager (none can: see the rule), and
-//   below 1.0 nothing more moves on these runs. Picks > 3 % slower than eager: 4, 5, 4 -> 2, 3,
-//   2. fp32 (M > 1) stays at 2.0: at 1.4 it would also move R2 B16 H512 K2048 fp32 (1.05-1.08x)
-//   and R8 B1024 H64 K256 fp32 (1.19-1.21x), but give up three leads of 20-34 % (R2 B64 H512
-//   K2048, R32 B16 and B64 H64 K256: cuBLAS's fp32 kernels at 16-64 rows run 1.4-2.6x the
-//   model, which has no term for their few tiles).
+//   below 1.0 nothing more moves on these runs. Fused picks > 3 % slower than eager, in the
+//   runs' order above: 5, 4, 4 -> 3, 2, 2. fp32 (M > 1) stays at 2.0: at 1.4 it would also
+//   move R2 B16 H512 K2048 fp32 (1.05-1.08x) and R8 B1024 H64 K256 fp32 (1.19-1.21x), but give
+//   up three leads of 20-34 % (R2 B64 H512 K2048, R32 B16 and B64 H64 K256: cuBLAS's fp32
+//   kernels at 16-64 rows run 1.4-2.6x the model, which has no term for their few tiles).
 //
 // CHECK against that sweep's 180 list-form forward shapes (152 with both paths forced; the
 // other 28, above 2^31 MACs, run the GEMM path under both rules; counts from medians):
