@@ -4,7 +4,8 @@
 #   STAGE=bench bash bench/device_run.sh   the shape sweep, the backend models, the MoE block
 #   STAGE=slower bash bench/device_run.sh  the never-slower checks: the cat_linear sweep, scatter_combine
 #                                          at >= 16 MB beside the copy, the backend models, the seeds'
-#                                          per-call times (gpu_report.py); SLOWER_S (default 300) shared
+#                                          per-call times (gpu_report.py) and where their host time
+#                                          goes (seed_host.py); SLOWER_S (default 300) shared
 #   STAGE=paths bash bench/device_run.sh   the fused ops' paths forced, timed in CUDA graphs beside the
 #                                          sizes' own pick and eager (cat_linear_paths.py, scatter_paths.py)
 #   STAGE=pdl bash bench/device_run.sh     programmatic dependent launch (on by default): its tests, both
@@ -132,7 +133,9 @@ if [ "$STAGE" = slower ]; then
   timeout $((S * 25 / 100)) python3 bench/backend_models.py --json "$OUT/backend_models.json" > "$OUT/backend_models.log" 2>&1
   grep -v "^ \|[Ww]arn" "$OUT/backend_models.log" | tail -16
   timeout $((S * 15 / 100)) python3 bench/gpu_report.py > "$OUT/gpu_report.log" 2>&1; grep -E "^\| (scatter 1536|cat_linear R4 B12)" "$OUT/gpu_report.log"
-  rm -f "$OUT/install.log"  # a call returns at most 8 files
+  # where the seeds' host time per call goes (~20 s; scatter_combine 9.7 us against cat_linear's 7.4)
+  timeout 60 python3 bench/seed_host.py > "$OUT/seed_host.log" 2>&1; grep "us a call" "$OUT/seed_host.log"
+  rm -f "$OUT/install.log"  # a call returns at most 8 files (seven here, with seed_host.log eight)
 fi
 
 if [ "$STAGE" = paths ]; then
