@@ -133,7 +133,7 @@ if [ "$STAGE" = slower ]; then
   timeout $((S * 25 / 100)) python3 bench/backend_models.py --json "$OUT/backend_models.json" > "$OUT/backend_models.log" 2>&1
   grep -v "^ \|[Ww]arn" "$OUT/backend_models.log" | tail -16
   timeout $((S * 15 / 100)) python3 bench/gpu_report.py > "$OUT/gpu_report.log" 2>&1; grep -E "^\| (scatter 1536|cat_linear R4 B12)" "$OUT/gpu_report.log"
-  # where the seeds' host time per call goes (~20 s; scatter_combine 9.7 us against cat_linear's 7.4)
+  # where the seeds' host time per call goes (~15 s; scatter_combine 9.7 us against cat_linear's 7.4)
   timeout 60 python3 bench/seed_host.py > "$OUT/seed_host.log" 2>&1; grep "us a call" "$OUT/seed_host.log"
   rm -f "$OUT/install.log"  # a call returns at most 8 files (seven here, with seed_host.log eight)
 fi
