@@ -63,7 +63,14 @@ def main() -> None:
                    help='GEMM keys over the table\'s, e.g. \'GROUP_M 8={"gemm1": {"GROUP_M": 8}}\' (repeatable)')
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    variants = {v.split("=", 1)[0]: json.loads(v.split("=", 1)[1]) for v in a.variant} or DEFAULT_VARIANTS
+    variants = {}
+    for v in a.variant:
+        label, _, spec = v.partition("=")
+        try:
+            variants[label] = json.loads(spec)
+        except json.JSONDecodeError as err:
+            p.error(f"--variant {v!r}: NAME=JSON expected, the JSON after '=' does not parse ({err})")
+    variants = variants or DEFAULT_VARIANTS
     if not torch.cuda.is_available():
         raise SystemExit("moe_power.py times a CUDA device; none is available")
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, no grad; {a.calls} calls a "
@@ -102,7 +109,7 @@ def main() -> None:
         print(f"\n{name} T={a.tokens}: steady us (both runs) and mean / the table's")
         for label, v in steady.items():
             print(f"  {label:20s} {' '.join(f'{x:.0f}' for x in v)}  {statistics.mean(v) / base:.3f}")
-        report[name] = {label: v for label, v in steady.items()}
+        report[name] = steady
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
 
