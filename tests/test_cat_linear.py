@@ -455,6 +455,12 @@ def test_path_model_picks(tmp_path):
         # (margin 1.0): the dot kernel ran 1.24-1.34x and 1.05-1.10x of eager there in three runs
         (8, 64, 64, 256, "bf16"): ("dot", "gemm", False),
         (32, 1, 64, 2048, "fp32"): ("dot", "gemm", False),
+        # fp32 rows at margin 1.4: the SIMT kernel ran 1.18-1.21x and 1.05-1.08x of eager in a
+        # graph in five runs; the dot kernel's lead at 16 rows of 32 parts (0.77-0.82x) is
+        # given up for them, the SIMT kernel's at 64 rows and long K kept (above)
+        (8, 1024, 64, 256, "fp32"): ("simt", "gemm", False),
+        (2, 16, 512, 2048, "fp32"): ("simt", "gemm", False),
+        (32, 16, 64, 256, "fp32"): ("dot", "gemm", False),
     }
     assert _model_picks(list(shapes), {}, tmp_path) == list(shapes.values())
     forced = _model_picks(list(shapes), {"OPREG_CAT_LINEAR_PATH": "simt"}, tmp_path)
