@@ -923,7 +923,10 @@ def test_cuda_grouped_mm(gemm: str, shape: str, family: str) -> None:
     try:
         for g in (1, 0, 1):
             calls.clear()
-            out = TB.FusedExperts.apply(*args, {gm: {"GROUPED_MM": int(g and gm == gemm)} for gm in GROUPED_PATHS})
+            # CUTLASS's weight gradients (GLUON 0): test_cuda_gluon_wgrad_backward has the Gluon kernel's
+            out = TB.FusedExperts.apply(*args, {gm: {"GROUPED_MM": int(g and gm == gemm), "GLUON": 0}
+                                                if gm == "wgrad" else {"GROUPED_MM": int(g and gm == gemm)}
+                                                for gm in GROUPED_PATHS})
             runs[g].append(torch.autograd.grad(out, leaves, cot))
             assert len(calls) == g * expected, f"{gemm} GROUPED_MM={g}: torch._grouped_mm ran {len(calls)} times"
     finally:
@@ -942,6 +945,171 @@ def test_cuda_grouped_mm(gemm: str, shape: str, family: str) -> None:
             assert_matches(g, t.double(), torch.bfloat16)
         else:
             assert torch.equal(g, t), f"d {n} differs between the two {gemm} paths"
+
+
+def _gluon_wgrad_module() -> Any:
+    """:mod:`moe_wgrad_gluon` where the GPU is sm90 and triton has Gluon, else skip."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon weight gradients need sm90")
+    return pytest.importorskip("opreg.backends.triton.moe_wgrad_gluon")
+
+
+# (rows of each expert, M, N): empty experts first, in the middle and last, 1-63-row tails,
+# runs not starting on a 64-row boundary, fewer rows in all than one step (S < 64), an
+# expert longer than the ring (5 stages x 64 rows), E = 1
+GLUON_CASES = {"empties and tails": ([0, 1, 63, 64, 65, 0, 127, 200, 0], 256, 128),
+               "fewer rows than a step": ([5, 0, 20, 7], 128, 384),
+               "long runs": ([700, 333, 0, 1100], 128, 256),
+               "one expert": ([129], 384, 128)}
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("case", list(GLUON_CASES))
+def test_cuda_gluon_wgrad_kernel(case: str) -> None:
+    """:func:`moe_wgrad_gluon.wgrad` against float64 per expert: every element of a
+    NaN-filled output written, NaN rows past offs[-1] (the backward leaves them unwritten)
+    reaching nothing, an empty expert exact zeros, every stage count, grids of one program
+    and of every SM, a second run bit-identical."""
+    G = _gluon_wgrad_module()
+    counts, m, n = GLUON_CASES[case]
+    s = sum(counts)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    a = torch.full((s + 70, m), float("nan"), dtype=torch.bfloat16, device="cuda")
+    b = torch.full((s + 70, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    a[:s], b[:s] = torch.randn(s, m), torch.randn(s, n)
+    want = torch.zeros(len(counts), m, n, dtype=torch.float64)
+    ends = offs.tolist()
+    for ex, (lo, hi) in enumerate(zip([0] + ends[:-1], ends)):
+        want[ex] = a[lo:hi].double().cpu().T @ b[lo:hi].double().cpu()
+    first = None
+    for stages in (3, 4, 5):
+        out = torch.full((len(counts), m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        got = G.wgrad(a, b, offs, out=out, stages=stages)
+        assert got is out
+        assert_matches(got, want.cuda(), torch.bfloat16)
+        for ex, c in enumerate(counts):
+            if c == 0:
+                assert torch.equal(got[ex], torch.zeros_like(got[ex])), f"expert {ex} has no rows: not zeros"
+        if first is None:
+            first = got.clone()
+        assert torch.equal(got, first), f"stages={stages}: a different result from stages=3"
+    assert torch.equal(G.wgrad(a, b, offs), first), "a second run differs"
+    # captured in a CUDA graph, replayed on new values in place
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        G.wgrad(a, b, offs, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        G.wgrad(a, b, offs, out=out)
+    a[:s].copy_(torch.randn(s, m))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for ex, (lo, hi) in enumerate(zip([0] + ends[:-1], ends)):
+        want[ex] = a[lo:hi].double().cpu().T @ b[lo:hi].double().cpu()
+    assert_matches(out, want.cuda(), torch.bfloat16)
+
+
+def test_gluon_wgrad_rejects_what_it_cannot_take() -> None:
+    """Bad operands: a ValueError naming the argument (checked before any launch, so on
+    any machine); the default rule follows the rows per expert and the tiles' fit."""
+    G = pytest.importorskip("opreg.backends.triton.moe_wgrad_gluon")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.randn(256, 128, dtype=torch.bfloat16, device=dev)
+    offs = torch.tensor([100, 256], dtype=torch.int32, device=dev)
+    bad = [((a.cpu(), a.cpu()), "A is not a 2-D bf16 CUDA tensor")]
+    if dev == "cuda":
+        bad += [((a, a.half()), "B is not a 2-D bf16"), ((a, a[:, :96].contiguous()), "multiples of 128"),
+                ((a, a[:200]), "same rows"), ((a[:32], a[:32]), "at least 64"),
+                ((a[:, :64].t(), a), "A is not contiguous")]
+    for (x, y), needle in bad:
+        with pytest.raises(ValueError, match=needle):
+            G.wgrad(x, y, offs)
+    if dev == "cuda" and G.unfit(a, a) is None:
+        with pytest.raises(ValueError, match="offs"):
+            G.wgrad(a, a, offs.long())
+        with pytest.raises(ValueError, match="out"):
+            G.wgrad(a, a, offs, out=torch.empty(2, 128, 64, dtype=torch.bfloat16, device=dev))
+    assert TB.gluon_wgrad_default(256, 2048, 1536, 768)  # Qwen3-MoE at T = 4096
+    assert not TB.gluon_wgrad_default(TB.GLUON_WGRAD_MAX_ROWS + 1, 2048, 1536, 768)
+    assert not TB.gluon_wgrad_default(TB.GLUON_WGRAD_MIN_ROWS - 1, 2048, 1536, 768)
+    assert not TB.gluon_wgrad_default(256, 2048, 192, 96)  # I = 96: no 128-wide tiles
+
+
+def test_gluon_wgrad_compiles_for_sm90() -> None:
+    """The Gluon kernel has no interpreter: on any machine, compile it for sm90 at the ring
+    depths :func:`moe_wgrad_gluon.stages_for` picks (no GPU needed; the CUDA cases run it),
+    its shared memory within the H100's 232,448 bytes a block."""
+    G = pytest.importorskip("opreg.backends.triton.moe_wgrad_gluon")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    stage, tile = G._layouts()
+    sig = {"a_desc": f"tensordesc<bf16[{G.BLOCK_K}, {G.BLOCK_M}],{stage!r}>",
+           "b_desc": f"tensordesc<bf16[{G.BLOCK_K}, {G.BLOCK_N}],{stage!r}>",
+           "c_desc": f"tensordesc<bf16[{G.BLOCK_M}, {G.BLOCK_N}],{tile!r}>",
+           "offs_ptr": "*i32", "M": "i32", "N": "i32", "total_tiles": "i32",
+           "STAGES": "constexpr", "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr"}
+    for stages in sorted({G.stages_for(1), G.stages_for(10 ** 6)}):
+        consts = {"STAGES": stages, "CONSUMER_REGS": G.CONSUMER_REGS, "LOADER_REGS": G.LOADER_REGS}
+        src = GluonASTSource(G.wgrad_kernel, signature=sig, constexprs=consts,
+                             attrs={(j,): [["tt.divisibility", 16]] for j in (3, 4, 5)})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert "wgmma" in kernel.asm["ptx"] and "setmaxnreg" in kernel.asm["ptx"]
+        assert kernel.metadata.shared <= 232448, (stages, kernel.metadata.shared)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("family", BIG_FAMILIES)
+@pytest.mark.parametrize("shape", ["sparse", "gluon"])
+def test_cuda_gluon_wgrad_backward(shape: str, family: str) -> None:
+    """bf16, the weight gradients on the Gluon kernel (``configs["wgrad"]["GLUON"]`` 1) and on
+    CUTLASS (0) both match float64 and each other, every other gradient the same bits, two
+    Gluon runs bit-identical, torch._grouped_mm not called for them; NaN-filled buffers (the
+    Gluon output's among them). Gluon where the tiles don't fit raises."""
+    _gluon_wgrad_module()
+    # "sparse": ~2 rows per expert, most experts empty; "gluon": ~96 rows per expert
+    sizes = {"sparse": (16, 8, 256, 128, 64), "gluon": (384, 4, 256, 128, 16)}[shape]
+    args = _requires(_special(_clear_limit(make(*sizes, torch.bfloat16, "cuda", **{**FAMILIES[family][1],
+                                                                                   "sentinels": 3})), "nan"),
+                     GRAD_ARGS)
+    names = [n for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
+    leaves = [a for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
+    cot = torch.randn(args[0].shape, dtype=torch.bfloat16, device="cuda")
+    runs: dict[int, list[tuple[torch.Tensor, ...]]] = {1: [], 0: []}
+    calls: list[int] = []
+    old, old_mm = TM._new_buffer, torch._grouped_mm
+    TM._new_buffer, torch._grouped_mm = _nan_buffer, _counted(torch._grouped_mm, calls)
+    try:
+        for g in (1, 0, 1):
+            calls.clear()
+            out = TB.FusedExperts.apply(*args, {"wgrad": {"GROUPED_MM": 1, "GLUON": g}, "dgrad1": {"GROUPED_MM": 0}})
+            runs[g].append(torch.autograd.grad(out, leaves, cot))
+            assert len(calls) == (0 if g else 2), f"GLUON={g}: torch._grouped_mm ran {len(calls)} times"
+    finally:
+        TM._new_buffer, torch._grouped_mm = old, old_mm
+    (gluon, again), (cutlass,) = runs[1], runs[0]
+    args64 = _requires(tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                             for a in args), GRAD_ARGS)
+    leaves64 = [a for n, a in zip(ARGS, args64) if n in GRAD_ARGS and a is not None]
+    ref = torch.autograd.grad(M.reference(*args64), leaves64, cot.double())
+    for n, g, c, a, r in zip(names, gluon, cutlass, again, ref):
+        assert torch.equal(g, a), f"d {n}: two Gluon runs differ"
+        assert g.shape == c.shape and g.is_contiguous(), f"d {n}: {tuple(g.shape)}, {g.stride()}"
+        assert_matches(g, r, torch.bfloat16)
+        if n in ("down_proj", "gate_up_proj"):
+            assert_matches(g, c.double(), torch.bfloat16)
+        else:
+            assert torch.equal(g, c), f"d {n} differs between the two weight-gradient paths"
+    unfit = _requires(make(64, 2, 128, 96, 4, torch.bfloat16, "cuda", **FAMILIES[family][1]), GRAD_ARGS)
+    with pytest.raises(ValueError, match="GLUON"):
+        out = TB.FusedExperts.apply(*unfit, {"wgrad": {"GROUPED_MM": 1, "GLUON": 1}})
+        torch.autograd.grad(out, [a for n, a in zip(ARGS, unfit) if n in GRAD_ARGS and a is not None],
+                            torch.randn_like(out))
 
 
 def _graph_once(family: str, dtype: torch.dtype) -> None:

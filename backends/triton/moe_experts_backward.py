@@ -60,7 +60,11 @@ row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    ``offs[-1]``-th on) are unwritten in ``act`` and ``d_pre``: this assumes ``torch._grouped_mm`` reads no row past
    ``offs[-1]`` (its groups end there), which the tests check with NaN-filled buffers (the
    CPU's bf16 path in the interpreter cases, torch 2.14; CUTLASS in the CUDA tests).
-   The bias gradients stay on ``_moe_wgrad``'s bias-only launch.
+   The bias gradients stay on ``_moe_wgrad``'s bias-only launch. Between
+   :data:`GLUON_WGRAD_MIN_ROWS` and :data:`GLUON_WGRAD_MAX_ROWS` rows per expert
+   (:func:`gluon_wgrad_default`; ``configs["wgrad"]["GLUON"]`` forces it either way, 1 where
+   the shapes don't fit raises ValueError) the same product runs on the ping-pong Gluon
+   kernel of :mod:`.moe_wgrad_gluon` instead (eager only: under Dynamo, CUTLASS).
 
 Deterministic (every sum in a fixed order, no atomics), fp32 accumulation, fp32 GEMMs in
 IEEE fp32; every launch on the current stream, no host sync, static buffer sizes (CUDA-graph
@@ -77,11 +81,13 @@ path under torch autograd; with the weight gradients on Triton's ``_moe_wgrad`` 
 TF/s) it was 4111 / 4014 (2026-12-01).
 """
 import functools
+import logging
 import math
 from typing import Any, Callable
 
 import torch
 
+from opreg._log import log_once
 from opreg.backends.triton import moe_experts as F
 from opreg.backends.triton.launch import LazyDescriptor, launch_args
 from opreg.backends.triton.moe_experts import _IDENTITY, _act, _halves, _jit, _mma, _tile, tl
@@ -488,6 +494,46 @@ def grouped_mm_dgrad1_default(x: torch.Tensor, w1: torch.Tensor, n1: int, i: int
     return grouped_mm_wgrad_default(x, n1, i) and grouped_mm_unfit(x, n1, i, w1) is None
 
 
+# The weight gradients on the Gluon ping-pong kernel (.moe_wgrad_gluon) instead of CUTLASS by
+# default between these mean rows per expert (gluon_wgrad_default says why)
+GLUON_WGRAD_MIN_ROWS, GLUON_WGRAD_MAX_ROWS = 192, 768
+
+
+@functools.cache
+def _gluon_wgrad() -> Any:
+    """:mod:`.moe_wgrad_gluon`, or None where this triton has no Gluon (logged once)."""
+    try:
+        from opreg.backends.triton import moe_wgrad_gluon
+    except Exception as exc:  # noqa: BLE001 - a triton without Gluon, or another API: CUTLASS it is
+        log_once((M.NAME, "gluon wgrad"), logging.INFO, "opreg: moe_experts' weight gradients stay on CUTLASS, "
+                 "Gluon does not import: %s: %s", type(exc).__name__, exc)
+        return None
+    return moe_wgrad_gluon
+
+
+def gluon_wgrad_default(rows_per_expert: float, h: int, n1: int, i: int) -> bool:
+    """Whether weight gradients that run on ``torch._grouped_mm`` (:func:`grouped_mm_wgrad_default`)
+    run on the Gluon ping-pong kernel (:mod:`.moe_wgrad_gluon`) instead, by default: where its
+    128 x 128 tiles fit (H, N1 and I multiples of 128), triton has Gluon, and the mean rows per
+    expert lie in [:data:`GLUON_WGRAD_MIN_ROWS`, :data:`GLUON_WGRAD_MAX_ROWS`].
+
+    The model: CUTLASS's cooperative kernel pays ~3.1 us per 128 x 256 output tile that no MMA
+    hides, plus 0.71 us per 64-row step; the ping-pong kernel hides that cost, but its steps
+    run ~40 % slower for their area. So it wins where the reductions are short, and both are
+    bound by writing the gradients where they are shortest. Checked on the H100 (2026-12-05,
+    bench/RESULTS.md): ``bench/moe_wgrad.py --sweep`` (every expert the same rows) gave Gluon
+    1.08-1.34x from 256 to 768 rows on all six shapes, 0.97-1.27x at 64-128 (Qwen3-MoE's
+    gate_up at parity: the writes), 0.92-1.12x at 1536; in the training step
+    (``bench/moe_launches.py --variant``), T = 4096: Qwen3-MoE (256 rows) 2725 -> 2590 us, OLMoE
+    (512) 2936 -> 2843, Mixtral's shape (1024, routed: ragged last steps) 2500 -> 2527, slower;
+    at T = 64 and 512 (4-128 rows) OLMoE and Mixtral 88-121 us slower, Qwen3-MoE 43-118 faster:
+    the kernel's Python launch (``kernel[grid]``, no raw launcher) costs the host more than
+    ``torch._grouped_mm``'s, and those steps wait on their host. Hence 192 (between 128 and
+    256) and 768 (between 512 and 1024)."""
+    return (GLUON_WGRAD_MIN_ROWS <= rows_per_expert <= GLUON_WGRAD_MAX_ROWS and h % 128 == 0 and n1 % 128 == 0
+            and i % 128 == 0 and _gluon_wgrad() is not None)
+
+
 # GEMM2's split dgrad on torch._grouped_mm by default from this many rows per expert on
 # (grouped_mm_dgrad2_default says why)
 DGRAD2_GROUPED_MIN_ROWS = 1024
@@ -566,7 +612,8 @@ def _static(site: Any, make: Callable[[], Any]) -> Any:
     return got
 
 
-_PLANS: dict[Any, tuple[dict[str, dict[str, int]], bool, bool]] = {}  # spec -> (configs, grouped wgrad, dgrad1)
+# spec -> (configs, grouped wgrad, grouped dgrad1, Gluon wgrad)
+_PLANS: dict[Any, tuple[dict[str, dict[str, int]], bool, bool, bool]] = {}
 
 
 def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -586,7 +633,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     ({"dgrad2", "dgrad1", "wgrad", "combine"}); ``configs["wgrad"]["GROUPED_MM"]`` 1 / 0
     forces the weight gradients onto ``torch._grouped_mm`` or off it (default:
     :func:`grouped_mm_wgrad_default`; 1 where :func:`grouped_mm_unfit` says why not raises
-    ValueError), ``configs["dgrad1"]["GROUPED_MM"]`` GEMM1's dgrad (default:
+    ValueError), ``configs["wgrad"]["GLUON"]`` 1 / 0 those on the Gluon kernel or CUTLASS
+    (default: :func:`gluon_wgrad_default`), ``configs["dgrad1"]["GROUPED_MM"]`` GEMM1's dgrad (default:
     :func:`grouped_mm_dgrad1_default`). ``fwd_spec``: :func:`F.spec_of` the op's arguments, if the caller has it."""
     x, ids, rw, w1, b1, w2, b2 = hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, \
         down_proj, down_bias
@@ -628,6 +676,15 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
         grouped = bool(cfg["wgrad"].get("GROUPED_MM", grouped_mm_wgrad_default(x, n1, i)))
         if grouped and (why := grouped_mm_unfit(x, n1, i)) is not None:
             raise ValueError(f"fused_experts_backward: configs['wgrad']['GROUPED_MM'] = 1, but {why}")
+        gluon = cfg["wgrad"].get("GLUON")
+        if gluon is None:
+            gluon = grouped and gluon_wgrad_default(s / e, h, n1, i)
+        elif gluon and not grouped:
+            raise ValueError("fused_experts_backward: configs['wgrad']['GLUON'] = 1 needs the weight gradients on "
+                             "torch._grouped_mm's path (GROUPED_MM: bf16 on sm90), which these do not take")
+        elif gluon and (h % 128 or n1 % 128 or i % 128 or _gluon_wgrad() is None):
+            raise ValueError(f"fused_experts_backward: configs['wgrad']['GLUON'] = 1, but H = {h}, N1 = {n1}, "
+                             f"I = {i} are not all multiples of 128, or this triton has no Gluon")
         grouped1 = bool(cfg["dgrad1"].get("GROUPED_MM", grouped_mm_dgrad1_default(x, w1, n1, i)))
         if grouped1 and (why := grouped_mm_unfit(x, n1, i, w1)) is not None:
             raise ValueError(f"fused_experts_backward: configs['dgrad1']['GROUPED_MM'] = 1, but {why}")
@@ -676,10 +733,10 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
         if cfg["wgrad"].get("HALF_TAIL", 0):
             raise ValueError("fused_experts_backward: configs['wgrad'] has no HALF_TAIL mode (its reduction runs "
                              "over the rows: no tile of rows to halve)")
-        plan = (cfg, grouped, grouped1)
+        plan = (cfg, grouped, grouped1, bool(gluon))
         if spec is not None:
             F._remember(_PLANS, spec, plan)
-    cfg, grouped, grouped1 = plan
+    cfg, grouped, grouped1, gluon = plan
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     sorted_pair_ids, block_expert = saved.sorted_pair_ids, saved.block_expert
     tables = saved.tables
@@ -831,8 +888,17 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                                              key(("rows", False))))
                          if r_gather else rhs)
                 # out[e] = L_e^T R_e is (E, out, in); the (E, in, out) weight takes R_e^T L_e
-                dw = (torch._grouped_mm(rrows.t(), lrows, offs=offs) if transposed
-                      else torch._grouped_mm(lrows.t(), rrows, offs=offs))
+                a_rows, b_rows = (rrows, lrows) if transposed else (lrows, rrows)
+                # Gluon's kernels don't trace: under Dynamo, CUTLASS
+                why = "traced by Dynamo" if traced else _gluon_wgrad().unfit(a_rows, b_rows) if gluon else None
+                if gluon and why is None:
+                    dw = _gluon_wgrad().wgrad(a_rows, b_rows, offs, out=F._new_buffer(
+                        (e, a_rows.shape[1], b_rows.shape[1]), x.dtype, dev),
+                        stages=_gluon_wgrad().stages_for(s / e))
+                else:
+                    if gluon and not traced and "GLUON" in c:
+                        raise ValueError(f"fused_experts_backward: configs['wgrad']['GLUON'] = 1, but {why}")
+                    dw = torch._grouped_mm(a_rows.t(), b_rows, offs=offs)
             elif do_w:
                 dw = F._new_buffer(tuple(w.shape), w.dtype, dev)
             db = F._new_buffer(tuple(b.shape), b.dtype, dev) if do_b and b is not None else None
