@@ -18,7 +18,7 @@ import math
 import os
 import sys
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -910,11 +910,23 @@ def test_cuda_grouped_mm(gemm: str, shape: str, family: str) -> None:
     default = (TB.grouped_mm_wgrad_default(args[0], n1, i) if gemm == "wgrad"
                else TB.grouped_mm_dgrad1_default(args[0], w1, n1, i))
     assert default == (torch.cuda.get_device_capability()[0] == 9)
+    affected, per_grad = GROUPED_PATHS[gemm]
+    on_it = [n for n, a in zip(ARGS, args) if n in affected and a is not None]
+    expected = len(on_it) if per_grad else int(bool(on_it))
+    # CUTLASS's weight gradients (GLUON 0): test_cuda_gluon_wgrad_backward has the Gluon kernel's
+    _two_paths(args, lambda g: {gm: {"GROUPED_MM": int(g and gm == gemm), **({"GLUON": 0} if gm == "wgrad" else {})}
+                                for gm in GROUPED_PATHS},
+               lambda g: g * expected, on_it, f"{gemm} GROUPED_MM")
+
+
+def _two_paths(args: tuple, configs_of: Callable[[int], dict], calls_of: Callable[[int], int], on_it: list[str],
+               label: str) -> None:
+    """bf16 forward + backward on two paths, runs 1, 0, 1 with ``configs_of(run)``, every buffer
+    NaN-filled, ``torch._grouped_mm`` counted (``calls_of(run)`` calls): both match float64, the
+    gradients ``on_it`` names match each other, every other gradient is the same bits either
+    way, and path 1's two runs are bit-identical."""
     names = [n for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
     leaves = [a for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
-    affected, per_grad = GROUPED_PATHS[gemm]
-    on_it = [n for n in affected if n in names]
-    expected = len(on_it) if per_grad else int(bool(on_it))
     cot = torch.randn(args[0].shape, dtype=torch.bfloat16, device="cuda")
     runs: dict[int, list[tuple[torch.Tensor, ...]]] = {1: [], 0: []}
     calls: list[int] = []
@@ -923,28 +935,25 @@ def test_cuda_grouped_mm(gemm: str, shape: str, family: str) -> None:
     try:
         for g in (1, 0, 1):
             calls.clear()
-            # CUTLASS's weight gradients (GLUON 0): test_cuda_gluon_wgrad_backward has the Gluon kernel's
-            out = TB.FusedExperts.apply(*args, {gm: {"GROUPED_MM": int(g and gm == gemm), "GLUON": 0}
-                                                if gm == "wgrad" else {"GROUPED_MM": int(g and gm == gemm)}
-                                                for gm in GROUPED_PATHS})
+            out = TB.FusedExperts.apply(*args, configs_of(g))
             runs[g].append(torch.autograd.grad(out, leaves, cot))
-            assert len(calls) == g * expected, f"{gemm} GROUPED_MM={g}: torch._grouped_mm ran {len(calls)} times"
+            assert len(calls) == calls_of(g), f"{label}={g}: torch._grouped_mm ran {len(calls)} times"
     finally:
         TM._new_buffer, torch._grouped_mm = old, old_mm
-    (grouped, again), (triton,) = runs[1], runs[0]
+    (first, again), (other,) = runs[1], runs[0]
     args64 = _requires(tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                              for a in args), GRAD_ARGS)
     leaves64 = [a for n, a in zip(ARGS, args64) if n in GRAD_ARGS and a is not None]
     ref = torch.autograd.grad(M.reference(*args64), leaves64, cot.double())
-    for n, g, t, a, r in zip(names, grouped, triton, again, ref):
-        assert torch.equal(g, a), f"d {n}: two grouped_mm runs differ"
+    for n, g, t, a, r in zip(names, first, other, again, ref):
+        assert torch.equal(g, a), f"d {n}: two {label}=1 runs differ"
         assert g.shape == t.shape and g.is_contiguous(), f"d {n}: {tuple(g.shape)}, {g.stride()}"
         assert_matches(g, r, torch.bfloat16)
         assert_matches(t, r, torch.bfloat16)
         if n in on_it:
             assert_matches(g, t.double(), torch.bfloat16)
         else:
-            assert torch.equal(g, t), f"d {n} differs between the two {gemm} paths"
+            assert torch.equal(g, t), f"d {n} differs between {label} 1 and 0"
 
 
 def _gluon_wgrad_module() -> Any:
@@ -1077,34 +1086,8 @@ def test_cuda_gluon_wgrad_backward(shape: str, family: str) -> None:
     args = _requires(_special(_clear_limit(make(*sizes, torch.bfloat16, "cuda", **{**FAMILIES[family][1],
                                                                                    "sentinels": 3})), "nan"),
                      GRAD_ARGS)
-    names = [n for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
-    leaves = [a for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
-    cot = torch.randn(args[0].shape, dtype=torch.bfloat16, device="cuda")
-    runs: dict[int, list[tuple[torch.Tensor, ...]]] = {1: [], 0: []}
-    calls: list[int] = []
-    old, old_mm = TM._new_buffer, torch._grouped_mm
-    TM._new_buffer, torch._grouped_mm = _nan_buffer, _counted(torch._grouped_mm, calls)
-    try:
-        for g in (1, 0, 1):
-            calls.clear()
-            out = TB.FusedExperts.apply(*args, {"wgrad": {"GROUPED_MM": 1, "GLUON": g}, "dgrad1": {"GROUPED_MM": 0}})
-            runs[g].append(torch.autograd.grad(out, leaves, cot))
-            assert len(calls) == (0 if g else 2), f"GLUON={g}: torch._grouped_mm ran {len(calls)} times"
-    finally:
-        TM._new_buffer, torch._grouped_mm = old, old_mm
-    (gluon, again), (cutlass,) = runs[1], runs[0]
-    args64 = _requires(tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                             for a in args), GRAD_ARGS)
-    leaves64 = [a for n, a in zip(ARGS, args64) if n in GRAD_ARGS and a is not None]
-    ref = torch.autograd.grad(M.reference(*args64), leaves64, cot.double())
-    for n, g, c, a, r in zip(names, gluon, cutlass, again, ref):
-        assert torch.equal(g, a), f"d {n}: two Gluon runs differ"
-        assert g.shape == c.shape and g.is_contiguous(), f"d {n}: {tuple(g.shape)}, {g.stride()}"
-        assert_matches(g, r, torch.bfloat16)
-        if n in ("down_proj", "gate_up_proj"):
-            assert_matches(g, c.double(), torch.bfloat16)
-        else:
-            assert torch.equal(g, c), f"d {n} differs between the two weight-gradient paths"
+    _two_paths(args, lambda g: {"wgrad": {"GROUPED_MM": 1, "GLUON": g}, "dgrad1": {"GROUPED_MM": 0}},
+               lambda g: 0 if g else 2, ["down_proj", "gate_up_proj"], "GLUON")
     unfit = _requires(make(64, 2, 128, 96, 4, torch.bfloat16, "cuda", **FAMILIES[family][1]), GRAD_ARGS)
     with pytest.raises(ValueError, match="GLUON"):
         out = TB.FusedExperts.apply(*unfit, {"wgrad": {"GROUPED_MM": 1, "GLUON": 1}})
