@@ -12,35 +12,25 @@ TF/s, CUTLASS / Gluon. ``--sweep``: the same at fixed rows per expert (``--rows`
 E, every expert the same count), then per implementation a least-squares fit of time = tiles
 per SM x (fixed + per-step x steps) and, per shape, the rows per expert where Gluon stops
 winning (what ``moe_experts_backward.GLUON_WGRAD_MAX_ROWS`` is checked against). ``--host``:
-per shape at ``--tokens``, each implementation's host time a call (20 launches, no sync
-between) and its time on the stream.
+per shape at ``--tokens``, each implementation's host time to enqueue a call on an idle GPU and
+its time on the stream.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
 from opreg.backends.triton import moe_wgrad_gluon as G
 from opreg.backends.triton import tune
+from opreg.testing.timing import captured, host_once_us, median_us
 
 CALLS = 10
 
 
 def _graph(fn):
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CALLS):
-            fn()
+    g, _ = captured(fn, CALLS)
     g.replay()
     torch.cuda.synchronize()
     return g
@@ -89,7 +79,8 @@ def bench_one(name: str, counts: list[int], m: int, n: int, stages: list[int], r
 
 
 def host_one(name: str, counts: list[int], m: int, n: int) -> None:
-    """Host time a call (20 launches, no sync between) and time on the stream, per implementation."""
+    """Host time to enqueue one call on an idle GPU (``host_once_us``) and the call's time on
+    the stream (``median_us``), per implementation."""
     e, s = len(counts), sum(counts)
     offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
     a = torch.randn(s, m, device="cuda", dtype=torch.bfloat16)
@@ -97,21 +88,7 @@ def host_one(name: str, counts: list[int], m: int, n: int) -> None:
     line = f"{name:28s} S={s:6d} M={m:5d} N={n:5d}:"
     for impl, fn in (("cutlass", lambda: torch._grouped_mm(a.t(), b, offs=offs)),
                      ("gluon", lambda: G.wgrad(a, b, offs, stages=G.stages_for(s / e)))):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            fn()
-        host = (time.perf_counter() - t0) / 20 * 1e6
-        torch.cuda.synchronize()
-        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ev0.record()
-        for _ in range(20):
-            fn()
-        ev1.record()
-        ev1.synchronize()
-        line += f"  {impl} host {host:6.1f} us, stream {ev0.elapsed_time(ev1) / 20 * 1e3:7.1f} us"
+        line += f"  {impl} host {host_once_us(fn, reps=20):6.1f} us, stream {median_us(fn, 20, True):7.1f} us"
     print(line, flush=True)
 
 

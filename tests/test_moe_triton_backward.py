@@ -32,6 +32,7 @@ from test_moe_triton import GATES, SMALL, _nan_buffer, interpreter_child, interp
 
 from opreg.ops import moe_experts as M  # noqa: E402
 from opreg.testing import assert_matches  # noqa: E402
+from opreg.testing.timing import captured  # noqa: E402
 
 try:
     from opreg.backends.triton import moe_experts as TM
@@ -1005,14 +1006,7 @@ def test_cuda_gluon_wgrad_kernel(case: str) -> None:
         assert torch.equal(got, first), f"stages={stages}: a different result from stages=3"
     assert torch.equal(G.wgrad(a, b, offs), first), "a second run differs"
     # captured in a CUDA graph, replayed on new values in place
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        G.wgrad(a, b, offs, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        G.wgrad(a, b, offs, out=out)
+    graph, _ = captured(lambda: G.wgrad(a, b, offs, out=out))
     a[:s].copy_(torch.randn(s, m))
     out.fill_(float("nan"))
     graph.replay()

@@ -284,8 +284,8 @@ def unfit(a: torch.Tensor, b: torch.Tensor) -> str | None:
         return "A and B are on different devices"
     if b.shape[0] != a.shape[0] or a.shape[0] < BLOCK_K:
         return f"A and B need the same rows, at least {BLOCK_K} (got {a.shape[0]} and {b.shape[0]})"
-    if a.shape[1] % BLOCK_M or b.shape[1] % BLOCK_N:
-        return f"the output's sides ({a.shape[1]}, {b.shape[1]}) are not multiples of 128"
+    if a.shape[1] % BLOCK_M or b.shape[1] % BLOCK_N or not (a.shape[1] and b.shape[1]):
+        return f"the output's sides ({a.shape[1]}, {b.shape[1]}) are not positive multiples of 128"
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     if _device(index)[0][0] != 9:
         return f"the GPU is sm{''.join(map(str, _device(index)[0]))}, not sm90 (wgmma)"
