@@ -14,6 +14,7 @@ op's reference in float64; inputs unmodified.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import sys
@@ -979,8 +980,8 @@ GLUON_CASES = {"empties and tails": ([0, 1, 63, 64, 65, 0, 127, 200, 0], 256, 12
 def test_cuda_gluon_wgrad_kernel(case: str) -> None:
     """:func:`moe_wgrad_gluon.wgrad` against float64 per expert: every element of a
     NaN-filled output written, NaN rows past offs[-1] (the backward leaves them unwritten)
-    reaching nothing, an empty expert exact zeros, every stage count, grids of one program
-    and of every SM, a second run bit-identical."""
+    reaching nothing, an empty expert exact zeros, every stage count, grids of one and three
+    programs and of one a tile, the same bits every time, a CUDA graph replayed on new values."""
     G = _gluon_wgrad_module()
     counts, m, n = GLUON_CASES[case]
     s = sum(counts)
@@ -993,9 +994,10 @@ def test_cuda_gluon_wgrad_kernel(case: str) -> None:
     for ex, (lo, hi) in enumerate(zip([0] + ends[:-1], ends)):
         want[ex] = a[lo:hi].double().cpu().T @ b[lo:hi].double().cpu()
     first = None
-    for stages in (3, 4, 5):
+    # one program (every tile through both consumers in turn), three, one a tile (or an SM)
+    for stages, programs in itertools.product((3, 4, 5), (1, 3, None)):
         out = torch.full((len(counts), m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        got = G.wgrad(a, b, offs, out=out, stages=stages)
+        got = G.wgrad(a, b, offs, out=out, stages=stages, programs=programs)
         assert got is out
         assert_matches(got, want.cuda(), torch.bfloat16)
         for ex, c in enumerate(counts):
@@ -1003,7 +1005,7 @@ def test_cuda_gluon_wgrad_kernel(case: str) -> None:
                 assert torch.equal(got[ex], torch.zeros_like(got[ex])), f"expert {ex} has no rows: not zeros"
         if first is None:
             first = got.clone()
-        assert torch.equal(got, first), f"stages={stages}: a different result from stages=3"
+        assert torch.equal(got, first), f"stages={stages}, programs={programs}: not the first run's bits"
     assert torch.equal(G.wgrad(a, b, offs), first), "a second run differs"
     # captured in a CUDA graph, replayed on new values in place
     graph, _ = captured(lambda: G.wgrad(a, b, offs, out=out))
@@ -1036,6 +1038,8 @@ def test_gluon_wgrad_rejects_what_it_cannot_take() -> None:
             G.wgrad(a, a, offs.long())
         with pytest.raises(ValueError, match="out"):
             G.wgrad(a, a, offs, out=torch.empty(2, 128, 64, dtype=torch.bfloat16, device=dev))
+        with pytest.raises(ValueError, match="programs"):
+            G.wgrad(a, a, offs, programs=0)
     assert TB.gluon_wgrad_default(256, 2048, 1536, 768)  # Qwen3-MoE at T = 4096
     assert not TB.gluon_wgrad_default(TB.GLUON_WGRAD_MAX_ROWS + 1, 2048, 1536, 768)
     assert not TB.gluon_wgrad_default(TB.GLUON_WGRAD_MIN_ROWS - 1, 2048, 1536, 768)

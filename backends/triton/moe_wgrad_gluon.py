@@ -293,10 +293,11 @@ def unfit(a: torch.Tensor, b: torch.Tensor) -> str | None:
 
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor | None = None,
-          stages: int = STAGES) -> torch.Tensor:
+          stages: int = STAGES, programs: int | None = None) -> torch.Tensor:
     """out (E, M, N) bf16: out[e] = A[start_e:end_e]^T @ B[start_e:end_e]. ``offs``: (E,) int32
     run ends on A's device (not read on the host). ``out``: a contiguous (E, M, N) bf16 buffer
-    to write, every element. Raises ValueError naming what :func:`unfit` rejects."""
+    to write, every element. ``programs``: how many persistent programs (default one per SM;
+    never more than the tiles). Raises ValueError naming what :func:`unfit` rejects."""
     if (why := unfit(a, b)) is not None:
         raise ValueError(f"moe wgrad (Gluon): {why}")
     if offs.dtype != torch.int32 or offs.dim() != 1 or offs.numel() < 1 or not offs.is_contiguous() \
@@ -304,6 +305,8 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tenso
         raise ValueError("moe wgrad (Gluon): offs must be a contiguous 1-D int32 tensor of run ends on A's device")
     if stages not in (3, 4, 5):
         raise ValueError(f"moe wgrad (Gluon): stages must be 3, 4 or 5, got {stages}")
+    if programs is not None and (not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"moe wgrad (Gluon): programs must be a positive int, got {programs!r}")
     m, n, e = a.shape[1], b.shape[1], offs.numel()
     if out is None:
         out = torch.empty((e, m, n), device=a.device, dtype=torch.bfloat16)
@@ -316,7 +319,7 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tenso
     c_desc = TensorDescriptor.from_tensor(out.view(e * m, n), [BLOCK_M, BLOCK_N], tile)
     tiles = e * (m // BLOCK_M) * (n // BLOCK_N)
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    grid = (min(_device(index)[1], tiles),)
+    grid = (min(programs or _device(index)[1], tiles),)
     wgrad_kernel[grid](a_desc, b_desc, c_desc, offs, m, n, tiles, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS,
                        LOADER_REGS=LOADER_REGS, num_warps=4)
     return out
