@@ -86,10 +86,22 @@ def host_one(name: str, counts: list[int], m: int, n: int) -> None:
     a = torch.randn(s, m, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(s, n, device="cuda", dtype=torch.bfloat16)
     line = f"{name:28s} S={s:6d} M={m:5d} N={n:5d}:"
-    for impl, fn in (("cutlass", lambda: torch._grouped_mm(a.t(), b, offs=offs)),
-                     ("gluon", lambda: G.wgrad(a, b, offs, stages=G.stages_for(s / e)))):
+    gluon = lambda: G.wgrad(a, b, offs, stages=G.stages_for(s / e))  # noqa: E731
+
+    def tritons_launch() -> None:  # the same call with the kernel launched by Triton's kernel[grid]
+        saved, G.launch = G.launch, lambda fn, grid, *args, spec_key=None, **kw: fn[grid](*args, **kw)
+        try:
+            gluon()
+        finally:
+            G.launch = saved
+
+    for impl, fn in (("cutlass", lambda: torch._grouped_mm(a.t(), b, offs=offs)), ("gluon", gluon),
+                     ("gluon kernel[grid]", tritons_launch)):
         line += f"  {impl} host {host_once_us(fn, reps=20):6.1f} us, stream {median_us(fn, 20, True):7.1f} us"
-    print(line, flush=True)
+    entries = list(getattr(G.wgrad_kernel, "_opreg_launch_cache", {}).values())
+    path = ("launch.py's C launcher" if entries and all(x[2] is not None for x in entries)
+            else f"launch.py, kernel.run ({len(entries)} entries)")
+    print(line + f"  [gluon: {path}]", flush=True)
 
 
 def fit(rows: list[dict], sms: int) -> None:

@@ -251,3 +251,39 @@ def test_a_spec_key_hit_is_checked_against_the_full_key(check: bool, monkeypatch
     assert len(fn.ran) == (1 if check else 4)
     L.launch_args(fn, (1,), (x, 16), None, {"BLOCK": 64})  # without a spec key: its own entry
     assert len(fn.compiled) == 3
+
+
+class GluonJITFunction(JITFunction):  # a Gluon kernel's class name: cached the same way
+    pass
+
+
+def test_gluon_kernels_are_cached_and_keyed_by_their_descriptors_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Gluon kernel (``moe_wgrad_gluon``'s) goes through the same cache. Its host tensor
+    descriptors are keyed by what Triton specialises a descriptor parameter on (dtype,
+    alignment, rank, box, shared layout, padding), not by address or value: hashable, and
+    under OPREG_CHECK_SPEC a hit compares them without comparing the tensors inside."""
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+    lay = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    lay64 = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    t = torch.randn(256, 128, dtype=torch.bfloat16)
+
+    def key(x: torch.Tensor, box: list[int], layout: Any) -> Any:
+        return L._arg_key(hopper.TensorDescriptor.from_tensor(x, box, layout))
+
+    k = key(t, [64, 128], lay)
+    assert hash(k) is not None and k == key(t.clone(), [64, 128], lay), "another address, the same type"
+    assert k != key(t, [64, 64], lay) and k != key(t, [64, 128], lay64) and k != key(t.half(), [64, 128], lay)
+
+    monkeypatch.setattr(L, "CHECK_SPEC", True)
+    monkeypatch.setattr(L, "_direct_ok", True)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7)
+    fn = GluonJITFunction()
+    for _ in range(3):  # Triton's path, a miss (cached), a hit
+        L.launch_args(fn, (1,), (hopper.TensorDescriptor.from_tensor(t.clone(), [64, 128], lay), 16), ("s",),
+                      {"BLOCK": 32})
+    assert len(fn.compiled) == 2 and len(fn.ran) == 1
+    with pytest.raises(RuntimeError, match=r"positions \[0\]"):  # another layout under the same spec key
+        L.launch_args(fn, (1,), (hopper.TensorDescriptor.from_tensor(t, [64, 128], lay64), 16), ("s",),
+                      {"BLOCK": 32})

@@ -23,11 +23,15 @@ which is all its encoding reads (the parameter: its TMA metadata). H200, triton 
 (``bench/launch_overhead.py``, grid of one program, µs of host per launch): the forward's
 GEMM 14.1-15.1 through ``kernel.run``, 7.4-8.2 through the C launcher with its descriptors
 encoded; the routing and combine kernels 5.6-8.4 and 4.7-5.9.
+
+Gluon kernels (``gluon.jit``) are cached the same way: their host tensor descriptors (with
+their shared layout) go through the same generated launcher and descriptor encoding.
 """
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any, Optional
 
 import torch
@@ -61,6 +65,9 @@ _CACHE_LIMIT = 4096  # entries per kernel
 # what the spec key saves (~35 us a launch of the MoE GEMM on the 2-core box).
 CHECK_SPEC = os.environ.get("OPREG_CHECK_SPEC", "") == "1"
 _direct_ok: bool | None = None  # None: not tried yet; False: this Triton's kernel call differs
+# the kernels launch() caches: Triton's, and Gluon's (a JITFunction whose source is Gluon)
+_CACHED = ("JITFunction", "GluonJITFunction")
+_GLUON_DESCRIPTORS = "triton.experimental.gluon.nvidia.hopper"  # the module of Gluon's host descriptors
 
 
 def _arg_key(a: Any) -> Any:
@@ -76,6 +83,10 @@ def _arg_key(a: Any) -> Any:
     if _TensorDescriptor is not None and isinstance(a, _TensorDescriptor):  # specialised on its type and box
         return ("desc", a.base.dtype, a.base.data_ptr() & 15 == 0, len(a.shape), tuple(a.block_shape),
                 getattr(a, "padding", None), getattr(a, "round_f32_to_tf32", None))
+    gluon = sys.modules.get(_GLUON_DESCRIPTORS)  # none of its descriptors exist before it is imported
+    if gluon is not None and isinstance(a, gluon.TensorDescriptor):  # its type: dtype, box, shared layout
+        return ("gluon desc", a.base.dtype, a.base.data_ptr() & 15 == 0, len(a.shape), tuple(a.block_shape),
+                a.layout, a.padding)
     return a  # None, strings, constexprs: by value
 
 
@@ -119,7 +130,7 @@ def launch_args(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], spec_key:
         return
     cache = getattr(fn, "_opreg_launch_cache", None)
     if cache is None or _direct_ok is False or _hooks():
-        if cache is None and type(fn).__name__ == "JITFunction":
+        if cache is None and type(fn).__name__ in _CACHED:
             fn._opreg_launch_cache = {}
         fn[grid](*_built(args), **kwargs)
         return

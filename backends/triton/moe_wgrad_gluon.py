@@ -29,10 +29,11 @@ its rows past the expert's end in both operands' shared memory before the MMA. E
 stores its tile through its own shared buffer and TMA, waiting for that store only before its
 next tile's epilogue.
 
-Launched through Triton's own ``kernel[grid]``, not ``launch.py``'s cached raw launcher, which
-does not take Gluon's tensor descriptors yet: the host time that costs is why the caller's
-default starts at 192 rows per expert (where the steps wait on their host, the GPU time saved
-was smaller than it; ``moe_experts_backward.gluon_wgrad_default``).
+Launched through ``launch.py``'s cache (Triton's generated C launcher on a hit), not Triton's
+own ``kernel[grid]``: the fifty-fourth session's steps at T = 64 and 512 on the H100 were
+88-121 us slower with the kernel launched that way, most likely its host time (steps that
+wait on their host), which is why the caller's default started at 192 rows per expert
+(``moe_experts_backward.gluon_wgrad_default``).
 
 Needs sm90 (wgmma, TMA), triton's Gluon (3.6; 3.8 compiles it too), bf16, contiguous
 operands, M and N multiples of 128, S >= 64: :func:`unfit` says which is missing. Gluon has
@@ -49,6 +50,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from opreg.backends.triton.launch import launch
 
 __all__ = ["STAGES", "stages_for", "unfit", "wgrad"]
 
@@ -320,6 +323,9 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tenso
     tiles = e * (m // BLOCK_M) * (n // BLOCK_N)
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     grid = (min(programs or _device(index)[1], tiles),)
-    wgrad_kernel[grid](a_desc, b_desc, c_desc, offs, m, n, tiles, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS,
-                       LOADER_REGS=LOADER_REGS, num_warps=4)
+    # what Triton specialises on beyond the fixed dtypes, boxes and layouts: the constexprs,
+    # offs' alignment and total_tiles' int class (M and N are multiples of 128)
+    spec = (stages, offs.data_ptr() % 16 == 0, tiles == 1, tiles % 16 == 0)
+    launch(wgrad_kernel, grid, a_desc, b_desc, c_desc, offs, m, n, tiles, spec_key=spec, STAGES=stages,
+           CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
     return out
