@@ -1,4 +1,4 @@
-"""The MoE weight gradients: the Gluon ping-pong kernel against CUTLASS (CUDA, sm90).
+"""The MoE weight gradients: the Gluon kernels (ping-pong, cooperative) against CUTLASS (CUDA, sm90).
 
     python bench/moe_wgrad.py [--configs qwen3_moe olmoe mixtral] [--tokens 4096] [--sweep | --host] [--json F]
 
@@ -6,9 +6,10 @@ Per config (``tune.SHAPES``: E, H, I, top-k; bf16, uniform random top-k routing)
 gradients as ``moe_experts_backward`` computes them, out[e] = A_e^T B_e over each expert's
 run of sorted rows: d gate_up_proj (A = d_pre (S, 2I), B = x's rows (S, H)) and d down_proj
 (A = rw * dout's rows (S, H), B = act (S, I)). ``torch._grouped_mm(A.t(), B, offs=offs)``
-(CUTLASS) against :func:`opreg.backends.triton.moe_wgrad_gluon.wgrad` at each ``--stages``,
-each as 10 calls in one CUDA graph, median over ``--rounds`` rounds in alternating order; µs,
-TF/s, CUTLASS / Gluon. ``--sweep``: the same at fixed rows per expert (``--rows``, S = rows x
+(CUTLASS) against :func:`opreg.backends.triton.moe_wgrad_gluon.wgrad` at each ``--stages``
+(ping-pong) and each ``--coop-stages`` (cooperative, where N is a multiple of 256), each as 10
+calls in one CUDA graph, median over ``--rounds`` rounds in alternating order; µs, TF/s,
+CUTLASS / Gluon. ``--sweep``: the same at fixed rows per expert (``--rows``, S = rows x
 E, every expert the same count), then per implementation a least-squares fit of time = tiles
 per SM x (fixed + per-step x steps) and, per shape, the rows per expert where Gluon stops
 winning (what ``moe_experts_backward.GLUON_WGRAD_MAX_ROWS`` is checked against). ``--host``:
@@ -53,7 +54,8 @@ def _grads(e: int, h: int, i: int) -> list[tuple[str, int, int]]:
     return [("gate_up", 2 * i, h), ("down", h, i)]
 
 
-def bench_one(name: str, counts: list[int], m: int, n: int, stages: list[int], rounds: int) -> dict:
+def bench_one(name: str, counts: list[int], m: int, n: int, stages: list[int], rounds: int,
+              coop_stages: list[int] = ()) -> dict:
     e, s = len(counts), sum(counts)
     offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
     a = torch.randn(s, m, device="cuda", dtype=torch.bfloat16)
@@ -62,8 +64,14 @@ def bench_one(name: str, counts: list[int], m: int, n: int, stages: list[int], r
     impls = {"cutlass": lambda: torch._grouped_mm(a.t(), b, offs=offs)}
     for st in stages:
         impls[f"gluon{st}"] = lambda st=st: G.wgrad(a, b, offs, out=out, stages=st)
+    if G.unfit(a, b, cooperative=True) is None:
+        for st in coop_stages:
+            impls[f"coop{st}"] = lambda st=st: G.wgrad(a, b, offs, out=out, stages=st, cooperative=True)
     graphs = {k: _graph(f) for k, f in impls.items()}
-    same = torch.equal(torch._grouped_mm(a.t(), b, offs=offs), G.wgrad(a, b, offs, stages=stages[0]))
+    ref = torch._grouped_mm(a.t(), b, offs=offs)
+    same = torch.equal(ref, G.wgrad(a, b, offs, stages=stages[0])) and all(
+        torch.equal(ref, G.wgrad(a, b, offs, stages=st, cooperative=True))
+        for st in coop_stages if f"coop{st}" in impls)
     times: dict[str, list[float]] = {k: [] for k in graphs}
     for r in range(rounds):
         for k in (list(graphs) if r % 2 == 0 else list(graphs)[::-1]):
@@ -108,7 +116,7 @@ def fit(rows: list[dict], sms: int) -> None:
     """time = tiles per SM x (fixed + per step x steps), per implementation (CUTLASS's tile
     counted as 128 x 256, Gluon's 128 x 128; steps = mean rows per expert / 64)."""
     for impl in rows[0]["us"]:
-        tm, tn = (128, 256) if impl == "cutlass" else (128, 128)
+        tm, tn = (128, 256) if impl == "cutlass" or impl.startswith("coop") else (128, 128)
         xs, ys = [], []
         for r in rows:
             tiles = r["E"] * r["M"] / tm * r["N"] / tn / sms
@@ -126,6 +134,8 @@ def main() -> None:
     p.add_argument("--configs", nargs="*", default=["qwen3_moe", "olmoe", "mixtral"])
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--stages", type=int, nargs="*", default=[4, 5])
+    p.add_argument("--coop-stages", type=int, nargs="*", default=[3],
+                   help="the cooperative kernel's ring depths (128 x 256 tiles; none: not timed)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--rows", type=int, nargs="*", default=[64, 128, 256, 384, 512, 768, 1024, 1536])
@@ -144,11 +154,11 @@ def main() -> None:
                 host_one(f"{cfg} {g} T={a.tokens}", _counts(a.tokens, e, k), m, n)
             elif a.sweep:
                 for r in a.rows:
-                    results.append(bench_one(f"{cfg} {g} sweep", [r] * e, m, n, a.stages, a.rounds))
+                    results.append(bench_one(f"{cfg} {g} sweep", [r] * e, m, n, a.stages, a.rounds, a.coop_stages))
                     torch.cuda.empty_cache()
             else:
                 results.append(bench_one(f"{cfg} {g} T={a.tokens}", _counts(a.tokens, e, k), m, n, a.stages,
-                                         a.rounds))
+                                         a.rounds, a.coop_stages))
                 torch.cuda.empty_cache()
     if a.sweep:
         fit(results, props.multi_processor_count)

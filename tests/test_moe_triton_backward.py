@@ -976,14 +976,18 @@ GLUON_CASES = {"empties and tails": ([0, 1, 63, 64, 65, 0, 127, 200, 0], 256, 12
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("cooperative", [False, True])
 @pytest.mark.parametrize("case", list(GLUON_CASES))
-def test_cuda_gluon_wgrad_kernel(case: str) -> None:
+def test_cuda_gluon_wgrad_kernel(case: str, cooperative: bool) -> None:
     """:func:`moe_wgrad_gluon.wgrad` against float64 per expert: every element of a
     NaN-filled output written, NaN rows past offs[-1] (the backward leaves them unwritten)
     reaching nothing, an empty expert exact zeros, every stage count, grids of one and three
-    programs and of one a tile, the same bits every time, a CUDA graph replayed on new values."""
+    programs and of one a tile, the same bits every time, a CUDA graph replayed on new values;
+    ping-pong and cooperative (N rounded up to its 256-wide tiles)."""
     G = _gluon_wgrad_module()
     counts, m, n = GLUON_CASES[case]
+    if cooperative:
+        n = -(-n // G.COOP_BLOCK_N) * G.COOP_BLOCK_N
     s = sum(counts)
     offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
     a = torch.full((s + 70, m), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -995,9 +999,9 @@ def test_cuda_gluon_wgrad_kernel(case: str) -> None:
         want[ex] = a[lo:hi].double().cpu().T @ b[lo:hi].double().cpu()
     first = None
     # one program (every tile through both consumers in turn), three, one a tile (or an SM)
-    for stages, programs in itertools.product((3, 4, 5), (1, 3, None)):
+    for stages, programs in itertools.product((2, 3) if cooperative else (3, 4, 5), (1, 3, None)):
         out = torch.full((len(counts), m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        got = G.wgrad(a, b, offs, out=out, stages=stages, programs=programs)
+        got = G.wgrad(a, b, offs, out=out, stages=stages, programs=programs, cooperative=cooperative)
         assert got is out
         assert_matches(got, want.cuda(), torch.bfloat16)
         for ex, c in enumerate(counts):
@@ -1006,9 +1010,9 @@ def test_cuda_gluon_wgrad_kernel(case: str) -> None:
         if first is None:
             first = got.clone()
         assert torch.equal(got, first), f"stages={stages}, programs={programs}: not the first run's bits"
-    assert torch.equal(G.wgrad(a, b, offs), first), "a second run differs"
+    assert torch.equal(G.wgrad(a, b, offs, cooperative=cooperative), first), "a second run differs"
     # captured in a CUDA graph, replayed on new values in place
-    graph, _ = captured(lambda: G.wgrad(a, b, offs, out=out))
+    graph, _ = captured(lambda: G.wgrad(a, b, offs, out=out, cooperative=cooperative))
     a[:s].copy_(torch.randn(s, m))
     out.fill_(float("nan"))
     graph.replay()
@@ -1027,7 +1031,7 @@ def test_gluon_wgrad_rejects_what_it_cannot_take() -> None:
     offs = torch.tensor([100, 256], dtype=torch.int32, device=dev)
     bad = [((a.cpu(), a.cpu()), "A is not a 2-D bf16 CUDA tensor")]
     if dev == "cuda":
-        bad += [((a, a.half()), "B is not a 2-D bf16"), ((a, a[:, :96].contiguous()), "multiples of 128"),
+        bad += [((a, a.half()), "B is not a 2-D bf16"), ((a, a[:, :96].contiguous()), r"multiples of \(128, 128\)"),
                 ((a, a[:200]), "same rows"), ((a[:32], a[:32]), "at least 64"),
                 ((a[:, :64].t(), a), "A is not contiguous")]
     for (x, y), needle in bad:
@@ -1040,30 +1044,44 @@ def test_gluon_wgrad_rejects_what_it_cannot_take() -> None:
             G.wgrad(a, a, offs, out=torch.empty(2, 128, 64, dtype=torch.bfloat16, device=dev))
         with pytest.raises(ValueError, match="programs"):
             G.wgrad(a, a, offs, programs=0)
-    assert TB.gluon_wgrad_default(256, 2048, 1536, 768)  # Qwen3-MoE at T = 4096
-    assert not TB.gluon_wgrad_default(TB.GLUON_WGRAD_MAX_ROWS + 1, 2048, 1536, 768)
-    assert not TB.gluon_wgrad_default(TB.GLUON_WGRAD_MIN_ROWS - 1, 2048, 1536, 768)
-    assert not TB.gluon_wgrad_default(256, 2048, 192, 96)  # I = 96: no 128-wide tiles
+        with pytest.raises(ValueError, match=r"multiples of \(128, 256\)"):  # the cooperative tile's N
+            G.wgrad(a, a, offs, cooperative=True)
+        with pytest.raises(ValueError, match="stages"):  # 4 don't fit the cooperative kernel's shared memory
+            G.wgrad(a, torch.randn(256, 256, dtype=torch.bfloat16, device=dev), offs, cooperative=True, stages=4)
+    if TB._gluon_wgrad() is None:
+        return
+    rule = TB.gluon_wgrad_default
+    assert rule(256, 2048, 1536, 768) == TB.GLUON_PINGPONG  # Qwen3-MoE at T = 4096
+    assert rule(512, 2048, 2048, 1024) == rule(4096, 2048, 2048, 1024) == TB.GLUON_COOP  # OLMoE at 4096 and up
+    assert rule(TB.GLUON_WGRAD_MIN_ROWS - 1, 2048, 1536, 768) == TB.GLUON_OFF
+    assert rule(256, 2048, 192, 96) == TB.GLUON_OFF  # I = 96: no 128-wide tiles
+    # I = 1408: 128-wide tiles only, so ping-pong up to its bound
+    assert rule(TB.GLUON_WGRAD_MAX_ROWS, 2048, 2816, 1408) == TB.GLUON_PINGPONG
+    assert rule(TB.GLUON_WGRAD_MAX_ROWS + 1, 2048, 2816, 1408) == TB.GLUON_OFF
 
 
-def test_gluon_wgrad_compiles_for_sm90() -> None:
-    """The Gluon kernel has no interpreter: on any machine, compile it for sm90 at the ring
-    depths :func:`moe_wgrad_gluon.stages_for` picks (no GPU needed; the CUDA cases run it),
-    its shared memory within the H100's 232,448 bytes a block."""
+@pytest.mark.parametrize("cooperative", [False, True])
+def test_gluon_wgrad_compiles_for_sm90(cooperative: bool) -> None:
+    """The Gluon kernels have no interpreter: on any machine, compile each for sm90 at the
+    ring depths the wrapper takes by default (:func:`moe_wgrad_gluon.stages_for`; the
+    cooperative kernel's :data:`COOP_STAGES`; no GPU needed, the CUDA cases run them), its
+    shared memory within the H100's 232,448 bytes a block."""
     G = pytest.importorskip("opreg.backends.triton.moe_wgrad_gluon")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    stage, tile = G._layouts()
-    sig = {"a_desc": f"tensordesc<bf16[{G.BLOCK_K}, {G.BLOCK_M}],{stage!r}>",
-           "b_desc": f"tensordesc<bf16[{G.BLOCK_K}, {G.BLOCK_N}],{stage!r}>",
-           "c_desc": f"tensordesc<bf16[{G.BLOCK_M}, {G.BLOCK_N}],{tile!r}>",
+    bn, cm = (G.COOP_BLOCK_N, G.BLOCK_M // 2) if cooperative else (G.BLOCK_N, G.BLOCK_M)
+    a_layout, b_layout, c_layout = G._layouts(bn, cm)
+    sig = {"a_desc": f"tensordesc<bf16[{G.BLOCK_K}, {G.BLOCK_M}],{a_layout!r}>",
+           "b_desc": f"tensordesc<bf16[{G.BLOCK_K}, {bn}],{b_layout!r}>",
+           "c_desc": f"tensordesc<bf16[{cm}, {bn}],{c_layout!r}>",
            "offs_ptr": "*i32", "M": "i32", "N": "i32", "total_tiles": "i32",
            "STAGES": "constexpr", "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr"}
-    for stages in sorted({G.stages_for(1), G.stages_for(10 ** 6)}):
+    depths = [G.COOP_STAGES] if cooperative else sorted({G.stages_for(1), G.stages_for(10 ** 6)})
+    for stages in depths:
         consts = {"STAGES": stages, "CONSUMER_REGS": G.CONSUMER_REGS, "LOADER_REGS": G.LOADER_REGS}
-        src = GluonASTSource(G.wgrad_kernel, signature=sig, constexprs=consts,
-                             attrs={(j,): [["tt.divisibility", 16]] for j in (3, 4, 5)})
+        src = GluonASTSource(G.wgrad_coop_kernel if cooperative else G.wgrad_kernel, signature=sig,
+                             constexprs=consts, attrs={(j,): [["tt.divisibility", 16]] for j in (3, 4, 5)})
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         assert "wgmma" in kernel.asm["ptx"] and "setmaxnreg" in kernel.asm["ptx"]
         assert kernel.metadata.shared <= 232448, (stages, kernel.metadata.shared)
@@ -1073,22 +1091,27 @@ def test_gluon_wgrad_compiles_for_sm90() -> None:
 @needs_cuda
 @pytest.mark.parametrize("family", BIG_FAMILIES)
 @pytest.mark.parametrize("shape", ["sparse", "gluon"])
-def test_cuda_gluon_wgrad_backward(shape: str, family: str) -> None:
-    """bf16, the weight gradients on the Gluon kernel (``configs["wgrad"]["GLUON"]`` 1) and on
-    CUTLASS (0) both match float64 and each other, every other gradient the same bits, two
-    Gluon runs bit-identical, torch._grouped_mm not called for them; NaN-filled buffers (the
-    Gluon output's among them). Gluon where the tiles don't fit raises."""
+@pytest.mark.parametrize("kernel", [1, 2])
+def test_cuda_gluon_wgrad_backward(kernel: int, shape: str, family: str) -> None:
+    """bf16, the weight gradients on a Gluon kernel (``configs["wgrad"]["GLUON"]`` 1: ping-pong,
+    2: cooperative) and on CUTLASS (0) both match float64 and each other, every other gradient
+    the same bits, two Gluon runs bit-identical, torch._grouped_mm not called for them;
+    NaN-filled buffers (the Gluon output's among them). Gluon where the tiles don't fit raises."""
     _gluon_wgrad_module()
-    # "sparse": ~2 rows per expert, most experts empty; "gluon": ~96 rows per expert
-    sizes = {"sparse": (16, 8, 256, 128, 64), "gluon": (384, 4, 256, 128, 16)}[shape]
+    # "sparse": ~2 rows per expert, most experts empty; "gluon": ~96 rows per expert; I = 256
+    # for the cooperative kernel's 256-wide tiles
+    i = 128 * kernel
+    sizes = {"sparse": (16, 8, 256, i, 64), "gluon": (384, 4, 256, i, 16)}[shape]
     args = _requires(_special(_clear_limit(make(*sizes, torch.bfloat16, "cuda", **{**FAMILIES[family][1],
                                                                                    "sentinels": 3})), "nan"),
                      GRAD_ARGS)
-    _two_paths(args, lambda g: {"wgrad": {"GROUPED_MM": 1, "GLUON": g}, "dgrad1": {"GROUPED_MM": 0}},
+    _two_paths(args, lambda g: {"wgrad": {"GROUPED_MM": 1, "GLUON": kernel * g}, "dgrad1": {"GROUPED_MM": 0}},
                lambda g: 0 if g else 2, ["down_proj", "gate_up_proj"], "GLUON")
-    unfit = _requires(make(64, 2, 128, 96, 4, torch.bfloat16, "cuda", **FAMILIES[family][1]), GRAD_ARGS)
+    # I = 96 (no 128-wide tiles), or 128 for the cooperative kernel
+    unfit = _requires(make(64, 2, 256, 96 if kernel == 1 else 128, 4, torch.bfloat16, "cuda",
+                           **FAMILIES[family][1]), GRAD_ARGS)
     with pytest.raises(ValueError, match="GLUON"):
-        out = TB.FusedExperts.apply(*unfit, {"wgrad": {"GROUPED_MM": 1, "GLUON": 1}})
+        out = TB.FusedExperts.apply(*unfit, {"wgrad": {"GROUPED_MM": 1, "GLUON": kernel}})
         torch.autograd.grad(out, [a for n, a in zip(ARGS, unfit) if n in GRAD_ARGS and a is not None],
                             torch.randn_like(out))
 

@@ -61,9 +61,9 @@ row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    ``offs[-1]`` (its groups end there), which the tests check with NaN-filled buffers (the
    CPU's bf16 path in the interpreter cases, torch 2.14; CUTLASS in the CUDA tests).
    The bias gradients stay on ``_moe_wgrad``'s bias-only launch. Between
-   :data:`GLUON_WGRAD_MIN_ROWS` and :data:`GLUON_WGRAD_MAX_ROWS` rows per expert
-   (:func:`gluon_wgrad_default`; ``configs["wgrad"]["GLUON"]`` forces it either way, 1 where
-   the shapes don't fit raises ValueError) the same product runs on the ping-pong Gluon
+   :data:`GLUON_WGRAD_MIN_ROWS` rows per expert and up (:func:`gluon_wgrad_default`;
+   ``configs["wgrad"]["GLUON"]`` 0 / 1 / 2 forces CUTLASS / ping-pong / cooperative, a kernel
+   whose tiles don't fit the shapes raising ValueError) the same product runs on a Gluon
    kernel of :mod:`.moe_wgrad_gluon` instead (eager only: under Dynamo, CUTLASS).
 
 Deterministic (every sum in a fixed order, no atomics), fp32 accumulation, fp32 GEMMs in
@@ -494,9 +494,12 @@ def grouped_mm_dgrad1_default(x: torch.Tensor, w1: torch.Tensor, n1: int, i: int
     return grouped_mm_wgrad_default(x, n1, i) and grouped_mm_unfit(x, n1, i, w1) is None
 
 
-# The weight gradients on the Gluon ping-pong kernel (.moe_wgrad_gluon) instead of CUTLASS by
-# default between these mean rows per expert (gluon_wgrad_default says why)
-GLUON_WGRAD_MIN_ROWS, GLUON_WGRAD_MAX_ROWS = 192, 768
+# The weight gradients on a Gluon kernel (.moe_wgrad_gluon) instead of CUTLASS by default from
+# GLUON_WGRAD_MIN_ROWS mean rows per expert on: ping-pong up to GLUON_COOP_MIN_ROWS, cooperative
+# from there on where its 256-wide tiles fit, else ping-pong up to GLUON_WGRAD_MAX_ROWS
+# (gluon_wgrad_default says why)
+GLUON_WGRAD_MIN_ROWS, GLUON_COOP_MIN_ROWS, GLUON_WGRAD_MAX_ROWS = 192, 384, 768
+GLUON_OFF, GLUON_PINGPONG, GLUON_COOP = 0, 1, 2  # configs["wgrad"]["GLUON"]'s values
 
 
 @functools.cache
@@ -511,27 +514,33 @@ def _gluon_wgrad() -> Any:
     return moe_wgrad_gluon
 
 
-def gluon_wgrad_default(rows_per_expert: float, h: int, n1: int, i: int) -> bool:
-    """Whether weight gradients that run on ``torch._grouped_mm`` (:func:`grouped_mm_wgrad_default`)
-    run on the Gluon ping-pong kernel (:mod:`.moe_wgrad_gluon`) instead, by default: where its
-    128 x 128 tiles fit (H, N1 and I multiples of 128), triton has Gluon, and the mean rows per
-    expert lie in [:data:`GLUON_WGRAD_MIN_ROWS`, :data:`GLUON_WGRAD_MAX_ROWS`].
+def gluon_wgrad_default(rows_per_expert: float, h: int, n1: int, i: int) -> int:
+    """Which kernel runs weight gradients that run on ``torch._grouped_mm``
+    (:func:`grouped_mm_wgrad_default`) by default: :data:`GLUON_OFF` (CUTLASS),
+    :data:`GLUON_PINGPONG` or :data:`GLUON_COOP` (:mod:`.moe_wgrad_gluon`'s two kernels). Gluon
+    where triton has it, H, N1 and I are multiples of 128 and the mean rows per expert are at
+    least :data:`GLUON_WGRAD_MIN_ROWS`; cooperative from :data:`GLUON_COOP_MIN_ROWS` on where
+    they are multiples of 256 too, else ping-pong up to :data:`GLUON_WGRAD_MAX_ROWS`.
 
     The model: CUTLASS's cooperative kernel pays ~3.1 us per 128 x 256 output tile that no MMA
     hides, plus 0.71 us per 64-row step; the ping-pong kernel hides that cost, but its steps
-    run ~40 % slower for their area. So it wins where the reductions are short, and both are
-    bound by writing the gradients where they are shortest. Checked on the H100 (2026-12-05,
-    bench/RESULTS.md): ``bench/moe_wgrad.py --sweep`` (every expert the same rows) gave Gluon
-    1.08-1.34x from 256 to 768 rows on all six shapes, 0.97-1.27x at 64-128 (Qwen3-MoE's
-    gate_up at parity: the writes), 0.92-1.12x at 1536; in the training step
-    (``bench/moe_launches.py --variant``), T = 4096: Qwen3-MoE (256 rows) 2725 -> 2590 us, OLMoE
-    (512) 2936 -> 2843, Mixtral's shape (1024, routed: ragged last steps) 2500 -> 2527, slower;
-    at T = 64 and 512 (4-128 rows) OLMoE and Mixtral 88-121 us slower, Qwen3-MoE 43-118 faster:
-    the kernel's Python launch (``kernel[grid]``, no raw launcher) costs the host more than
-    ``torch._grouped_mm``'s, and those steps wait on their host. Hence 192 (between 128 and
-    256) and 768 (between 512 and 1024)."""
-    return (GLUON_WGRAD_MIN_ROWS <= rows_per_expert <= GLUON_WGRAD_MAX_ROWS and h % 128 == 0 and n1 % 128 == 0
-            and i % 128 == 0 and _gluon_wgrad() is not None)
+    run ~40 % slower for their area; the Gluon cooperative kernel (both consumers on one 128 x
+    256 tile, as CUTLASS's) pays ~2.3 us a tile and its steps run at CUTLASS's rate or faster
+    (its tiles walk one descriptor, no per-expert descriptor updates). So ping-pong wins where
+    the reductions are short, cooperative where they are long, and all are bound by writing
+    the gradients where they are shortest. Checked on the H100 (2026-12-05, bench/RESULTS.md):
+    ``bench/moe_wgrad.py --sweep`` (every expert the same rows) gave ping-pong 1.08-1.34x
+    CUTLASS from 256 to 768 rows on all six shapes, 0.92-1.12x at 1536; cooperative
+    1.13-1.35x from 384 to 1536 on all six; in the training step (``bench/moe_launches.py
+    --variant``), T = 4096: Qwen3-MoE (256 rows) 2725 -> 2590 us on ping-pong. Below 192 rows
+    (T = 64 and 512) the kernels are faster but those steps wait on their host, and a Gluon
+    launch costs ~30 us of host against ``torch._grouped_mm``'s ~21 (``moe_wgrad.py --host``):
+    OLMoE and Mixtral's steps were slower with it."""
+    if rows_per_expert < GLUON_WGRAD_MIN_ROWS or h % 128 or n1 % 128 or i % 128 or _gluon_wgrad() is None:
+        return GLUON_OFF
+    if rows_per_expert >= GLUON_COOP_MIN_ROWS and not (h % 256 or n1 % 256 or i % 256):
+        return GLUON_COOP
+    return GLUON_PINGPONG if rows_per_expert <= GLUON_WGRAD_MAX_ROWS else GLUON_OFF
 
 
 # GEMM2's split dgrad on torch._grouped_mm by default from this many rows per expert on
@@ -633,9 +642,10 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     ({"dgrad2", "dgrad1", "wgrad", "combine"}); ``configs["wgrad"]["GROUPED_MM"]`` 1 / 0
     forces the weight gradients onto ``torch._grouped_mm`` or off it (default:
     :func:`grouped_mm_wgrad_default`; 1 where :func:`grouped_mm_unfit` says why not raises
-    ValueError), ``configs["wgrad"]["GLUON"]`` 1 / 0 those on the Gluon kernel or CUTLASS
-    (default: :func:`gluon_wgrad_default`), ``configs["dgrad1"]["GROUPED_MM"]`` GEMM1's dgrad (default:
-    :func:`grouped_mm_dgrad1_default`). ``fwd_spec``: :func:`F.spec_of` the op's arguments, if the caller has it."""
+    ValueError), ``configs["wgrad"]["GLUON"]`` 0 / 1 / 2 those on CUTLASS or the Gluon ping-pong
+    or cooperative kernel (default: :func:`gluon_wgrad_default`), ``configs["dgrad1"]["GROUPED_MM"]``
+    GEMM1's dgrad (default: :func:`grouped_mm_dgrad1_default`). ``fwd_spec``: :func:`F.spec_of` the
+    op's arguments, if the caller has it."""
     x, ids, rw, w1, b1, w2, b2 = hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, \
         down_proj, down_bias
     inputs = (x, rw, w1, b1, w2, b2)
@@ -678,13 +688,16 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             raise ValueError(f"fused_experts_backward: configs['wgrad']['GROUPED_MM'] = 1, but {why}")
         gluon = cfg["wgrad"].get("GLUON")
         if gluon is None:
-            gluon = grouped and gluon_wgrad_default(s / e, h, n1, i)
+            gluon = gluon_wgrad_default(s / e, h, n1, i) if grouped else GLUON_OFF
+        elif gluon not in (GLUON_OFF, GLUON_PINGPONG, GLUON_COOP):
+            raise ValueError(f"fused_experts_backward: configs['wgrad']['GLUON'] must be 0 (CUTLASS), 1 (ping-pong) "
+                             f"or 2 (cooperative), got {gluon!r}")
         elif gluon and not grouped:
-            raise ValueError("fused_experts_backward: configs['wgrad']['GLUON'] = 1 needs the weight gradients on "
-                             "torch._grouped_mm's path (GROUPED_MM: bf16 on sm90), which these do not take")
-        elif gluon and (h % 128 or n1 % 128 or i % 128 or _gluon_wgrad() is None):
-            raise ValueError(f"fused_experts_backward: configs['wgrad']['GLUON'] = 1, but H = {h}, N1 = {n1}, "
-                             f"I = {i} are not all multiples of 128, or this triton has no Gluon")
+            raise ValueError(f"fused_experts_backward: configs['wgrad']['GLUON'] = {gluon} needs the weight gradients "
+                             "on torch._grouped_mm's path (GROUPED_MM: bf16 on sm90), which these do not take")
+        elif gluon and (h % (128 * gluon) or n1 % (128 * gluon) or i % (128 * gluon) or _gluon_wgrad() is None):
+            raise ValueError(f"fused_experts_backward: configs['wgrad']['GLUON'] = {gluon}, but H = {h}, N1 = {n1}, "
+                             f"I = {i} are not all multiples of {128 * gluon}, or this triton has no Gluon")
         grouped1 = bool(cfg["dgrad1"].get("GROUPED_MM", grouped_mm_dgrad1_default(x, w1, n1, i)))
         if grouped1 and (why := grouped_mm_unfit(x, n1, i, w1)) is not None:
             raise ValueError(f"fused_experts_backward: configs['dgrad1']['GROUPED_MM'] = 1, but {why}")
@@ -733,7 +746,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
         if cfg["wgrad"].get("HALF_TAIL", 0):
             raise ValueError("fused_experts_backward: configs['wgrad'] has no HALF_TAIL mode (its reduction runs "
                              "over the rows: no tile of rows to halve)")
-        plan = (cfg, grouped, grouped1, bool(gluon))
+        plan = (cfg, grouped, grouped1, gluon)
         if spec is not None:
             F._remember(_PLANS, spec, plan)
     cfg, grouped, grouped1, gluon = plan
@@ -890,14 +903,16 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                 # out[e] = L_e^T R_e is (E, out, in); the (E, in, out) weight takes R_e^T L_e
                 a_rows, b_rows = (rrows, lrows) if transposed else (lrows, rrows)
                 # Gluon's kernels don't trace: under Dynamo, CUTLASS
-                why = "traced by Dynamo" if traced else _gluon_wgrad().unfit(a_rows, b_rows) if gluon else None
+                coop = gluon == GLUON_COOP
+                why = ("traced by Dynamo" if traced else _gluon_wgrad().unfit(a_rows, b_rows, coop) if gluon
+                       else None)
                 if gluon and why is None:
                     dw = _gluon_wgrad().wgrad(a_rows, b_rows, offs, out=F._new_buffer(
                         (e, a_rows.shape[1], b_rows.shape[1]), x.dtype, dev),
-                        stages=_gluon_wgrad().stages_for(s / e))
+                        stages=None if coop else _gluon_wgrad().stages_for(s / e), cooperative=coop)
                 else:
                     if gluon and not traced and "GLUON" in c:
-                        raise ValueError(f"fused_experts_backward: configs['wgrad']['GLUON'] = 1, but {why}")
+                        raise ValueError(f"fused_experts_backward: configs['wgrad']['GLUON'] = {gluon}, but {why}")
                     dw = torch._grouped_mm(a_rows.t(), b_rows, offs=offs)
             elif do_w:
                 dw = F._new_buffer(tuple(w.shape), w.dtype, dev)

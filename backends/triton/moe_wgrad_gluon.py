@@ -53,12 +53,15 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from opreg.backends.triton.launch import launch
 
-__all__ = ["STAGES", "stages_for", "unfit", "wgrad"]
+__all__ = ["COOP_STAGES", "STAGES", "stages_for", "unfit", "wgrad"]
 
 # a partition-wide barrier: gl.thread_barrier in triton 3.6, gl.barrier from 3.7 on
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # an output tile; rows (the reduction) per step
+COOP_BLOCK_N = 256  # the cooperative kernel's tile: 128 x 256, a 64 x 256 half a consumer
+# its ring: 3 stages of 48 KB with the two 32 KB store buffers (212,992 bytes); 4 do not fit
+COOP_STAGES = 3
 # the ring's depth: 5 (229,656 bytes of shared memory with the two epilogue buffers) up to 512
 # rows per expert, 4 from 768 on: the faster of the two in 40 of 48 shapes of one H100 sweep
 # (bench/moe_wgrad.py --sweep, 2026-12-05), within 5 % in the rest
@@ -263,11 +266,129 @@ def wgrad_kernel(a_desc, b_desc, c_desc, offs_ptr, M, N, total_tiles, STAGES: gl
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
+@gluon.jit
+def _coop_consumer(a_bufs, b_bufs, c_smem, ready, fixed, empty, c_desc, offs_ptr, pid, nprog, n_local, M, tiles_n,
+                   tiles_per_expert, WHICH: gl.constexpr):
+    # Both consumers on one 128 x 256 tile: consumer c takes its rows [64 c, 64 c + 64) of
+    # A's stage and all of B's, one m64n256 wgmma a 16-row slice (CUTLASS's cooperative
+    # split). An expert's last step is fixed by both (rows past its end zeroed: each its
+    # half of A's stage and of B's columns), then each waits for the other's half (fixed).
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BK: gl.constexpr = a_bufs.shape[1]
+    BM: gl.constexpr = a_bufs.shape[2]
+    BN: gl.constexpr = b_bufs.shape[2]
+    HM: gl.constexpr = BM // 2
+    HN: gl.constexpr = BN // 2
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    tail_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+
+    g = 0
+    tails = 0  # last steps fixed so far: fixed's phase (both consumers count the same ones)
+    for i in range(n_local):
+        t = pid + i * nprog
+        e, tm, tn, start, end, nsteps = _tile_info(t, offs_ptr, tiles_n, tiles_per_expert, BK)
+        acc = gl.zeros([HM, BN], gl.float32, acc_layout)
+        for j in range(nsteps):
+            s = (g + j) % STAGES
+            mbarrier.wait(ready.index(s), ((g + j) // STAGES) & 1)
+            a_s = a_bufs.index(s).slice(WHICH * HM, HM, dim=1)
+            valid = end - (start + j * BK)
+            if valid < BK:  # as _consumer's last step, this consumer's halves
+                rows = gl.expand_dims(gl.arange(0, BK, layout=gl.SliceLayout(1, tail_layout)), 1)
+                xa = a_s.load(tail_layout)
+                a_s.store(gl.where(rows < valid, xa, gl.zeros_like(xa)))
+                b_half = b_bufs.index(s).slice(WHICH * HN, HN, dim=1)
+                xb = b_half.load(tail_layout)
+                b_half.store(gl.where(rows < valid, xb, gl.zeros_like(xb)))
+                fence_async_shared()
+                _barrier()
+                # fixed (count 2) completes once both halves are written; neither consumer
+                # can arrive for the next last step before the other has arrived for this one
+                mbarrier.arrive(fixed)
+                mbarrier.wait(fixed, tails & 1)
+                tails += 1
+            acc = warpgroup_mma(a_s.permute((1, 0)), b_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            if j > 0:
+                mbarrier.arrive(empty.index((g + j - 1) % STAGES))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if nsteps > 0:
+            mbarrier.arrive(empty.index((g + nsteps - 1) % STAGES))
+        # the previous tile's store from c_smem ran under this tile's MMAs
+        tma.store_wait(0)
+        _barrier()
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        _barrier()
+        tma.async_copy_shared_to_global(c_desc, [e * M + tm * BM + WHICH * HM, tn * BN], c_smem)
+        g += nsteps
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _coop_consumer0(a_bufs, b_bufs, c_smem, ready, fixed, empty, c_desc, offs_ptr, pid, nprog, n_local, M,
+                    tiles_n, tiles_per_expert):
+    _coop_consumer(a_bufs, b_bufs, c_smem, ready, fixed, empty, c_desc, offs_ptr, pid, nprog, n_local, M, tiles_n,
+                   tiles_per_expert, 0)
+
+
+@gluon.jit
+def _coop_consumer1(a_bufs, b_bufs, c_smem, ready, fixed, empty, c_desc, offs_ptr, pid, nprog, n_local, M,
+                    tiles_n, tiles_per_expert):
+    _coop_consumer(a_bufs, b_bufs, c_smem, ready, fixed, empty, c_desc, offs_ptr, pid, nprog, n_local, M, tiles_n,
+                   tiles_per_expert, 1)
+
+
+@gluon.jit
+def wgrad_coop_kernel(a_desc, b_desc, c_desc, offs_ptr, M, N, total_tiles, STAGES: gl.constexpr,
+                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """:func:`wgrad_kernel` on 128 x 256 tiles, both consumers on each (c_desc's box: one
+    consumer's half, 64 x 256); the same loader and tile order."""
+    BK: gl.constexpr = a_desc.block_type.shape[0]
+    BM: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[1]
+    gl.static_assert(b_desc.block_type.shape[0] == BK)
+    gl.static_assert(c_desc.block_type.shape[0] * 2 == BM)
+    gl.static_assert(c_desc.block_type.shape[1] == BN)
+
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BK, BM], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BK, BN], b_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, BM // 2, BN], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumers release a stage
+    fixed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(fixed, count=2)  # both consumers' halves of a last step zeroed
+    fence_async_shared()
+
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    tiles_n = N // BN
+    tiles_per_expert = (M // BM) * tiles_n
+    n_local = (total_tiles - pid + nprog - 1) // nprog
+
+    c_args0 = (a_bufs, b_bufs, c_bufs.index(0), ready, fixed, empty, c_desc, offs_ptr, pid, nprog, n_local, M,
+               tiles_n, tiles_per_expert)
+    c_args1 = (a_bufs, b_bufs, c_bufs.index(1), ready, fixed, empty, c_desc, offs_ptr, pid, nprog, n_local, M,
+               tiles_n, tiles_per_expert)
+    l_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, pid, nprog, n_local, tiles_n,
+              tiles_per_expert)
+    gl.warp_specialize([
+        (_coop_consumer0, c_args0),
+        (_coop_consumer1, c_args1),
+        (_loader, l_args),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
 @functools.cache
-def _layouts() -> tuple[object, object]:
-    """The NVMMA shared layouts of an operand stage ([64, 128]) and of an output tile."""
+def _layouts(bn: int = BLOCK_N, cm: int = BLOCK_M) -> tuple[object, object, object]:
+    """The NVMMA shared layouts of A's stage ([64, 128]), B's ([64, bn]) and a store's tile ([cm, bn])."""
     return (gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16))
+            gl.NVMMASharedLayout.get_default_for([BLOCK_K, bn], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([cm, bn], gl.bfloat16))
 
 
 @functools.cache
@@ -276,7 +397,7 @@ def _device(index: int) -> tuple[tuple[int, int], int]:
     return (p.major, p.minor), p.multi_processor_count
 
 
-def unfit(a: torch.Tensor, b: torch.Tensor) -> str | None:
+def unfit(a: torch.Tensor, b: torch.Tensor, cooperative: bool = False) -> str | None:
     """Why :func:`wgrad` can't take A (S, M) and B (S, N), or None."""
     for name, t in (("A", a), ("B", b)):
         if not t.is_cuda or t.dtype != torch.bfloat16 or t.dim() != 2:
@@ -287,8 +408,9 @@ def unfit(a: torch.Tensor, b: torch.Tensor) -> str | None:
         return "A and B are on different devices"
     if b.shape[0] != a.shape[0] or a.shape[0] < BLOCK_K:
         return f"A and B need the same rows, at least {BLOCK_K} (got {a.shape[0]} and {b.shape[0]})"
-    if a.shape[1] % BLOCK_M or b.shape[1] % BLOCK_N or not (a.shape[1] and b.shape[1]):
-        return f"the output's sides ({a.shape[1]}, {b.shape[1]}) are not positive multiples of 128"
+    bn = COOP_BLOCK_N if cooperative else BLOCK_N
+    if a.shape[1] % BLOCK_M or b.shape[1] % bn or not (a.shape[1] and b.shape[1]):
+        return f"the output's sides ({a.shape[1]}, {b.shape[1]}) are not positive multiples of ({BLOCK_M}, {bn})"
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     if _device(index)[0][0] != 9:
         return f"the GPU is sm{''.join(map(str, _device(index)[0]))}, not sm90 (wgmma)"
@@ -296,18 +418,24 @@ def unfit(a: torch.Tensor, b: torch.Tensor) -> str | None:
 
 
 def wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor | None = None,
-          stages: int = STAGES, programs: int | None = None) -> torch.Tensor:
+          stages: int | None = None, programs: int | None = None, cooperative: bool = False) -> torch.Tensor:
     """out (E, M, N) bf16: out[e] = A[start_e:end_e]^T @ B[start_e:end_e]. ``offs``: (E,) int32
     run ends on A's device (not read on the host). ``out``: a contiguous (E, M, N) bf16 buffer
     to write, every element. ``programs``: how many persistent programs (default one per SM;
-    never more than the tiles). Raises ValueError naming what :func:`unfit` rejects."""
-    if (why := unfit(a, b)) is not None:
+    never more than the tiles). ``cooperative``: both consumers on each 128 x 256 tile
+    (:func:`wgrad_coop_kernel`; N a multiple of 256) instead of ping-pong on 128 x 128 tiles.
+    ``stages``: the ring's depth (default :data:`STAGES`, :data:`COOP_STAGES` cooperative).
+    Raises ValueError naming what :func:`unfit` rejects."""
+    if (why := unfit(a, b, cooperative)) is not None:
         raise ValueError(f"moe wgrad (Gluon): {why}")
     if offs.dtype != torch.int32 or offs.dim() != 1 or offs.numel() < 1 or not offs.is_contiguous() \
             or offs.device != a.device:
         raise ValueError("moe wgrad (Gluon): offs must be a contiguous 1-D int32 tensor of run ends on A's device")
-    if stages not in (3, 4, 5):
-        raise ValueError(f"moe wgrad (Gluon): stages must be 3, 4 or 5, got {stages}")
+    depths = (2, 3) if cooperative else (3, 4, 5)  # what fits the shared memory with the epilogue's buffers
+    stages = stages if stages is not None else COOP_STAGES if cooperative else STAGES
+    if stages not in depths:
+        raise ValueError(f"moe wgrad (Gluon): stages must be one of {depths}{' (cooperative)' * cooperative}, "
+                         f"got {stages}")
     if programs is not None and (not isinstance(programs, int) or programs < 1):
         raise ValueError(f"moe wgrad (Gluon): programs must be a positive int, got {programs!r}")
     m, n, e = a.shape[1], b.shape[1], offs.numel()
@@ -316,16 +444,17 @@ def wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tenso
     elif out.shape != (e, m, n) or out.dtype != torch.bfloat16 or not out.is_contiguous() \
             or out.device != a.device or out.data_ptr() % 16:
         raise ValueError(f"moe wgrad (Gluon): out must be a contiguous bf16 ({e}, {m}, {n}) tensor on A's device")
-    stage, tile = _layouts()
-    a_desc = TensorDescriptor.from_tensor(a, [BLOCK_K, BLOCK_M], stage)
-    b_desc = TensorDescriptor.from_tensor(b, [BLOCK_K, BLOCK_N], stage)
-    c_desc = TensorDescriptor.from_tensor(out.view(e * m, n), [BLOCK_M, BLOCK_N], tile)
-    tiles = e * (m // BLOCK_M) * (n // BLOCK_N)
+    bn, cm = (COOP_BLOCK_N, BLOCK_M // 2) if cooperative else (BLOCK_N, BLOCK_M)  # a tile's N; a store's rows
+    a_layout, b_layout, c_layout = _layouts(bn, cm)
+    a_desc = TensorDescriptor.from_tensor(a, [BLOCK_K, BLOCK_M], a_layout)
+    b_desc = TensorDescriptor.from_tensor(b, [BLOCK_K, bn], b_layout)
+    c_desc = TensorDescriptor.from_tensor(out.view(e * m, n), [cm, bn], c_layout)
+    tiles = e * (m // BLOCK_M) * (n // bn)
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     grid = (min(programs or _device(index)[1], tiles),)
     # what Triton specialises on beyond the fixed dtypes, boxes and layouts: the constexprs,
     # offs' alignment and total_tiles' int class (M and N are multiples of 128)
     spec = (stages, offs.data_ptr() % 16 == 0, tiles == 1, tiles % 16 == 0)
-    launch(wgrad_kernel, grid, a_desc, b_desc, c_desc, offs, m, n, tiles, spec_key=spec, STAGES=stages,
-           CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
+    launch(wgrad_coop_kernel if cooperative else wgrad_kernel, grid, a_desc, b_desc, c_desc, offs, m, n, tiles,
+           spec_key=spec, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
     return out
