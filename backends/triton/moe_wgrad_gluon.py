@@ -1,4 +1,4 @@
-"""The MoE weight gradients on Hopper as a ping-pong grouped GEMM, in Gluon.
+"""The MoE weight gradients on Hopper as grouped GEMMs (ping-pong and cooperative), in Gluon.
 
     out[e] = A[start_e:end_e]^T @ B[start_e:end_e]     A (S, M), B (S, N) bf16 -> out (E, M, N) bf16
 
@@ -16,10 +16,19 @@ tile that no MMA hides plus 0.71 us per step (H100; 3.3 + 0.76 on the H200). Her
 consumers alternate 128 x 128 tiles, so one's epilogue and TMA store run under the other's
 MMAs: ~0.4 us per tile plus 0.49-0.58 per (half as wide) step (H100, 2026-12-05,
 bench/RESULTS.md). Faster where the reductions are short, slower where they are long (the
-MMA loop of one warpgroup on 128 x 128 tiles runs at ~70 % of CUTLASS's): the caller's rule is
-``moe_experts_backward.GLUON_WGRAD_MAX_ROWS``.
+MMA loop of one warpgroup on 128 x 128 tiles runs at ~70 % of CUTLASS's: per 128 x 128 x 64
+step it moves 48 KB of wgmma operand reads and 32 KB of TMA writes through shared memory, a
+cooperative 128 x 256 tile 64 KB for the same work).
 
-The kernel: a persistent program per SM walks its tiles (expert-major, t = pid + i * grid);
+So there is a second kernel, :func:`wgrad_coop_kernel` (``cooperative=True``): both consumers
+on one 128 x 256 tile, each a 64 x 256 half (m64n256 wgmmas sharing B's stage), CUTLASS's
+cooperative split, but every tile walks one descriptor per operand (no per-expert descriptor
+updates) and an expert's last step is fixed by both consumers, each its half. H100, 2026-12-05
+(``bench/moe_wgrad.py --sweep``): 1.13-1.35x CUTLASS from 384 to 1536 rows per expert on all
+six shapes, where ping-pong fell to 0.86-1.12x at 1536. The caller picks
+(``moe_experts_backward.gluon_wgrad_default``).
+
+The ping-pong kernel: a persistent program per SM walks its tiles (expert-major, t = pid + i * grid);
 a 1-warp TMA loader streams both consumers' steps, 64 rows of A and of B each, through one
 ring of ``stages`` buffers (ready / empty mbarriers); consumer c takes the program's tiles
 i = c mod 2 and starts a tile's MMAs only once the other has issued its previous tile's
@@ -30,13 +39,14 @@ stores its tile through its own shared buffer and TMA, waiting for that store on
 next tile's epilogue.
 
 Launched through ``launch.py``'s cache (Triton's generated C launcher on a hit), not Triton's
-own ``kernel[grid]``: the fifty-fourth session's steps at T = 64 and 512 on the H100 were
-88-121 us slower with the kernel launched that way, most likely its host time (steps that
-wait on their host), which is why the caller's default started at 192 rows per expert
-(``moe_experts_backward.gluon_wgrad_default``).
+own ``kernel[grid]``: host time to enqueue a call 28-34 us against 55-63 (H100 host,
+``bench/moe_wgrad.py --host``; ``torch._grouped_mm``'s 20-23). Steps that wait on their host
+(T <= 512) still pay the difference, which is why the caller's default starts at 192 rows per
+expert (``moe_experts_backward.gluon_wgrad_default``).
 
 Needs sm90 (wgmma, TMA), triton's Gluon (3.6; 3.8 compiles it too), bf16, contiguous
-operands, M and N multiples of 128, S >= 64: :func:`unfit` says which is missing. Gluon has
+operands, M and N multiples of 128 (N of 256 for the cooperative kernel), S >= 64: :func:`unfit`
+says which is missing. Gluon has
 no interpreter: the kernel runs on the GPU only (``tests/test_moe_triton_backward.py``'s CUDA
 cases).
 """
