@@ -1052,7 +1052,8 @@ def test_gluon_wgrad_rejects_what_it_cannot_take() -> None:
         return
     rule = TB.gluon_wgrad_default
     assert rule(256, 2048, 1536, 768) == TB.GLUON_PINGPONG  # Qwen3-MoE at T = 4096
-    assert rule(512, 2048, 2048, 1024) == rule(4096, 2048, 2048, 1024) == TB.GLUON_COOP  # OLMoE at 4096 and up
+    assert rule(512, 2048, 2048, 1024) == TB.GLUON_PINGPONG  # OLMoE at T = 4096
+    assert rule(1024, 2048, 8192, 4096) == rule(8192, 2048, 8192, 4096) == TB.GLUON_COOP  # Mixtral, T >= 4096
     assert rule(TB.GLUON_WGRAD_MIN_ROWS - 1, 2048, 1536, 768) == TB.GLUON_OFF
     assert rule(256, 2048, 192, 96) == TB.GLUON_OFF  # I = 96: no 128-wide tiles
     # I = 1408: 128-wide tiles only, so ping-pong up to its bound

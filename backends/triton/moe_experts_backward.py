@@ -498,7 +498,7 @@ def grouped_mm_dgrad1_default(x: torch.Tensor, w1: torch.Tensor, n1: int, i: int
 # GLUON_WGRAD_MIN_ROWS mean rows per expert on: ping-pong up to GLUON_COOP_MIN_ROWS, cooperative
 # from there on where its 256-wide tiles fit, else ping-pong up to GLUON_WGRAD_MAX_ROWS
 # (gluon_wgrad_default says why)
-GLUON_WGRAD_MIN_ROWS, GLUON_COOP_MIN_ROWS, GLUON_WGRAD_MAX_ROWS = 192, 384, 768
+GLUON_WGRAD_MIN_ROWS, GLUON_COOP_MIN_ROWS, GLUON_WGRAD_MAX_ROWS = 192, 640, 768
 GLUON_OFF, GLUON_PINGPONG, GLUON_COOP = 0, 1, 2  # configs["wgrad"]["GLUON"]'s values
 
 
@@ -522,20 +522,24 @@ def gluon_wgrad_default(rows_per_expert: float, h: int, n1: int, i: int) -> int:
     least :data:`GLUON_WGRAD_MIN_ROWS`; cooperative from :data:`GLUON_COOP_MIN_ROWS` on where
     they are multiples of 256 too, else ping-pong up to :data:`GLUON_WGRAD_MAX_ROWS`.
 
-    The model: CUTLASS's cooperative kernel pays ~3.1 us per 128 x 256 output tile that no MMA
-    hides, plus 0.71 us per 64-row step; the ping-pong kernel hides that cost, but its steps
-    run ~40 % slower for their area; the Gluon cooperative kernel (both consumers on one 128 x
-    256 tile, as CUTLASS's) pays ~2.3 us a tile and its steps run at CUTLASS's rate or faster
-    (its tiles walk one descriptor, no per-expert descriptor updates). So ping-pong wins where
-    the reductions are short, cooperative where they are long, and all are bound by writing
-    the gradients where they are shortest. Checked on the H100 (2026-12-05, bench/RESULTS.md):
-    ``bench/moe_wgrad.py --sweep`` (every expert the same rows) gave ping-pong 1.08-1.34x
-    CUTLASS from 256 to 768 rows on all six shapes, 0.92-1.12x at 1536; cooperative
-    1.13-1.35x from 384 to 1536 on all six; in the training step (``bench/moe_launches.py
-    --variant``), T = 4096: Qwen3-MoE (256 rows) 2725 -> 2590 us on ping-pong. Below 192 rows
-    (T = 64 and 512) the kernels are faster but those steps wait on their host, and a Gluon
-    launch costs ~30 us of host against ``torch._grouped_mm``'s ~21 (``moe_wgrad.py --host``):
-    OLMoE and Mixtral's steps were slower with it."""
+    The model: CUTLASS's cooperative kernel pays ~2.8 us per 128 x 256 output tile that no MMA
+    hides, plus ~0.84-0.89 us per 64-row step (H100 fits, ``bench/moe_wgrad.py --sweep``); the
+    ping-pong kernel hides most of the tile's cost (0-0.8 us per 128 x 128 tile) but its steps
+    run 10-25 % slower for their area (0.46-0.53 us per 128 x 128 step); the Gluon cooperative kernel (both
+    consumers on one 128 x 256 tile, as CUTLASS's) pays ~1.9 us a tile and ~0.77 per step, both
+    below CUTLASS's (its tiles walk one descriptor per operand: no per-expert descriptor
+    updates). So ping-pong wins where the reductions are short, cooperative where they are
+    long, and every kernel is bound by writing the gradients where they are shortest. Checked
+    on the H100 (2026-12-05/06, bench/RESULTS.md, fifty-fifth session), two sweeps of six
+    shapes (every expert the same rows): ping-pong at 5 stages ahead of cooperative at 256-512
+    rows on most shapes, cooperative ahead at 768 and beyond on all but one (a tie), and still
+    1.07-1.14x CUTLASS at 2048 where ping-pong fell to 0.77-1.01x; routed T = 4096, two runs:
+    Qwen3-MoE's (256 rows) 1.13-1.20x ping-pong, 1.01-1.04x cooperative, OLMoE's (512)
+    1.03-1.09x ping-pong, 1.03-1.13x cooperative, Mixtral's (1024) 1.05-1.08x cooperative,
+    0.93-0.99x ping-pong. Hence cooperative from 640 (between 512 and
+    768). Below 192 rows (T = 64 and 512) the kernels are faster but those steps wait on their
+    host, and a Gluon launch costs ~30 us of host against ``torch._grouped_mm``'s ~21
+    (``moe_wgrad.py --host``): OLMoE and Mixtral's steps were slower with it."""
     if rows_per_expert < GLUON_WGRAD_MIN_ROWS or h % 128 or n1 % 128 or i % 128 or _gluon_wgrad() is None:
         return GLUON_OFF
     if rows_per_expert >= GLUON_COOP_MIN_ROWS and not (h % 256 or n1 % 256 or i % 256):
