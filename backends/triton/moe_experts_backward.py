@@ -533,7 +533,7 @@ def gluon_wgrad_default(rows_per_expert: float, h: int, n1: int, i: int) -> int:
     on the H100 (2026-12-05/06, bench/RESULTS.md, fifty-fifth session), two sweeps of six
     shapes (every expert the same rows): ping-pong at 5 stages ahead of cooperative at 256-512
     rows on most shapes, cooperative ahead at 768 and beyond on all but one (a tie), and still
-    1.07-1.14x CUTLASS at 2048 where ping-pong fell to 0.77-1.01x; routed T = 4096, two runs:
+    1.07-1.14x CUTLASS at 2048 where ping-pong fell to 0.77-1.11x; routed T = 4096, two runs:
     Qwen3-MoE's (256 rows) 1.13-1.20x ping-pong, 1.01-1.04x cooperative, OLMoE's (512)
     1.03-1.09x ping-pong, 1.03-1.13x cooperative, Mixtral's (1024) 1.05-1.08x cooperative,
     0.93-0.99x ping-pong. Hence cooperative from 640 (between 512 and

@@ -25,7 +25,7 @@ on one 128 x 256 tile, each a 64 x 256 half (m64n256 wgmmas sharing B's stage), 
 cooperative split, but every tile walks one descriptor per operand (no per-expert descriptor
 updates) and an expert's last step is fixed by both consumers, each its half. H100, 2026-12-05
 and 06 (``bench/moe_wgrad.py --sweep``, two runs): 1.07-1.35x CUTLASS from 384 to 2048 rows
-per expert on all six shapes, where ping-pong fell to 0.77-1.01x at 2048; ping-pong is the
+per expert on all six shapes, where ping-pong fell to 0.77-1.11x at 2048; ping-pong is the
 faster of the two at 256-512 rows on most shapes. The caller picks
 (``moe_experts_backward.gluon_wgrad_default``).
 
