@@ -109,6 +109,41 @@ def _tile_info(t, offs_ptr, tiles_n, tiles_per_expert, BK: gl.constexpr):
 
 
 @gluon.jit
+def _zero_rows_past(buf, valid):
+    """Rows >= valid of a [BK, n] stage zeroed (an expert's last step: rows past its end are the
+    next expert's, rows past offs[-1] that the caller never wrote (NaN in the tests), or past S
+    (TMA's zero fill); zeroed in both operands, as 0 * NaN is NaN), with 16-byte vectors along
+    the contiguous dim, the partition's 4 warps stacked over rows."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    rows = gl.expand_dims(gl.arange(0, buf.shape[0], layout=gl.SliceLayout(1, layout)), 1)
+    x = buf.load(layout)
+    buf.store(gl.where(rows < valid, x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _store_tile(acc, c_smem, c_desc, row, col):
+    """A consumer's epilogue: ``acc`` rounded into its shared buffer and stored by TMA at (row,
+    col). The previous tile's store from that buffer ran under this tile's MMAs: only now
+    waited for."""
+    tma.store_wait(0)
+    _barrier()  # the issuing thread's wait covers every warp's writes
+    c_smem.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    _barrier()  # all warps' smem writes precede the TMA store
+    tma.async_copy_shared_to_global(c_desc, [row, col], c_smem)
+
+
+@gluon.jit
+def _schedule(M, N, total_tiles, BM: gl.constexpr, BN: gl.constexpr):
+    """This program's share of the persistent grid: (pid, programs, tiles along N, tiles an
+    expert, its tile count; the wrapper launches at most total_tiles programs, so >= 1)."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    tiles_n = N // BN
+    return pid, nprog, tiles_n, (M // BM) * tiles_n, (total_tiles - pid + nprog - 1) // nprog
+
+
+@gluon.jit
 def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, pid, nprog, n_local, tiles_n,
             tiles_per_expert):
     # Sizes come from buffer/descriptor types: plain constexpr arguments are
@@ -147,9 +182,6 @@ def _consumer(a_bufs, b_bufs, c_smem, ready, empty, order, c_desc, offs_ptr, pid
     # wgmma accumulator: one warpgroup, 128x128 fp32 -> 128 regs/thread.
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
-    # the last step's fix-up of a [BK, 128] stage: 16-byte vectors along the
-    # contiguous dim, the 4 warps stacked over rows
-    tail_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
 
     g = 0  # global k-step index of tile i's first step (same count as the loader's)
     for i in range(n_local):
@@ -173,15 +205,9 @@ def _consumer(a_bufs, b_bufs, c_smem, ready, empty, order, c_desc, offs_ptr, pid
                 a_s = a_bufs.index(s)
                 b_s = b_bufs.index(s)
                 valid = end - (start + j * BK)
-                if valid < BK:
-                    # The expert's last step: rows >= valid are the next expert's, rows
-                    # past offs[-1] that the caller never wrote (NaN in the tests), or
-                    # past S (TMA's zero fill). Zeroed in both operands: 0 * NaN is NaN.
-                    rows = gl.expand_dims(gl.arange(0, BK, layout=gl.SliceLayout(1, tail_layout)), 1)
-                    xa = a_s.load(tail_layout)
-                    a_s.store(gl.where(rows < valid, xa, gl.zeros_like(xa)))
-                    xb = b_s.load(tail_layout)
-                    b_s.store(gl.where(rows < valid, xb, gl.zeros_like(xb)))
+                if valid < BK:  # the expert's last step
+                    _zero_rows_past(a_s, valid)
+                    _zero_rows_past(b_s, valid)
                     # the generic proxy's writes made visible to wgmma (the async proxy),
                     # every warp's done before any issues it
                     fence_async_shared()
@@ -202,14 +228,7 @@ def _consumer(a_bufs, b_bufs, c_smem, ready, empty, order, c_desc, offs_ptr, pid
             if nsteps > 0:
                 mbarrier.arrive(empty.index((g + nsteps - 1) % STAGES))
 
-            # Epilogue. The previous tile's TMA store from c_smem has been
-            # overlapping this tile's main loop; only now wait for it.
-            tma.store_wait(0)
-            _barrier()  # the issuing thread's wait covers every warp's writes
-            c_smem.store(acc.to(c_desc.dtype))
-            fence_async_shared()
-            _barrier()  # all warps' smem writes precede the TMA store
-            tma.async_copy_shared_to_global(c_desc, [e * M + tm * BM, tn * BN], c_smem)
+            _store_tile(acc, c_smem, c_desc, e * M + tm * BM, tn * BN)
         g += nsteps
     # smem must stay valid until the last TMA store has read it.
     tma.store_wait(0)
@@ -256,12 +275,7 @@ def wgrad_kernel(a_desc, b_desc, c_desc, offs_ptr, M, N, total_tiles, STAGES: gl
     mbarrier.init(order.index(1), count=1)
     fence_async_shared()
 
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    tiles_n = N // BN
-    tiles_per_expert = (M // BM) * tiles_n
-    # The wrapper launches at most total_tiles programs, so n_local >= 1.
-    n_local = (total_tiles - pid + nprog - 1) // nprog
+    pid, nprog, tiles_n, tiles_per_expert, n_local = _schedule(M, N, total_tiles, BM, BN)
 
     c_args0 = (a_bufs, b_bufs, c_bufs.index(0), ready, empty, order, c_desc, offs_ptr, pid, nprog, n_local, M,
                tiles_n, tiles_per_expert)
@@ -292,7 +306,6 @@ def _coop_consumer(a_bufs, b_bufs, c_smem, ready, fixed, empty, c_desc, offs_ptr
     HN: gl.constexpr = BN // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
-    tail_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
 
     g = 0
     tails = 0  # last steps fixed so far: fixed's phase (both consumers count the same ones)
@@ -305,13 +318,9 @@ def _coop_consumer(a_bufs, b_bufs, c_smem, ready, fixed, empty, c_desc, offs_ptr
             mbarrier.wait(ready.index(s), ((g + j) // STAGES) & 1)
             a_s = a_bufs.index(s).slice(WHICH * HM, HM, dim=1)
             valid = end - (start + j * BK)
-            if valid < BK:  # as _consumer's last step, this consumer's halves
-                rows = gl.expand_dims(gl.arange(0, BK, layout=gl.SliceLayout(1, tail_layout)), 1)
-                xa = a_s.load(tail_layout)
-                a_s.store(gl.where(rows < valid, xa, gl.zeros_like(xa)))
-                b_half = b_bufs.index(s).slice(WHICH * HN, HN, dim=1)
-                xb = b_half.load(tail_layout)
-                b_half.store(gl.where(rows < valid, xb, gl.zeros_like(xb)))
+            if valid < BK:  # the expert's last step: this consumer's halves
+                _zero_rows_past(a_s, valid)
+                _zero_rows_past(b_bufs.index(s).slice(WHICH * HN, HN, dim=1), valid)
                 fence_async_shared()
                 _barrier()
                 # fixed (count 2) completes once both halves are written; neither consumer
@@ -326,13 +335,7 @@ def _coop_consumer(a_bufs, b_bufs, c_smem, ready, fixed, empty, c_desc, offs_ptr
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if nsteps > 0:
             mbarrier.arrive(empty.index((g + nsteps - 1) % STAGES))
-        # the previous tile's store from c_smem ran under this tile's MMAs
-        tma.store_wait(0)
-        _barrier()
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        _barrier()
-        tma.async_copy_shared_to_global(c_desc, [e * M + tm * BM + WHICH * HM, tn * BN], c_smem)
+        _store_tile(acc, c_smem, c_desc, e * M + tm * BM + WHICH * HM, tn * BN)
         g += nsteps
     tma.store_wait(0)
 
@@ -375,11 +378,7 @@ def wgrad_coop_kernel(a_desc, b_desc, c_desc, offs_ptr, M, N, total_tiles, STAGE
     mbarrier.init(fixed, count=2)  # both consumers' halves of a last step zeroed
     fence_async_shared()
 
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    tiles_n = N // BN
-    tiles_per_expert = (M // BM) * tiles_n
-    n_local = (total_tiles - pid + nprog - 1) // nprog
+    pid, nprog, tiles_n, tiles_per_expert, n_local = _schedule(M, N, total_tiles, BM, BN)
 
     c_args0 = (a_bufs, b_bufs, c_bufs.index(0), ready, fixed, empty, c_desc, offs_ptr, pid, nprog, n_local, M,
                tiles_n, tiles_per_expert)
