@@ -60,8 +60,8 @@ row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    ``offs[-1]``-th on) are unwritten in ``act`` and ``d_pre``: this assumes ``torch._grouped_mm`` reads no row past
    ``offs[-1]`` (its groups end there), which the tests check with NaN-filled buffers (the
    CPU's bf16 path in the interpreter cases, torch 2.14; CUTLASS in the CUDA tests).
-   The bias gradients stay on ``_moe_wgrad``'s bias-only launch. Between
-   :data:`GLUON_WGRAD_MIN_ROWS` rows per expert and up (:func:`gluon_wgrad_default`;
+   The bias gradients stay on ``_moe_wgrad``'s bias-only launch. From
+   :data:`GLUON_WGRAD_MIN_ROWS` rows per expert on (:func:`gluon_wgrad_default`;
    ``configs["wgrad"]["GLUON"]`` 0 / 1 / 2 forces CUTLASS / ping-pong / cooperative, a kernel
    whose tiles don't fit the shapes raising ValueError) the same product runs on a Gluon
    kernel of :mod:`.moe_wgrad_gluon` instead (eager only: under Dynamo, CUTLASS).
@@ -536,9 +536,9 @@ def gluon_wgrad_default(rows_per_expert: float, h: int, n1: int, i: int) -> int:
     1.07-1.14x CUTLASS at 2048 where ping-pong fell to 0.77-1.11x; routed T = 4096, two runs:
     Qwen3-MoE's (256 rows) 1.13-1.20x ping-pong, 1.01-1.04x cooperative, OLMoE's (512)
     1.03-1.09x ping-pong, 1.03-1.13x cooperative, Mixtral's (1024) 1.05-1.08x cooperative,
-    0.93-0.99x ping-pong. Hence cooperative from 640 (between 512 and
-    768). Below 192 rows (T = 64 and 512) the kernels are faster but those steps wait on their
-    host, and a Gluon launch costs ~30 us of host against ``torch._grouped_mm``'s ~21
+    0.93-0.99x ping-pong. Hence cooperative from 640 (between 512 and 768). Below 192 rows (T =
+    64 and 512) the kernels are faster but those steps wait on their host, and a Gluon launch
+    costs ~30 us of host against ``torch._grouped_mm``'s ~21
     (``moe_wgrad.py --host``): OLMoE and Mixtral's steps were slower with it."""
     if rows_per_expert < GLUON_WGRAD_MIN_ROWS or h % 128 or n1 % 128 or i % 128 or _gluon_wgrad() is None:
         return GLUON_OFF
