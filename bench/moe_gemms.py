@@ -17,6 +17,12 @@ launches (the GEMMs are GPU-bound), median of ``--reps``.
 padding): the fused forward with the table's configs given, against the same with HALF_TAIL
 on GEMM1, and on both GEMMs (GEMM2 then not PERSISTENT, and the table's GEMM2 not persistent
 beside it, the control of that change), side by side in interleaved rounds (bench/_timing.py).
+
+``--gluon``: only the A/B of GEMM1 on the Gluon kernel (``configs["gemm1"]["GLUON"]``,
+backends/triton/moe_gemm1_gluon.py): GEMM1 alone on the same sorted rows (the table's Triton
+config pregathered, the Gluon kernel, ``torch._grouped_mm`` without the gate), then the fused
+forward, no grad and saving for the backward, with the table's configs and with GLUON, in
+interleaved rounds.
 """
 from __future__ import annotations
 
@@ -143,19 +149,73 @@ def half_tail(name: str, t: int, rounds: int) -> None:
         print(f"  {tm.median(us):8.1f} us  {tm.paired_ratio(us, base):.3f}  {v}")
 
 
+def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
+    """GEMM1 on the Gluon kernel against the table's Triton GEMM1 (the module docstring)."""
+    from opreg.backends.triton import moe_gemm1_gluon as G1
+
+    e, h, i, k = tune.SHAPES[name]
+    args = tune.inputs(e, h, i, k, t, torch.bfloat16, "cuda")
+    x, ids, rw, w1 = args[0], args[1], args[2], args[3]
+    s = t * k
+    f1 = 2 * s * h * 2 * i
+    d1 = {**F.pick_config("gemm1", s / e, 2 * i, h, torch.bfloat16), "PREGATHER": 1}
+    d2 = F.pick_config("gemm2", s / e, h, i, torch.bfloat16, block_m=d1["BLOCK_M"])
+    g1 = {**d1, "BLOCK_M": G1.BLOCK_M, "HALF_TAIL": 0, "PERSISTENT": 0, "GLUON": 1}
+    g2 = {**d2, "BLOCK_M": G1.BLOCK_M}
+    print(f"\n{name} T={t} (E {e}, H {h}, I {i}, k {k}): the table's GEMM1 {d1}")
+    spi, be, tables = F.routing_tables(ids, e, G1.BLOCK_M)
+    flat = tables.reshape(-1)
+    xs = F.sorted_rows(x, rw, spi, be, tables, k, False)
+    routing = dict(rw=rw, sorted_pair_ids=spi, block_expert=be, shift=tables[4], top_k=k)
+    real = slice(0, int(tables[0, -1]))
+    outs = {}
+    for label, cfg in (("Triton (the table's, pregathered)", {**d1, "BLOCK_M": G1.BLOCK_M}),
+                       ("Triton, no HALF_TAIL", {**d1, "BLOCK_M": G1.BLOCK_M, "HALF_TAIL": 0})):
+        act = torch.full((s, i), float("nan"), dtype=x.dtype, device="cuda")
+        timed(f"gemm1 {label}", lambda: F.launch_gemm(cfg, a=xs, w_nk=w1, bias=None, out=act, pre=None, n=i, k=h,
+                                                      gather=False, routed=False, gated=True, act=0,
+                                                      used=flat[4 * e - 1:4 * e], **routing), f1, reps)
+        print()
+        outs[label] = act
+    act = torch.full((s, i), float("nan"), dtype=x.dtype, device="cuda")
+    timed("gemm1 Gluon", lambda: G1.gemm1(xs, w1, act, None, spi, be, flat[4 * e:], flat[4 * e - 1:4 * e], s, i, 0),
+          f1, reps)
+    base = outs["Triton (the table's, pregathered)"]
+    print(f"   max |diff| vs Triton {float((act[real].float() - base[real].float()).abs().max()):.3g}, "
+          f"NaN rows {int(act[real].isnan().any(1).sum())}")
+    timed("torch._grouped_mm gemm1 (no gate)", lambda: torch._grouped_mm(xs, w1.transpose(1, 2), offs=tables[0]),
+          f1, reps)
+    print()
+    calls = {}
+    for label, cfgs in (("table", {"gemm1": d1, "gemm2": d2}), ("gluon", {"gemm1": g1, "gemm2": g2})):
+        calls[f"forward, {label}"] = tm.Variant(lambda j, c=cfgs: F.fused_experts_forward(*args, configs=c))
+        calls[f"forward save, {label}"] = tm.Variant(
+            lambda j, c=cfgs: F.fused_experts_forward(*args, configs=c, save=True, keep_rows=True))
+    times = tm.interleaved(calls, "cuda", rounds=rounds, target_us=5000.0, min_batch=5)
+    print(f"{name} T={t}: the fused forward, {rounds} interleaved rounds (median us a call; Gluon / table, "
+          f"paired by round)")
+    for mode in ("forward", "forward save"):
+        a_us, b_us = times[f"{mode}, table"], times[f"{mode}, gluon"]
+        print(f"  {mode:12s} table {tm.median(a_us):8.1f}  gluon {tm.median(b_us):8.1f}  "
+              f"{tm.paired_ratio(b_us, a_us):.3f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="*", default=list(tune.SHAPES), choices=list(tune.SHAPES))
     p.add_argument("--tokens", default="4096")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--half-tail", action="store_true", help="only the HALF_TAIL A/B (the module docstring)")
-    p.add_argument("--rounds", type=int, default=9, help="with --half-tail: interleaved rounds")
+    p.add_argument("--gluon", action="store_true", help="only the Gluon GEMM1 A/B (the module docstring)")
+    p.add_argument("--rounds", type=int, default=9, help="with --half-tail or --gluon: interleaved rounds")
     a = p.parse_args()
     if not torch.cuda.is_available() or F.interpreting():
         p.error("needs a CUDA GPU (the interpreter's times mean nothing)")
     for name in a.configs:
         for t in (int(v) for v in a.tokens.split(",")):
-            if a.half_tail:
+            if a.gluon:
+                gluon_ab(name, t, a.rounds, a.reps)
+            elif a.half_tail:
                 half_tail(name, t, a.rounds)
             else:
                 one(name, t, a.reps)

@@ -90,6 +90,8 @@ def main() -> None:
                    help="with --inductor: the steps profiled (fwd+bwd: the block's training step, "
                         "beside HF's grouped_mm + Inductor)")
     p.add_argument("--skip-op", action="store_true", help="only the compiled blocks (--inductor)")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="with --inductor: also each step's N longest kernels (torch.profiler, one step)")
     p.add_argument("--variants", nargs="*", default=list(COMPILED_VARIANTS), choices=COMPILED_VARIANTS,
                    help="with --inductor: the blocks compared")
     p.add_argument("--dgrad2-min-rows", type=float, default=None,
@@ -110,7 +112,7 @@ def main() -> None:
         for t in (int(v) for v in a.tokens.split(",")):
             block, x = bb.inputs(config, t, False)
             if a.skip_op:
-                compiled_block(block, x, a.reps, a.modes, a.host_profile, a.variants)
+                compiled_block(block, x, a.reps, a.modes, a.host_profile, a.variants, a.kernels)
                 continue
             args = tune.inputs(e, h, ffn, k, t, torch.bfloat16, "cuda")
             block.experts.config._experts_implementation = "opreg"
@@ -141,7 +143,7 @@ def main() -> None:
                     torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
             if a.inductor:
-                compiled_block(block, x, a.reps, a.modes, a.host_profile, a.variants)
+                compiled_block(block, x, a.reps, a.modes, a.host_profile, a.variants, a.kernels)
 
 
 def syncs(call) -> str:
@@ -170,14 +172,16 @@ COMPILED_VARIANTS = ("hf_grouped_mm_inductor", "opreg", "opreg_inductor")
 
 
 def compiled_block(block: torch.nn.Module, x: torch.Tensor, reps: int, modes: list[str],
-                   host: bool = False, names: tuple[str, ...] | list[str] = COMPILED_VARIANTS) -> None:
+                   host: bool = False, names: tuple[str, ...] | list[str] = COMPILED_VARIANTS,
+                   top: int = 0) -> None:
     """The block eager and under torch.compile: same kernels (their GPU sums match), so a
     gap between the two GPU times (events, back to back) is the GPU waiting on the host.
     fwd+bwd: the training step (``bench_moe_block.step``: the gradients set to None, then
     the sum's backward). HF's grouped_mm + Inductor beside both (``names``: which). The
     host time twice: a batch of steps (:func:`host_us`, which waits on a GPU-bound step's
     queue and then reads the GPU's time) and one step on an idle GPU (:func:`host_once_us`).
-    ``host``: also cProfile each step's host path."""
+    ``host``: also cProfile each step's host path. ``top``: also the step's ``top`` longest
+    kernels (one profiled step)."""
     from torch.profiler import ProfilerActivity, profile
 
     for mode in modes:
@@ -193,6 +197,9 @@ def compiled_block(block: torch.nn.Module, x: torch.Tensor, reps: int, modes: li
             print(f"  block {mode}, {name:22s} GPU {gpu:8.0f} us   host {host_time:8.0f} us (one step on an idle GPU "
                   f"{once:6.0f})   kernels {kernels:8.0f} us"
                   f"   host syncs {syncs(call)}")
+            if top:
+                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top,
+                                                max_name_column_width=70))
             if host:
                 host_profile(call, reps)
                 # the host side under torch.profiler, 5 steps: a launch or allocation that

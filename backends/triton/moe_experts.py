@@ -1711,6 +1711,32 @@ def _configs(picked: dict[str, dict[str, int]], rows_per_expert: float, n1: int,
     return c1, c2, cc
 
 
+@functools.lru_cache(maxsize=None)
+def _gluon_gemm1() -> Any:
+    """:mod:`.moe_gemm1_gluon`, or the ImportError's message where triton has no Gluon."""
+    try:
+        from . import moe_gemm1_gluon
+    except ImportError as e:  # triton without Gluon (< 3.5)
+        return f"triton has no Gluon ({e})"
+    return moe_gemm1_gluon
+
+
+def _gluon_gemm1_unfit(c1: dict[str, int], x: torch.Tensor, w1: torch.Tensor, bias: Optional[torch.Tensor],
+                       i: int, gated: bool, transposed: bool, interleaved: bool,
+                       pre_dt: Optional[torch.dtype]) -> Optional[str]:
+    """Why GEMM1 can't run on the Gluon kernel (``configs["gemm1"]["GLUON"]``) here, or None.
+    Its A is the sorted copy of ``x``'s rows (a fresh contiguous buffer of x's dtype)."""
+    module = _gluon_gemm1()
+    if isinstance(module, str):
+        return module
+    if c1.get("HALF_TAIL", 0) or c1.get("PERSISTENT", 0):
+        return "the Gluon kernel is persistent with whole tiles: HALF_TAIL and PERSISTENT must be 0"
+    if pre_dt is not None and pre_dt not in (torch.bfloat16, torch.float32):
+        return f"the saved pre-activation's dtype {pre_dt} is neither bf16 nor fp32"
+    return module.unfit(x, _nk_view(w1, transposed), i, gated=gated, interleaved=interleaved,
+                        has_bias=bias is not None, block_m=c1["BLOCK_M"])
+
+
 def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                           gate_up_proj: torch.Tensor, gate_up_bias: Optional[torch.Tensor],
                           down_proj: torch.Tensor, down_bias: Optional[torch.Tensor], activation: str,
@@ -1767,6 +1793,11 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
             if (why := half_tail_unfit(c)) is not None:
                 raise ValueError(f"fused_experts_forward: configs[{gemm!r}]: {why}")
         picked = ({**picked[0], "GROUPED_MM": int(g1)},) + picked[1:]
+        if picked[0].get("GLUON", 0) and not g1:  # asked for: runs, or says why not
+            picked = ({**picked[0], "PREGATHER": 1},) + picked[1:]
+            if (why := _gluon_gemm1_unfit(picked[0], x, w1, gate_up_bias, i, gated, transposed, interleaved,
+                                          pre_dt)) is not None:
+                raise ValueError(f"fused_experts_forward: configs['gemm1']['GLUON'] = 1, but {why}")
         if spec is not None:
             _remember(_CONFIGS, spec, picked)
     c1, c2, cc = picked
@@ -1797,6 +1828,10 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
             pre = torch._grouped_mm(a1, _nk_view(w1, transposed).transpose(1, 2), offs=tables[0])
             act_pass(pre, act, sorted_pair_ids, block_expert, tables[4], s, i, bm, gated, interleaved, activation,
                      alpha, limit, spec and (spec, "act"))
+        elif c1.get("GLUON", 0):
+            _gluon_gemm1().gemm1(a1, _nk_view(w1, transposed), act, pre, sorted_pair_ids, block_expert,
+                                 routing["shift"], routing["used"], s, i, ACT_IDS[activation], alpha, limit,
+                                 spec=spec and (spec, "gemm1"))
         else:
             launch_gemm(c1, a=a1, w_nk=_nk_view(w1, transposed), bias=gate_up_bias, out=act, pre=pre,
                         n=i, k=h, gather=not pregather, routed=False, gated=gated, interleaved=interleaved,

@@ -1,0 +1,309 @@
+"""The MoE forward's GEMM1 on Hopper as a warp-specialised persistent grouped GEMM, in Gluon.
+
+    act[r] = gate(A[r] @ W[e, :I]^T, A[r] @ W[e, I:]^T)     A (S, K) sorted rows, W (E, 2I, K) -> act (S, I)
+
+The same product, gate and stores as :func:`.moe_experts._moe_gemm` with ``PREGATHER`` (GEMM1
+on a sorted copy of the token rows, loaded through TMA): the tiles walk the routing's padded
+pair list (each expert's run padded to 128 rows, so a tile is one expert's), padded row r of
+expert e is sorted row r + shift[e], and a padding row (pair id = the pair count) is never
+stored. With ``pre`` the pre-activation is saved too (both halves, in ``pre``'s dtype, the
+gate then reading the rounded values, as the Triton kernel does).
+
+Why: at Qwen3-MoE's and OLMoE's T = 4096 the Triton GEMM1 ran 12 % behind CUTLASS's
+grouped GEMM on the same sorted rows (473 / 421 and 543 / 484 us, H100, thirty-seventh
+session), with the gate in its epilogue against none; the Triton kernel is one tile a
+program, no warp specialisation (Triton's own does nothing on sm90), so each tile's fill and
+epilogue stall its tensor cores. Here a program per SM walks its tiles: a 1-warp TMA loader
+streams A's 128 rows and W's gate and up tiles (128 columns each) through a ring of
+``STAGES`` 48 KB stages, and two 4-warp consumers take one tile together, each 64 of its rows
+(two m64n128 wgmma chains, gate and up), so the loader fills the next tile's stages under
+this tile's epilogue.
+
+Scope: bf16 rows and weights, gated with gate and up halves concatenated (transformers'
+layout: W (E, 2I, K), K contiguous), no bias, I a multiple of 128 and K of 64, sm90:
+:func:`unfit` says which is missing; the caller (:func:`.moe_experts.fused_experts_forward`,
+``configs["gemm1"]["GLUON"]``) runs it only when asked. Gluon has no interpreter: the kernel
+runs on the GPU only (``tests/test_moe_gemm1_gluon.py``'s CUDA cases; its CPU case compiles it
+for sm90).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from opreg.backends.triton.launch import launch
+
+__all__ = ["STAGES", "gemm1", "unfit"]
+
+BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # a tile's rows, its gate (and up) columns; K per step
+# 4 stages of 48 KB (A 16 KB, W's gate and up tiles 16 KB each): 196,608 bytes; the
+# epilogue stores from registers (a tile's rows are ragged at an expert's end: no TMA store)
+STAGES = 4
+GROUP_M = 8  # tiles walk GROUP_M row blocks of one column block, so W's tiles come from L2
+# registers a thread: the loader warp 40, the second consumer 216 (Triton raises the default
+# partition, the first consumer, to 256: 4 x 32 x (256 + 216) + 32 x 40 <= 65,536)
+CONSUMER_REGS, LOADER_REGS = 216, 40
+# activations, as moe_experts.ACT_IDS
+_SILU, _GELU, _GELU_TANH, _RELU, _RELU2, _SIGMOID, _GPT_OSS = range(7)
+
+
+@gluon.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + gl.exp(-x))
+
+
+@gluon.jit
+def _gate(gate, up, alpha, limit, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr):
+    """moe_experts._gate, gated: fp32 in, fp32 out."""
+    if HAS_LIMIT:  # apply_gate's clamps: gate <= limit, |up| <= limit
+        gate = gl.minimum(gate, limit)
+        up = gl.minimum(gl.maximum(up, -limit), limit)
+    if ACT == 0:  # silu
+        y = gate * _sigmoid(gate)
+    elif ACT == 1:  # gelu, erf form
+        y = 0.5 * gate * (1.0 + gl.erf(gate * 0.7071067811865476))
+    elif ACT == 2:  # gelu, tanh form: x * sigmoid(2u)
+        y = gate * _sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+    elif ACT == 3:  # relu
+        y = gl.maximum(gate, 0.0)
+    elif ACT == 4:  # relu2
+        r = gl.maximum(gate, 0.0)
+        y = r * r
+    elif ACT == 5:  # sigmoid
+        y = _sigmoid(gate)
+    else:  # gpt_oss: (up + 1) * gate * sigmoid(alpha * gate)
+        y = gate * _sigmoid(gate * alpha)
+    if ACT == 6:
+        y = (up + 1.0) * y
+    else:
+        y = y * up
+    return y
+
+
+@gluon.jit
+def _save_pre(acc_g, acc_u, pre_rows, c, NI, mask, alpha, limit, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr):
+    """Both halves of the pre-activation stored in ``pre_rows``' dtype, then the gate of the
+    stored (rounded) values."""
+    pg = acc_g.to(pre_rows.dtype.element_ty)
+    pu = acc_u.to(pre_rows.dtype.element_ty)
+    gl.store(pre_rows + c, pg, mask=mask)
+    gl.store(pre_rows + (c + NI), pu, mask=mask)
+    return _gate(pg.to(gl.float32), pu.to(gl.float32), alpha, limit, ACT, HAS_LIMIT)
+
+
+@gluon.jit
+def _tile_of(t, block_expert_ptr, used_m, tiles_n, GM: gl.constexpr):
+    """Tile t's (M block, N block, expert): moe_experts._tile_of's GROUP_M order."""
+    group = GM * tiles_n
+    first_m = (t // group) * GM
+    size_m = gl.minimum(used_m - first_m, GM)
+    pid_m = first_m + (t % group) % size_m
+    pid_n = (t % group) // size_m
+    return pid_m, pid_n, gl.load(block_expert_ptr + pid_m)
+
+
+@gluon.jit
+def _loader(a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid, nprog,
+            n_local, used_m, tiles_n, NI, N1, K):
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BM: gl.constexpr = a_bufs.shape[1]
+    BK: gl.constexpr = a_bufs.shape[2]
+    BN: gl.constexpr = g_bufs.shape[1]
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
+    g = 0  # k-steps issued over all of this program's tiles
+    for i in range(n_local):
+        pid_m, pid_n, expert = _tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, 8)
+        srow0 = pid_m * BM + gl.load(shift_ptr + expert)  # the tile's first sorted row
+        wrow = expert * N1 + pid_n * BN  # its gate columns' first row of W (E * 2I, K)
+        for kb in range(K // BK):
+            s = g % STAGES
+            # a fresh mbarrier counts as having completed the phase before phase 0
+            mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            # rows past the expert's run are the next expert's (or TMA's zeros past S): they
+            # feed only their own output rows, which are never stored
+            tma.async_copy_global_to_shared(a_desc, [srow0, kb * BK], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [wrow, kb * BK], ready.index(s), g_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [wrow + NI, kb * BK], ready.index(s), u_bufs.index(s))
+            g += 1
+
+
+@gluon.jit
+def _consumer(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr,
+              pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha, limit,
+              ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, WHICH: gl.constexpr):
+    # Consumer c takes rows [64 c, 64 c + 64) of each tile: two m64n128 wgmma chains on its
+    # slice of A's stage, against the gate and the up tiles of W (K-major: permuted views).
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BM: gl.constexpr = a_bufs.shape[1]
+    BK: gl.constexpr = a_bufs.shape[2]
+    BN: gl.constexpr = g_bufs.shape[1]
+    HM: gl.constexpr = BM // 2
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    rows = gl.arange(0, HM, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+    ksteps = K // BK
+    g = 0
+    for i in range(n_local):
+        pid_m, pid_n, expert = _tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, 8)
+        acc_g = gl.zeros([HM, BN], gl.float32, acc_layout)
+        acc_u = gl.zeros([HM, BN], gl.float32, acc_layout)
+        for kb in range(ksteps):
+            s = g % STAGES
+            mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+            a_s = a_bufs.index(s).slice(WHICH * HM, HM, dim=0)
+            acc_g = warpgroup_mma(a_s, g_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
+            acc_u = warpgroup_mma(a_s, u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
+            # keep this step's pair in flight; the previous step's is done: its stage goes back
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+            if kb > 0:
+                mbarrier.arrive(empty.index((g - 1) % STAGES))
+            g += 1
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+        if ksteps > 0:
+            mbarrier.arrive(empty.index((g - 1) % STAGES))
+
+        # the epilogue: this consumer's 64 rows, masked to the rows that hold a pair
+        prow = pid_m * BM + WHICH * HM + rows  # padded rows
+        row_ok = gl.expand_dims(gl.load(pair_ids_ptr + prow) < num_pairs, 1)
+        srows = gl.expand_dims((prow + gl.load(shift_ptr + expert)).to(gl.int64), 1)
+        c = gl.expand_dims(pid_n * BN + cols, 0)
+        mask = row_ok & (c < NI)
+        if SAVE_PRE:  # the backward's input to the gate's derivative; a narrower pre is the gate's input too
+            y = _save_pre(acc_g, acc_u, pre_ptr + srows * stride_pre, c, NI, mask, alpha, limit, ACT, HAS_LIMIT)
+        else:
+            y = _gate(acc_g, acc_u, alpha, limit, ACT, HAS_LIMIT)
+        gl.store(act_ptr + srows * stride_act + c, y.to(gl.bfloat16), mask=mask)
+
+
+@gluon.jit
+def _consumer0(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr,
+               pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha, limit,
+               ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr):
+    _consumer(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr,
+              pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha, limit,
+              ACT, HAS_LIMIT, SAVE_PRE, 0)
+
+
+@gluon.jit
+def _consumer1(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr,
+               pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha, limit,
+               ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr):
+    _consumer(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr,
+              pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha, limit,
+              ACT, HAS_LIMIT, SAVE_PRE, 1)
+
+
+@gluon.jit
+def gemm1_kernel(a_desc, w_desc, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr, used_ptr,
+                 num_pairs, NI, N1, K, stride_act, stride_pre, alpha, limit,
+                 STAGES: gl.constexpr, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr,
+                 CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    gl.static_assert(w_desc.block_type.shape[1] == BK)
+
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    g_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+    u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)  # the loader's expect-arrive (+ TMA bytes)
+        mbarrier.init(empty.index(s), count=2)  # both consumers release a stage
+    # (no fence: nothing is written to shared memory by the generic proxy before the TMA
+    # loads but these barriers' init, which mbarrier.init orders itself)
+
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    used_m = gl.load(used_ptr) // BM  # the padded list's blocks in use: a device value
+    tiles_n = NI // BN
+    n_local = gl.maximum(used_m * tiles_n - pid + nprog - 1, 0) // nprog
+
+    # The partitions' arguments are written out in the call, not first assigned to a name: an
+    # assignment turns the constexprs in a tuple into runtime values (triton 3.6), and ACT,
+    # HAS_LIMIT and SAVE_PRE must stay compile-time (each gate's code alone; no pre branch).
+    # triton 3.6 signature: ([(fn, args) default first, workers...], worker warps, worker regs)
+    gl.warp_specialize([
+        (_consumer0, (a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
+                      shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha,
+                      limit, ACT, HAS_LIMIT, SAVE_PRE)),
+        (_consumer1, (a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
+                      shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha,
+                      limit, ACT, HAS_LIMIT, SAVE_PRE)),
+        (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid, nprog,
+                   n_local, used_m, tiles_n, NI, N1, K)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+@functools.cache
+def _layouts() -> tuple[object, object]:
+    """The NVMMA shared layouts of A's stage ([128, 64]) and of a W tile ([128, 64])."""
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16))
+
+
+@functools.cache
+def _device(index: int) -> tuple[tuple[int, int], int]:
+    p = torch.cuda.get_device_properties(index)
+    return (p.major, p.minor), p.multi_processor_count
+
+
+def unfit(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, gated: bool, interleaved: bool, has_bias: bool,
+          block_m: int) -> str | None:
+    """Why :func:`gemm1` can't take the token rows ``x`` (T, K) (their sorted copy, a fresh
+    contiguous buffer, is its A) and the weight seen as (E, N1, K) ``w_nk`` (I = ``i`` output
+    columns), or None. ``block_m``: the routing's block."""
+    if not gated or interleaved:
+        return "the Gluon GEMM1 needs a gated weight with gate and up halves concatenated"
+    if has_bias:
+        return "the Gluon GEMM1 takes no gate_up bias"
+    if block_m != BLOCK_M:
+        return f"the Gluon GEMM1 needs the routing's BLOCK_M = {BLOCK_M}, got {block_m}"
+    for name, t in (("hidden_states", x), ("gate_up_proj", w_nk)):
+        if not t.is_cuda or t.dtype != torch.bfloat16:
+            return f"{name} is not bf16 on CUDA ({t.dtype}, {t.device})"
+    if w_nk.dim() != 3 or not w_nk.is_contiguous() or w_nk.data_ptr() % 16:
+        return "gate_up_proj is not a contiguous (E, 2I, K) tensor, 16-byte aligned (K-major tiles through TMA)"
+    k = x.shape[1]
+    if w_nk.shape[1] != 2 * i or w_nk.shape[2] != k:
+        return f"gate_up_proj's shape {tuple(w_nk.shape)} is not (E, 2 x {i}, {k})"
+    if i % BLOCK_N or k % BLOCK_K or not (i and k):
+        return f"I = {i} and K = {k} must be positive multiples of {BLOCK_N} and {BLOCK_K}"
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if _device(index)[0][0] != 9:
+        return f"the GPU is sm{''.join(map(str, _device(index)[0]))}, not sm90 (wgmma)"
+    return None
+
+
+def gemm1(a: torch.Tensor, w_nk: torch.Tensor, act: torch.Tensor, pre: torch.Tensor | None,
+          sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, shift: torch.Tensor, used: torch.Tensor,
+          num_pairs: int, i: int, act_id: int, alpha: float = 1.0, limit: float = math.inf,
+          programs: int | None = None, spec: object = None) -> None:
+    """GEMM1 with the gate into ``act`` (S, I) (and the pre-activation into ``pre`` (S, 2I)
+    where given), over the routing's padded pair list (``sorted_pair_ids``, ``block_expert``,
+    ``shift``: sorted row = padded row + shift[e], ``used``: a 1-element view of its last
+    padded end); ``pre`` bf16 or fp32. The caller checks :func:`unfit` first. ``programs``: how many persistent
+    programs (default one per SM). ``spec``: a key that determines every argument's metadata."""
+    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    a_layout, w_layout = _layouts()
+    a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], a_layout)
+    w_desc = TensorDescriptor.from_tensor(w_nk.view(-1, w_nk.shape[2]), [BLOCK_N, BLOCK_K], w_layout)
+    tiles = block_expert.shape[0] * (i // BLOCK_N)  # the static worst case
+    grid = (max(1, min(programs or _device(index)[1], tiles)),)
+    has_limit = math.isfinite(limit)
+    p = pre if pre is not None else act  # a valid pointer, never written
+    launch(gemm1_kernel, grid, a_desc, w_desc, act, p, sorted_pair_ids, block_expert, shift, used,
+           num_pairs, i, w_nk.shape[1], a.shape[1], act.stride(0), p.stride(0), float(alpha),
+           float(limit) if has_limit else 0.0,
+           spec_key=None if spec is None else (spec, "gluon gemm1"), STAGES=STAGES, ACT=act_id,
+           HAS_LIMIT=has_limit, SAVE_PRE=pre is not None, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+           num_warps=4)

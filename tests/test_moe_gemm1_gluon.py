@@ -1,0 +1,152 @@
+"""moe_experts' GEMM1 on the Gluon kernel (backends/triton/moe_gemm1_gluon.py), asked for with
+``configs["gemm1"]["GLUON"] = 1``.
+
+Gluon has no interpreter: on the CPU the kernel is compiled for sm90 (every gate, with and
+without the saved pre-activation) and the wrapper's refusals are checked; on an sm90 GPU it runs
+against float64 and against the Triton GEMM1 on the same sorted rows.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from test_moe_experts import FAMILIES, make, sub  # noqa: E402
+from test_moe_triton import TM, _nan_buffer  # noqa: E402
+from test_moe_triton_backward import (GRAD_ARGS, _clear_limit, _requires, _special, _two_paths,  # noqa: E402
+                                      needs_cuda)
+
+from opreg.ops import moe_experts as M  # noqa: E402
+from opreg.testing import assert_matches  # noqa: E402
+from opreg.testing.timing import captured  # noqa: E402
+
+# gate name -> make() options; every gate the kernel takes, gated with concatenated halves
+GATES = {"silu": {}, "gelu": dict(activation="gelu"), "gelu_tanh": dict(activation="gelu_tanh"),
+         "relu": dict(activation="relu"), "relu2": dict(activation="relu2"), "sigmoid": dict(activation="sigmoid"),
+         "gpt_oss": dict(activation="gpt_oss", alpha=1.702, limit=1.5, gain=4.0),
+         "clamped silu": dict(limit=0.7, gain=4.0)}
+# (T, k, H, I, E): ragged runs (~150 rows an expert: a full tile and a partial one), sparse
+# (most experts empty, 1-2 rows in the rest), more tiles than SMs (a program walks several)
+SHAPES = {"ragged": (300, 4, 256, 256, 8), "sparse": (24, 2, 128, 128, 64), "many tiles": (1536, 8, 512, 384, 32)}
+
+
+def _gemm1_config(args: tuple, gluon: int) -> dict[str, dict[str, int]]:
+    """A whole GEMM1 config (the table's, 128-row tiles, pregathered) with GLUON = ``gluon``."""
+    x, ids, w1 = args[0], args[1], args[3]
+    n1 = w1.shape[1]
+    c1 = TM.pick_config("gemm1", ids.numel() / w1.shape[0], n1, x.shape[1], x.dtype, block_m=128)
+    c1.update(PREGATHER=1, HALF_TAIL=0, PERSISTENT=0, GLUON=gluon)
+    return {"gemm1": c1}
+
+
+def _gluon_module() -> Any:
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon GEMM1 needs sm90")
+    return pytest.importorskip("opreg.backends.triton.moe_gemm1_gluon")
+
+
+@pytest.mark.parametrize("act,save", [(a, s) for a in (0, 1, 2, 3, 4, 5, 6) for s in (None, "bf16", "fp32")
+                                      if s is None or a in (0, 6)])
+def test_gluon_gemm1_compiles_for_sm90(act: int, save: str | None) -> None:
+    """The kernel compiled for sm90 (no GPU needed): wgmma and setmaxnreg in its PTX, shared
+    memory within the H100's 232,448 bytes a block, for each gate, with the pre-activation
+    saved in bf16 or fp32 and without."""
+    G = pytest.importorskip("opreg.backends.triton.moe_gemm1_gluon")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    a_layout, w_layout = G._layouts()
+    sig = {"a_desc": f"tensordesc<bf16[{G.BLOCK_M}, {G.BLOCK_K}],{a_layout!r}>",
+           "w_desc": f"tensordesc<bf16[{G.BLOCK_N}, {G.BLOCK_K}],{w_layout!r}>",
+           "act_ptr": "*bf16", "pre_ptr": f"*{save or 'bf16'}", "pair_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+           "shift_ptr": "*i32", "used_ptr": "*i32", "num_pairs": "i32", "NI": "i32", "N1": "i32", "K": "i32",
+           "stride_act": "i32", "stride_pre": "i32", "alpha": "fp32", "limit": "fp32",
+           "STAGES": "constexpr", "ACT": "constexpr", "HAS_LIMIT": "constexpr", "SAVE_PRE": "constexpr",
+           "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr"}
+    consts = {"STAGES": G.STAGES, "ACT": act, "HAS_LIMIT": act == 6, "SAVE_PRE": save is not None,
+              "CONSUMER_REGS": G.CONSUMER_REGS, "LOADER_REGS": G.LOADER_REGS}
+    src = GluonASTSource(G.gemm1_kernel, signature=sig, constexprs=consts,
+                         attrs={(j,): [["tt.divisibility", 16]] for j in (2, 3, 4, 5, 6, 7)})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    assert "wgmma" in ptx and "setmaxnreg" in ptx
+    assert kernel.metadata.shared <= 232448, kernel.metadata.shared
+
+
+def test_gluon_gemm1_refuses_what_it_cannot_take() -> None:
+    """Asked for where it can't run, the forward raises a ValueError saying why (before any
+    launch: CPU tensors reach it too); the kernel's own refusals name what is missing."""
+    G = pytest.importorskip("opreg.backends.triton.moe_gemm1_gluon")
+    args = make(40, 2, 128, 128, 4, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match=r"GLUON.*not bf16 on CUDA"):
+        TM.fused_experts_forward(*args, configs=_gemm1_config(args, 1))
+    half = _gemm1_config(args, 1)
+    half["gemm1"]["HALF_TAIL"] = 1
+    with pytest.raises(ValueError, match="HALF_TAIL"):
+        TM.fused_experts_forward(*args, configs=half)
+    x, w = args[0], args[3]
+    common = dict(gated=True, interleaved=False, has_bias=False, block_m=128)
+    assert "concatenated" in G.unfit(x, w, 128, **{**common, "interleaved": True})
+    assert "concatenated" in G.unfit(x, w, 128, **{**common, "gated": False})
+    assert "bias" in G.unfit(x, w, 128, **{**common, "has_bias": True})
+    assert "BLOCK_M" in G.unfit(x, w, 128, **{**common, "block_m": 64})
+    assert "CUDA" in G.unfit(x, w, 128, **common)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("gate", list(GATES))
+def test_cuda_gluon_gemm1_forward(gate: str, shape: str) -> None:
+    """bf16, no grad: the forward with GEMM1 on the Gluon kernel against float64 and against
+    the Triton GEMM1 on the same sorted rows; NaN-filled buffers (act's among them: a row
+    left unwritten would show), sentinel slots with NaN weights and a negative id, the same
+    bits twice, a CUDA graph replayed on new values."""
+    _gluon_module()
+    args, ref_args = _special(make(*SHAPES[shape], torch.bfloat16, "cuda", **{**GATES[gate], "sentinels": 3}), "nan")
+    want = M.reference(*tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                              for a in ref_args))
+    old = TM._new_buffer
+    TM._new_buffer = _nan_buffer
+    try:
+        got = TM.fused_experts_forward(*args, configs=_gemm1_config(args, 1))
+        again = TM.fused_experts_forward(*args, configs=_gemm1_config(args, 1))
+        triton_path = TM.fused_experts_forward(*args, configs=_gemm1_config(args, 0))
+    finally:
+        TM._new_buffer = old
+    assert_matches(got, want, torch.bfloat16)
+    assert_matches(triton_path, want, torch.bfloat16)
+    assert_matches(got, triton_path.double(), torch.bfloat16)
+    assert torch.equal(got, again), "two runs differ"
+    # captured once, replayed on new token rows and routing weights
+    x2, w2 = torch.randn_like(args[0]), args[2] * (0.5 + torch.rand_like(args[2]))
+    x, rw = args[0].clone(), args[2].clone()
+    live = sub(args, hidden_states=x, top_k_weights=rw)
+    graph, out = captured(lambda: TM.fused_experts_forward(*live, configs=_gemm1_config(live, 1)))
+    x.copy_(x2)
+    rw.copy_(w2)
+    graph.replay()
+    want2 = TM.fused_experts_forward(*sub(args, hidden_states=x2, top_k_weights=w2), configs=_gemm1_config(args, 1))
+    assert torch.equal(out, want2), "the replayed graph differs from a call on the same inputs"
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("family", ["mixtral silu", "clamped silu", "k=1 empty experts"])
+def test_cuda_gluon_gemm1_training(family: str) -> None:
+    """bf16 forward + backward with GEMM1 on the Gluon kernel (its saved pre-activation read
+    by the backward) and on Triton: both match float64, and each other."""
+    _gluon_module()
+    t, k, _, _, e = FAMILIES[family][0]
+    args = _requires(_special(_clear_limit(make(max(t, 96), k, 256, 128, e, torch.bfloat16, "cuda",
+                                                **{**FAMILIES[family][1], "sentinels": 2})), "nan"), GRAD_ARGS)
+    backward = {"wgrad": {"GROUPED_MM": 1, "GLUON": 0}, "dgrad1": {"GROUPED_MM": 0}, "dgrad2": {"GROUPED_MM": 0}}
+    _two_paths(args, lambda g: {**_gemm1_config(args, g), **backward}, lambda g: 2,
+               ["hidden_states", "top_k_weights", "gate_up_proj", "down_proj"], "GLUON")
