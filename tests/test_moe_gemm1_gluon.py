@@ -20,6 +20,7 @@ if HERE not in sys.path:
 
 from test_moe_experts import FAMILIES, make, sub  # noqa: E402
 from test_moe_triton import TM, _nan_buffer  # noqa: E402
+from test_moe_triton import _special as _forward_special  # noqa: E402
 from test_moe_triton_backward import (GRAD_ARGS, _clear_limit, _requires, _special, _two_paths,  # noqa: E402
                                       needs_cuda)
 
@@ -110,7 +111,8 @@ def test_cuda_gluon_gemm1_forward(gate: str, shape: str) -> None:
     left unwritten would show), sentinel slots with NaN weights and a negative id, the same
     bits twice, a CUDA graph replayed on new values."""
     _gluon_module()
-    args, ref_args = _special(make(*SHAPES[shape], torch.bfloat16, "cuda", **{**GATES[gate], "sentinels": 3}), "nan")
+    args, ref_args = _forward_special(make(*SHAPES[shape], torch.bfloat16, "cuda", **{**GATES[gate], "sentinels": 3}),
+                                     "nan")
     want = M.reference(*tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                               for a in ref_args))
     old = TM._new_buffer
