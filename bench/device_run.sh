@@ -64,6 +64,10 @@
 #   STAGE=hang bash bench/device_run.sh    the raw launcher's hang on HALF_TAIL GEMMs (bench/raw_launch_hang.py):
 #                                          HANG_VARIANTS (default: default oldkey) on
 #                                          HANG_CASES, a process each under `timeout 30` (<= 2 min)
+#   STAGE=gluon1 bash bench/device_run.sh  GEMM1 on the Gluon kernel (configs["gemm1"]["GLUON"]): its tests
+#                                          (tests/test_moe_gemm1_gluon.py), then its A/B against the table's
+#                                          Triton GEMM1 (bench/moe_gemms.py --gluon) on GLUON1_CONFIGS at
+#                                          TOKENS_GLUON1 (default 4096); <= 8 min
 #   STAGE=ab bash bench/device_run.sh      one command timed against two versions of one source:
 #                                          AB_CMD (bash; it may write "$AB_JSON") with AB_FILE as the tree
 #                                          has it (A), then with AB_ALT built in its place (B; a file in the
@@ -306,6 +310,21 @@ if [ "$STAGE" = half ]; then
       --variant "half={$fwd$back}" > "$OUT/half_step_$c.log" 2>&1)
     grep -E "T=[0-9]+ |rounds;|half:|table's configs, given:" "$OUT/half_step_$c.log"
   done
+fi
+
+if [ "$STAGE" = gluon1 ]; then
+  # GEMM1 on the Gluon kernel (configs["gemm1"]["GLUON"], backends/triton/moe_gemm1_gluon.py;
+  # written in the fifty-sixth session, not yet run on a GPU then): its cases (every gate, the
+  # pre-activation saved, NaN-filled buffers, a CUDA graph, training against the Triton GEMM1),
+  # then its A/B against the table's Triton GEMM1 per config (GEMM1 alone, then the fused
+  # forward with and without save, interleaved rounds)
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
+  timeout ${GLUON1_TEST_S:-150} env OPREG_CHECK_SPEC=1 python3 -m pytest -q -p no:cacheprovider -n 14 --dist load \
+    -rfE tests/test_moe_gemm1_gluon.py > "$OUT/gluon1_tests.log" 2>&1
+  echo "tests rc $?"; grep -E "FAILED|ERROR |passed|failed" "$OUT/gluon1_tests.log" | tail -12
+  timeout ${GLUON1_AB_S:-300} python3 bench/moe_gemms.py --gluon --configs ${GLUON1_CONFIGS:-qwen3_moe olmoe mixtral} \
+    --tokens "${TOKENS_GLUON1:-4096}" --rounds ${GLUON1_ROUNDS:-7} > "$OUT/gluon1_ab.log" 2>&1
+  echo "A/B rc $?"; grep -vE "[Ww]arn" "$OUT/gluon1_ab.log" | tail -45
 fi
 
 if [ "$STAGE" = ab ]; then

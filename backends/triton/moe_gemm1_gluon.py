@@ -34,7 +34,8 @@ import math
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from opreg.backends.triton.launch import launch
@@ -45,12 +46,12 @@ BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # a tile's rows, its gate (and up) col
 # 4 stages of 48 KB (A 16 KB, W's gate and up tiles 16 KB each): 196,608 bytes; the
 # epilogue stores from registers (a tile's rows are ragged at an expert's end: no TMA store)
 STAGES = 4
-GROUP_M = 8  # tiles walk GROUP_M row blocks of one column block, so W's tiles come from L2
+# tiles walk GROUP_M row blocks of one column block, so W's tiles come from L2 (the Triton
+# GEMM1's order)
+GROUP_M = gl.constexpr(8)
 # registers a thread: the loader warp 40, the second consumer 216 (Triton raises the default
 # partition, the first consumer, to 256: 4 x 32 x (256 + 216) + 32 x 40 <= 65,536)
 CONSUMER_REGS, LOADER_REGS = 216, 40
-# activations, as moe_experts.ACT_IDS
-_SILU, _GELU, _GELU_TANH, _RELU, _RELU2, _SIGMOID, _GPT_OSS = range(7)
 
 
 @gluon.jit
@@ -60,7 +61,7 @@ def _sigmoid(x):
 
 @gluon.jit
 def _gate(gate, up, alpha, limit, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr):
-    """moe_experts._gate, gated: fp32 in, fp32 out."""
+    """moe_experts._gate, gated: fp32 in, fp32 out; ``ACT`` as moe_experts.ACT_IDS."""
     if HAS_LIMIT:  # apply_gate's clamps: gate <= limit, |up| <= limit
         gate = gl.minimum(gate, limit)
         up = gl.minimum(gl.maximum(up, -limit), limit)
@@ -118,7 +119,7 @@ def _loader(a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_p
     nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
     g = 0  # k-steps issued over all of this program's tiles
     for i in range(n_local):
-        pid_m, pid_n, expert = _tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, 8)
+        pid_m, pid_n, expert = _tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, GROUP_M)
         srow0 = pid_m * BM + gl.load(shift_ptr + expert)  # the tile's first sorted row
         wrow = expert * N1 + pid_n * BN  # its gate columns' first row of W (E * 2I, K)
         for kb in range(K // BK):
@@ -152,7 +153,7 @@ def _consumer(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_p
     ksteps = K // BK
     g = 0
     for i in range(n_local):
-        pid_m, pid_n, expert = _tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, 8)
+        pid_m, pid_n, expert = _tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, GROUP_M)
         acc_g = gl.zeros([HM, BN], gl.float32, acc_layout)
         acc_u = gl.zeros([HM, BN], gl.float32, acc_layout)
         for kb in range(ksteps):
@@ -219,8 +220,7 @@ def gemm1_kernel(a_desc, w_desc, act_ptr, pre_ptr, pair_ids_ptr, block_expert_pt
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)  # the loader's expect-arrive (+ TMA bytes)
         mbarrier.init(empty.index(s), count=2)  # both consumers release a stage
-    # (no fence: nothing is written to shared memory by the generic proxy before the TMA
-    # loads but these barriers' init, which mbarrier.init orders itself)
+    fence_async_shared()  # the barriers' init visible to the async proxy (TMA) before any use
 
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
