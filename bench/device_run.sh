@@ -67,7 +67,8 @@
 #   STAGE=gluon1 bash bench/device_run.sh  GEMM1 on the Gluon kernel (configs["gemm1"]["GLUON"]): its tests
 #                                          (tests/test_moe_gemm1_gluon.py), then its A/B against the table's
 #                                          Triton GEMM1 (bench/moe_gemms.py --gluon) on GLUON1_CONFIGS at
-#                                          TOKENS_GLUON1 (default 4096); <= 8 min
+#                                          TOKENS_GLUON1 (default 4096); <= 8 min; GLUON1_STEP=1: also the
+#                                          training step with it (moe_launches.py --variant; a call of its own)
 #   STAGE=ab bash bench/device_run.sh      one command timed against two versions of one source:
 #                                          AB_CMD (bash; it may write "$AB_JSON") with AB_FILE as the tree
 #                                          has it (A), then with AB_ALT built in its place (B; a file in the
@@ -325,6 +326,15 @@ if [ "$STAGE" = gluon1 ]; then
   timeout ${GLUON1_AB_S:-300} python3 bench/moe_gemms.py --gluon --configs ${GLUON1_CONFIGS:-qwen3_moe olmoe mixtral} \
     --tokens "${TOKENS_GLUON1:-4096}" --rounds ${GLUON1_ROUNDS:-7} > "$OUT/gluon1_ab.log" 2>&1
   echo "A/B rc $?"; grep -vE "[Ww]arn" "$OUT/gluon1_ab.log" | tail -45
+  # GLUON1_STEP=1 (a call of its own: ~2-3 min): the training step with GEMM1 on it, beside the
+  # table's configs given the same way (moe_launches.py --variant), 5 rounds, then each kernel
+  if [ "${GLUON1_STEP:-0}" = 1 ]; then
+    (cd bench && timeout ${GLUON1_STEP_S:-240} python3 moe_launches.py --configs ${GLUON1_CONFIGS:-qwen3_moe olmoe mixtral} \
+      --tokens "${TOKENS_GLUON1:-4096}" --rounds 5 \
+      --variant 'gluon1={"gemm1": {"GLUON": 1, "BLOCK_M": 128, "HALF_TAIL": 0, "PERSISTENT": 0}}' \
+      > "$OUT/gluon1_step.log" 2>&1)
+    echo "step rc $?"; grep -E "T=[0-9]+ |rounds;|gluon1:|table's configs, given:" "$OUT/gluon1_step.log"
+  fi
 fi
 
 if [ "$STAGE" = ab ]; then
