@@ -185,24 +185,6 @@ def _consumer(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_p
 
 
 @gluon.jit
-def _consumer0(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr,
-               pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha, limit,
-               ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr):
-    _consumer(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr,
-              pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha, limit,
-              ACT, HAS_LIMIT, SAVE_PRE, 0)
-
-
-@gluon.jit
-def _consumer1(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr,
-               pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha, limit,
-               ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr):
-    _consumer(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr,
-              pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha, limit,
-              ACT, HAS_LIMIT, SAVE_PRE, 1)
-
-
-@gluon.jit
 def gemm1_kernel(a_desc, w_desc, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr, used_ptr,
                  num_pairs, NI, N1, K, stride_act, stride_pre, alpha, limit,
                  STAGES: gl.constexpr, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr,
@@ -230,15 +212,16 @@ def gemm1_kernel(a_desc, w_desc, act_ptr, pre_ptr, pair_ids_ptr, block_expert_pt
 
     # The partitions' arguments are written out in the call, not first assigned to a name: an
     # assignment turns the constexprs in a tuple into runtime values (triton 3.6), and ACT,
-    # HAS_LIMIT and SAVE_PRE must stay compile-time (each gate's code alone; no pre branch).
+    # HAS_LIMIT, SAVE_PRE and the consumer's index must stay compile-time (each gate's code
+    # alone; no pre branch; one function for both consumers).
     # triton 3.6 signature: ([(fn, args) default first, workers...], worker warps, worker regs)
     gl.warp_specialize([
-        (_consumer0, (a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
-                      shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha,
-                      limit, ACT, HAS_LIMIT, SAVE_PRE)),
-        (_consumer1, (a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
-                      shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha,
-                      limit, ACT, HAS_LIMIT, SAVE_PRE)),
+        (_consumer, (a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
+                     shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha,
+                     limit, ACT, HAS_LIMIT, SAVE_PRE, 0)),
+        (_consumer, (a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
+                     shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha,
+                     limit, ACT, HAS_LIMIT, SAVE_PRE, 1)),
         (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid, nprog,
                    n_local, used_m, tiles_n, NI, N1, K)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
