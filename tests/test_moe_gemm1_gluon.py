@@ -92,6 +92,10 @@ def test_gluon_gemm1_refuses_what_it_cannot_take() -> None:
     half["gemm1"]["HALF_TAIL"] = 1
     with pytest.raises(ValueError, match="HALF_TAIL"):
         TM.fused_experts_forward(*args, configs=half)
+    both = _gemm1_config(args, 1)
+    both["gemm1"]["GROUPED_MM"] = 1
+    with pytest.raises(ValueError, match="GROUPED_MM"):
+        TM.fused_experts_forward(*args, configs=both, save=True, keep_rows=True)
     x, w = args[0], args[3]
     common = dict(gated=True, interleaved=False, has_bias=False, block_m=128)
     assert "concatenated" in G.unfit(x, w, 128, **{**common, "interleaved": True})

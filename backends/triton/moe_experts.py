@@ -1793,7 +1793,10 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
             if (why := half_tail_unfit(c)) is not None:
                 raise ValueError(f"fused_experts_forward: configs[{gemm!r}]: {why}")
         picked = ({**picked[0], "GROUPED_MM": int(g1)},) + picked[1:]
-        if picked[0].get("GLUON", 0) and not g1:  # asked for: runs, or says why not
+        if picked[0].get("GLUON", 0):  # asked for: runs, or says why not
+            if picked[0].get("GROUPED_MM", 0):
+                raise ValueError("fused_experts_forward: configs['gemm1'] asks for GEMM1 on both the Gluon kernel "
+                                 "(GLUON) and torch._grouped_mm (GROUPED_MM): give one")
             picked = ({**picked[0], "PREGATHER": 1},) + picked[1:]
             if (why := _gluon_gemm1_unfit(picked[0], x, w1, gate_up_bias, i, gated, transposed, interleaved,
                                           pre_dt)) is not None:
