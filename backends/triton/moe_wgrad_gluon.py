@@ -146,8 +146,7 @@ def _schedule(M, N, total_tiles, BM: gl.constexpr, BN: gl.constexpr):
 @gluon.jit
 def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, pid, nprog, n_local, tiles_n,
             tiles_per_expert):
-    # Sizes come from buffer/descriptor types: plain constexpr arguments are
-    # not relied on to survive warp_specialize's argument tuples.
+    # Sizes come from buffer/descriptor types (the ring's depth, the tiles of either kernel).
     STAGES: gl.constexpr = a_bufs.shape[0]
     BK: gl.constexpr = a_bufs.shape[1]
     BM: gl.constexpr = a_bufs.shape[2]
@@ -235,20 +234,6 @@ def _consumer(a_bufs, b_bufs, c_smem, ready, empty, order, c_desc, offs_ptr, pid
 
 
 @gluon.jit
-def _consumer0(a_bufs, b_bufs, c_smem, ready, empty, order, c_desc, offs_ptr, pid, nprog, n_local, M,
-               tiles_n, tiles_per_expert):
-    _consumer(a_bufs, b_bufs, c_smem, ready, empty, order, c_desc, offs_ptr, pid, nprog, n_local, M, tiles_n,
-              tiles_per_expert, 0)
-
-
-@gluon.jit
-def _consumer1(a_bufs, b_bufs, c_smem, ready, empty, order, c_desc, offs_ptr, pid, nprog, n_local, M,
-               tiles_n, tiles_per_expert):
-    _consumer(a_bufs, b_bufs, c_smem, ready, empty, order, c_desc, offs_ptr, pid, nprog, n_local, M, tiles_n,
-              tiles_per_expert, 1)
-
-
-@gluon.jit
 def wgrad_kernel(a_desc, b_desc, c_desc, offs_ptr, M, N, total_tiles, STAGES: gl.constexpr,
                  CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     BK: gl.constexpr = a_desc.block_type.shape[0]
@@ -277,17 +262,16 @@ def wgrad_kernel(a_desc, b_desc, c_desc, offs_ptr, M, N, total_tiles, STAGES: gl
 
     pid, nprog, tiles_n, tiles_per_expert, n_local = _schedule(M, N, total_tiles, BM, BN)
 
-    c_args0 = (a_bufs, b_bufs, c_bufs.index(0), ready, empty, order, c_desc, offs_ptr, pid, nprog, n_local, M,
-               tiles_n, tiles_per_expert)
-    c_args1 = (a_bufs, b_bufs, c_bufs.index(1), ready, empty, order, c_desc, offs_ptr, pid, nprog, n_local, M,
-               tiles_n, tiles_per_expert)
-    l_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, pid, nprog, n_local, tiles_n,
-              tiles_per_expert)
+    # The partitions' arguments written out in the call (a tuple assigned to a name first would
+    # turn the consumer's index, a constexpr, into a runtime value: CONTRIBUTING.md).
     # triton 3.6 signature: ([(fn, args) default first, workers...], worker warps, worker regs)
     gl.warp_specialize([
-        (_consumer0, c_args0),
-        (_consumer1, c_args1),
-        (_loader, l_args),
+        (_consumer, (a_bufs, b_bufs, c_bufs.index(0), ready, empty, order, c_desc, offs_ptr, pid, nprog, n_local, M,
+                     tiles_n, tiles_per_expert, 0)),
+        (_consumer, (a_bufs, b_bufs, c_bufs.index(1), ready, empty, order, c_desc, offs_ptr, pid, nprog, n_local, M,
+                     tiles_n, tiles_per_expert, 1)),
+        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, pid, nprog, n_local, tiles_n,
+                   tiles_per_expert)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -341,20 +325,6 @@ def _coop_consumer(a_bufs, b_bufs, c_smem, ready, fixed, empty, c_desc, offs_ptr
 
 
 @gluon.jit
-def _coop_consumer0(a_bufs, b_bufs, c_smem, ready, fixed, empty, c_desc, offs_ptr, pid, nprog, n_local, M,
-                    tiles_n, tiles_per_expert):
-    _coop_consumer(a_bufs, b_bufs, c_smem, ready, fixed, empty, c_desc, offs_ptr, pid, nprog, n_local, M, tiles_n,
-                   tiles_per_expert, 0)
-
-
-@gluon.jit
-def _coop_consumer1(a_bufs, b_bufs, c_smem, ready, fixed, empty, c_desc, offs_ptr, pid, nprog, n_local, M,
-                    tiles_n, tiles_per_expert):
-    _coop_consumer(a_bufs, b_bufs, c_smem, ready, fixed, empty, c_desc, offs_ptr, pid, nprog, n_local, M, tiles_n,
-                   tiles_per_expert, 1)
-
-
-@gluon.jit
 def wgrad_coop_kernel(a_desc, b_desc, c_desc, offs_ptr, M, N, total_tiles, STAGES: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """:func:`wgrad_kernel` on 128 x 256 tiles, both consumers on each (c_desc's box: one
@@ -380,16 +350,13 @@ def wgrad_coop_kernel(a_desc, b_desc, c_desc, offs_ptr, M, N, total_tiles, STAGE
 
     pid, nprog, tiles_n, tiles_per_expert, n_local = _schedule(M, N, total_tiles, BM, BN)
 
-    c_args0 = (a_bufs, b_bufs, c_bufs.index(0), ready, fixed, empty, c_desc, offs_ptr, pid, nprog, n_local, M,
-               tiles_n, tiles_per_expert)
-    c_args1 = (a_bufs, b_bufs, c_bufs.index(1), ready, fixed, empty, c_desc, offs_ptr, pid, nprog, n_local, M,
-               tiles_n, tiles_per_expert)
-    l_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, pid, nprog, n_local, tiles_n,
-              tiles_per_expert)
     gl.warp_specialize([
-        (_coop_consumer0, c_args0),
-        (_coop_consumer1, c_args1),
-        (_loader, l_args),
+        (_coop_consumer, (a_bufs, b_bufs, c_bufs.index(0), ready, fixed, empty, c_desc, offs_ptr, pid, nprog, n_local,
+                          M, tiles_n, tiles_per_expert, 0)),
+        (_coop_consumer, (a_bufs, b_bufs, c_bufs.index(1), ready, fixed, empty, c_desc, offs_ptr, pid, nprog, n_local,
+                          M, tiles_n, tiles_per_expert, 1)),
+        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, pid, nprog, n_local, tiles_n,
+                   tiles_per_expert)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
