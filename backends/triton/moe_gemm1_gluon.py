@@ -39,6 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from opreg.backends.triton.launch import launch
+# the Triton GEMM1's tile order (a Triton function: Gluon calls it as it is)
+from opreg.backends.triton.moe_experts import _tile_of
 
 __all__ = ["STAGES", "gemm1", "unfit"]
 
@@ -96,17 +98,6 @@ def _save_pre(acc_g, acc_u, pre_rows, c, NI, mask, alpha, limit, ACT: gl.constex
     gl.store(pre_rows + c, pg, mask=mask)
     gl.store(pre_rows + (c + NI), pu, mask=mask)
     return _gate(pg.to(gl.float32), pu.to(gl.float32), alpha, limit, ACT, HAS_LIMIT)
-
-
-@gluon.jit
-def _tile_of(t, block_expert_ptr, used_m, tiles_n, GM: gl.constexpr):
-    """Tile t's (M block, N block, expert): moe_experts._tile_of's GROUP_M order."""
-    group = GM * tiles_n
-    first_m = (t // group) * GM
-    size_m = gl.minimum(used_m - first_m, GM)
-    pid_m = first_m + (t % group) % size_m
-    pid_n = (t % group) // size_m
-    return pid_m, pid_n, gl.load(block_expert_ptr + pid_m)
 
 
 @gluon.jit
