@@ -39,8 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from opreg.backends.triton.launch import launch
-# the Triton GEMM1's tile order (a Triton function: Gluon calls it as it is)
-from opreg.backends.triton.moe_experts import _tile_of
+# the Triton GEMM1's tile order and gate (Triton functions: Gluon calls them as they are)
+from opreg.backends.triton.moe_experts import _gate, _tile_of
 
 __all__ = ["STAGES", "gemm1", "unfit"]
 
@@ -57,39 +57,6 @@ CONSUMER_REGS, LOADER_REGS = 216, 40
 
 
 @gluon.jit
-def _sigmoid(x):
-    return 1.0 / (1.0 + gl.exp(-x))
-
-
-@gluon.jit
-def _gate(gate, up, alpha, limit, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr):
-    """moe_experts._gate, gated: fp32 in, fp32 out; ``ACT`` as moe_experts.ACT_IDS."""
-    if HAS_LIMIT:  # apply_gate's clamps: gate <= limit, |up| <= limit
-        gate = gl.minimum(gate, limit)
-        up = gl.minimum(gl.maximum(up, -limit), limit)
-    if ACT == 0:  # silu
-        y = gate * _sigmoid(gate)
-    elif ACT == 1:  # gelu, erf form
-        y = 0.5 * gate * (1.0 + gl.erf(gate * 0.7071067811865476))
-    elif ACT == 2:  # gelu, tanh form: x * sigmoid(2u)
-        y = gate * _sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
-    elif ACT == 3:  # relu
-        y = gl.maximum(gate, 0.0)
-    elif ACT == 4:  # relu2
-        r = gl.maximum(gate, 0.0)
-        y = r * r
-    elif ACT == 5:  # sigmoid
-        y = _sigmoid(gate)
-    else:  # gpt_oss: (up + 1) * gate * sigmoid(alpha * gate)
-        y = gate * _sigmoid(gate * alpha)
-    if ACT == 6:
-        y = (up + 1.0) * y
-    else:
-        y = y * up
-    return y
-
-
-@gluon.jit
 def _save_pre(acc_g, acc_u, pre_rows, c, NI, mask, alpha, limit, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr):
     """Both halves of the pre-activation stored in ``pre_rows``' dtype, then the gate of the
     stored (rounded) values."""
@@ -97,7 +64,7 @@ def _save_pre(acc_g, acc_u, pre_rows, c, NI, mask, alpha, limit, ACT: gl.constex
     pu = acc_u.to(pre_rows.dtype.element_ty)
     gl.store(pre_rows + c, pg, mask=mask)
     gl.store(pre_rows + (c + NI), pu, mask=mask)
-    return _gate(pg.to(gl.float32), pu.to(gl.float32), alpha, limit, ACT, HAS_LIMIT)
+    return _gate(pg.to(gl.float32), pu.to(gl.float32), alpha, limit, True, ACT, HAS_LIMIT)
 
 
 @gluon.jit
@@ -171,7 +138,7 @@ def _consumer(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_p
         if SAVE_PRE:  # the backward's input to the gate's derivative; a narrower pre is the gate's input too
             y = _save_pre(acc_g, acc_u, pre_ptr + srows * stride_pre, c, NI, mask, alpha, limit, ACT, HAS_LIMIT)
         else:
-            y = _gate(acc_g, acc_u, alpha, limit, ACT, HAS_LIMIT)
+            y = _gate(acc_g, acc_u, alpha, limit, True, ACT, HAS_LIMIT)
         gl.store(act_ptr + srows * stride_act + c, y.to(gl.bfloat16), mask=mask)
 
 
