@@ -64,7 +64,7 @@
 #   STAGE=hang bash bench/device_run.sh    the raw launcher's hang on HALF_TAIL GEMMs (bench/raw_launch_hang.py):
 #                                          HANG_VARIANTS (default: default oldkey) on
 #                                          HANG_CASES, a process each under `timeout 30` (<= 2 min)
-#   STAGE=gluon1 bash bench/device_run.sh  GEMM1 on the Gluon kernel (configs["gemm1"]["GLUON"]): its tests
+#   STAGE=gluon1 bash bench/device_run.sh  GEMM1 on the Gluon kernels (configs["gemm1"]["GLUON"]): their tests
 #                                          (tests/test_moe_gemm1_gluon.py), then its A/B against the table's
 #                                          Triton GEMM1 (bench/moe_gemms.py --gluon) on GLUON1_CONFIGS at
 #                                          TOKENS_GLUON1 (default 4096); <= 8 min; GLUON1_STEP=1: also the
@@ -314,7 +314,7 @@ if [ "$STAGE" = half ]; then
 fi
 
 if [ "$STAGE" = gluon1 ]; then
-  # GEMM1 on the Gluon kernel (configs["gemm1"]["GLUON"], backends/triton/moe_gemm1_gluon.py;
+  # GEMM1 on the Gluon kernels (configs["gemm1"]["GLUON"] 1 ping-pong, 2 cooperative; moe_gemm1_gluon.py;
   # written in the fifty-sixth session, not yet run on a GPU then): its cases (every gate, the
   # pre-activation saved, NaN-filled buffers, a CUDA graph, training against the Triton GEMM1),
   # then its A/B against the table's Triton GEMM1 per config (GEMM1 alone, then the fused
@@ -331,9 +331,10 @@ if [ "$STAGE" = gluon1 ]; then
   if [ "${GLUON1_STEP:-0}" = 1 ]; then
     (cd bench && timeout ${GLUON1_STEP_S:-240} python3 moe_launches.py --configs ${GLUON1_CONFIGS:-qwen3_moe olmoe mixtral} \
       --tokens "${TOKENS_GLUON1:-4096}" --rounds 5 \
-      --variant 'gluon1={"gemm1": {"GLUON": 1, "BLOCK_M": 128, "HALF_TAIL": 0, "PERSISTENT": 0}}' \
+      --variant 'gluon_pingpong={"gemm1": {"GLUON": 1, "BLOCK_M": 128, "HALF_TAIL": 0, "PERSISTENT": 0}}' \
+      --variant 'gluon_coop={"gemm1": {"GLUON": 2, "BLOCK_M": 128, "HALF_TAIL": 0, "PERSISTENT": 0}}' \
       > "$OUT/gluon1_step.log" 2>&1)
-    echo "step rc $?"; grep -E "T=[0-9]+ |rounds;|gluon1:|table's configs, given:" "$OUT/gluon1_step.log"
+    echo "step rc $?"; grep -E "T=[0-9]+ |rounds;|gluon_pingpong:|gluon_coop:|table's configs, given:" "$OUT/gluon1_step.log"
   fi
 fi
 

@@ -18,11 +18,11 @@ padding): the fused forward with the table's configs given, against the same wit
 on GEMM1, and on both GEMMs (GEMM2 then not PERSISTENT, and the table's GEMM2 not persistent
 beside it, the control of that change), side by side in interleaved rounds (bench/_timing.py).
 
-``--gluon``: only the A/B of GEMM1 on the Gluon kernel (``configs["gemm1"]["GLUON"]``,
-backends/triton/moe_gemm1_gluon.py): GEMM1 alone on the same sorted rows (the table's Triton
-config pregathered, the Gluon kernel, ``torch._grouped_mm`` without the gate), then the fused
-forward, no grad and saving for the backward, with the table's configs and with GLUON, in
-interleaved rounds.
+``--gluon``: only the A/B of GEMM1 on the Gluon kernels (``configs["gemm1"]["GLUON"]`` 1
+ping-pong, 2 cooperative; backends/triton/moe_gemm1_gluon.py): GEMM1 alone on the same sorted
+rows (the table's Triton config pregathered, each Gluon kernel, ``torch._grouped_mm`` without
+the gate), then the fused forward, no grad and saving for the backward, with the table's
+configs and with each GLUON, in interleaved rounds.
 """
 from __future__ import annotations
 
@@ -160,7 +160,6 @@ def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
     f1 = 2 * s * h * 2 * i
     d1 = {**F.pick_config("gemm1", s / e, 2 * i, h, torch.bfloat16), "PREGATHER": 1}
     d2 = F.pick_config("gemm2", s / e, h, i, torch.bfloat16, block_m=d1["BLOCK_M"])
-    g1 = {**d1, "BLOCK_M": G1.BLOCK_M, "HALF_TAIL": 0, "PERSISTENT": 0, "GLUON": 1}
     g2 = {**d2, "BLOCK_M": G1.BLOCK_M}
     print(f"\n{name} T={t} (E {e}, H {h}, I {i}, k {k}): the table's GEMM1 {d1}")
     spi, be, tables = F.routing_tables(ids, e, G1.BLOCK_M)
@@ -177,17 +176,24 @@ def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
                                                       used=flat[4 * e - 1:4 * e], **routing), f1, reps)
         print()
         outs[label] = act
-    act = torch.full((s, i), float("nan"), dtype=x.dtype, device="cuda")
-    timed("gemm1 Gluon", lambda: G1.gemm1(xs, w1, act, None, spi, be, flat[4 * e:], flat[4 * e - 1:4 * e], s, i, 0),
-          f1, reps)
     base = outs["Triton (the table's, pregathered)"]
-    print(f"   max |diff| vs Triton {float((act[real].float() - base[real].float()).abs().max()):.3g}, "
-          f"NaN rows {int(act[real].isnan().any(1).sum())}")
+    kernels = {"pingpong": 1, "coop": 2}
+    for label, gluon in kernels.items():
+        act = torch.full((s, i), float("nan"), dtype=x.dtype, device="cuda")
+        timed(f"gemm1 Gluon {label}", lambda pp=gluon == 1: G1.gemm1(xs, w1, act, None, spi, be, flat[4 * e:],
+                                                                      flat[4 * e - 1:4 * e], s, i, 0, pingpong=pp),
+              f1, reps)
+        print(f"   max |diff| vs Triton {float((act[real].float() - base[real].float()).abs().max()):.3g}, "
+              f"NaN rows {int(act[real].isnan().any(1).sum())}")
     timed("torch._grouped_mm gemm1 (no gate)", lambda: torch._grouped_mm(xs, w1.transpose(1, 2), offs=tables[0]),
           f1, reps)
     print()
     calls = {}
-    for label, cfgs in (("table", {"gemm1": d1, "gemm2": d2}), ("gluon", {"gemm1": g1, "gemm2": g2})):
+    variants = {"table": {"gemm1": d1, "gemm2": d2}}
+    for label, gluon in kernels.items():
+        variants[label] = {"gemm1": {**d1, "BLOCK_M": G1.BLOCK_M, "HALF_TAIL": 0, "PERSISTENT": 0, "GLUON": gluon},
+                           "gemm2": g2}
+    for label, cfgs in variants.items():
         calls[f"forward, {label}"] = tm.Variant(lambda j, c=cfgs: F.fused_experts_forward(*args, configs=c))
         calls[f"forward save, {label}"] = tm.Variant(
             lambda j, c=cfgs: F.fused_experts_forward(*args, configs=c, save=True, keep_rows=True))
@@ -195,9 +201,10 @@ def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
     print(f"{name} T={t}: the fused forward, {rounds} interleaved rounds (median us a call; Gluon / table, "
           f"paired by round)")
     for mode in ("forward", "forward save"):
-        a_us, b_us = times[f"{mode}, table"], times[f"{mode}, gluon"]
-        print(f"  {mode:12s} table {tm.median(a_us):8.1f}  gluon {tm.median(b_us):8.1f}  "
-              f"{tm.paired_ratio(b_us, a_us):.3f}")
+        a_us = times[f"{mode}, table"]
+        print(f"  {mode:12s} table {tm.median(a_us):8.1f}" + "".join(
+            f"  {label} {tm.median(times[f'{mode}, {label}']):8.1f} "
+            f"{tm.paired_ratio(times[f'{mode}, {label}'], a_us):.3f}" for label in kernels))
 
 
 def main() -> None:

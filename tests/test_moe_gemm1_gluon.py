@@ -1,5 +1,5 @@
-"""moe_experts' GEMM1 on the Gluon kernel (backends/triton/moe_gemm1_gluon.py), asked for with
-``configs["gemm1"]["GLUON"] = 1``.
+"""moe_experts' GEMM1 on the Gluon kernels (backends/triton/moe_gemm1_gluon.py), asked for with
+``configs["gemm1"]["GLUON"]``: 1 ping-pong, 2 cooperative.
 
 Gluon has no interpreter: on the CPU the kernel is compiled for sm90 (every gate, with and
 without the saved pre-activation) and the wrapper's refusals are checked; on an sm90 GPU it runs
@@ -53,26 +53,29 @@ def _gluon_module() -> Any:
     return pytest.importorskip("opreg.backends.triton.moe_gemm1_gluon")
 
 
+@pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "coop"])
 @pytest.mark.parametrize("act,save", [(a, s) for a in (0, 1, 2, 3, 4, 5, 6) for s in (None, "bf16", "fp32")
                                       if s is None or a in (0, 6)])
-def test_gluon_gemm1_compiles_for_sm90(act: int, save: str | None) -> None:
-    """The kernel compiled for sm90 (no GPU needed): wgmma and setmaxnreg in its PTX, shared
-    memory within the H100's 232,448 bytes a block, for each gate, with the pre-activation
-    saved in bf16 or fp32 and without."""
+def test_gluon_gemm1_compiles_for_sm90(act: int, save: str | None, pingpong: bool) -> None:
+    """Both kernels compiled for sm90 (no GPU needed): wgmma and setmaxnreg in its PTX, shared
+    memory within the H100's 232,448 bytes a block, for each gate, with the
+    pre-activation saved in bf16 or fp32 and without."""
     G = pytest.importorskip("opreg.backends.triton.moe_gemm1_gluon")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    a_layout, w_layout = G._layouts()
+    bn = G.PP_BLOCK_N if pingpong else G.BLOCK_N
+    a_layout, w_layout = G._layouts(bn)
     sig = {"a_desc": f"tensordesc<bf16[{G.BLOCK_M}, {G.BLOCK_K}],{a_layout!r}>",
-           "w_desc": f"tensordesc<bf16[{G.BLOCK_N}, {G.BLOCK_K}],{w_layout!r}>",
+           "w_desc": f"tensordesc<bf16[{bn}, {G.BLOCK_K}],{w_layout!r}>",
            "act_ptr": "*bf16", "pre_ptr": f"*{save or 'bf16'}", "pair_ids_ptr": "*i32", "block_expert_ptr": "*i32",
            "shift_ptr": "*i32", "used_ptr": "*i32", "num_pairs": "i32", "NI": "i32", "N1": "i32", "K": "i32",
            "stride_act": "i32", "stride_pre": "i32", "alpha": "fp32", "limit": "fp32",
            "STAGES": "constexpr", "ACT": "constexpr", "HAS_LIMIT": "constexpr", "SAVE_PRE": "constexpr",
-           "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr"}
-    consts = {"STAGES": G.STAGES, "ACT": act, "HAS_LIMIT": act == 6, "SAVE_PRE": save is not None,
-              "CONSUMER_REGS": G.CONSUMER_REGS, "LOADER_REGS": G.LOADER_REGS}
+           "PINGPONG": "constexpr", "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr"}
+    consts = {"STAGES": G.PP_STAGES if pingpong else G.STAGES, "ACT": act, "HAS_LIMIT": act == 6,
+              "SAVE_PRE": save is not None, "PINGPONG": pingpong, "CONSUMER_REGS": G.CONSUMER_REGS,
+              "LOADER_REGS": G.LOADER_REGS}
     src = GluonASTSource(G.gemm1_kernel, signature=sig, constexprs=consts,
                          attrs={(j,): [["tt.divisibility", 16]] for j in (2, 3, 4, 5, 6, 7)})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
@@ -86,8 +89,11 @@ def test_gluon_gemm1_refuses_what_it_cannot_take() -> None:
     launch: CPU tensors reach it too); the kernel's own refusals name what is missing."""
     G = pytest.importorskip("opreg.backends.triton.moe_gemm1_gluon")
     args = make(40, 2, 128, 128, 4, torch.bfloat16, "cpu")
-    with pytest.raises(ValueError, match=r"GLUON.*not bf16 on CUDA"):
-        TM.fused_experts_forward(*args, configs=_gemm1_config(args, 1))
+    for gluon in (1, 2):
+        with pytest.raises(ValueError, match=rf"GLUON'\] = {gluon}.*not bf16 on CUDA"):
+            TM.fused_experts_forward(*args, configs=_gemm1_config(args, gluon))
+    with pytest.raises(ValueError, match=r"GLUON must be 0 \(off\), 1 \(ping-pong\) or 2"):
+        TM.fused_experts_forward(*args, configs=_gemm1_config(args, 3))
     half = _gemm1_config(args, 1)
     half["gemm1"]["HALF_TAIL"] = 1
     with pytest.raises(ValueError, match="HALF_TAIL"):
@@ -103,17 +109,23 @@ def test_gluon_gemm1_refuses_what_it_cannot_take() -> None:
     assert "bias" in G.unfit(x, w, 128, **{**common, "has_bias": True})
     assert "BLOCK_M" in G.unfit(x, w, 128, **{**common, "block_m": 64})
     assert "CUDA" in G.unfit(x, w, 128, **common)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        xc, w192 = x.cuda(), torch.zeros(4, 384, 128, dtype=torch.bfloat16, device="cuda")
+        assert G.unfit(xc, w192, 192, **common, pingpong=True) is None
+        assert "multiples of 128" in G.unfit(xc, w192, 192, **common)  # the cooperative tile: 128 gate columns
 
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("gluon", [1, 2], ids=["pingpong", "coop"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("gate", list(GATES))
-def test_cuda_gluon_gemm1_forward(gate: str, shape: str) -> None:
-    """bf16, no grad: the forward with GEMM1 on the Gluon kernel against float64 and against
-    the Triton GEMM1 on the same sorted rows; NaN-filled buffers (act's among them: a row
-    left unwritten would show), sentinel slots with NaN weights and a negative id, the same
-    bits twice, a CUDA graph replayed on new values."""
+def test_cuda_gluon_gemm1_forward(gate: str, shape: str, gluon: int) -> None:
+    """bf16, no grad: the forward with GEMM1 on a Gluon kernel (``gluon``: 1 ping-pong, 2
+    cooperative) against float64 and against the Triton GEMM1 on the same sorted rows;
+    NaN-filled buffers (act's among them: a row left unwritten would show), sentinel slots
+    with NaN weights and a negative id, the same bits twice, a CUDA graph replayed on new
+    values."""
     _gluon_module()
     args, ref_args = _forward_special(make(*SHAPES[shape], torch.bfloat16, "cuda", **{**GATES[gate], "sentinels": 3}),
                                      "nan")
@@ -122,8 +134,8 @@ def test_cuda_gluon_gemm1_forward(gate: str, shape: str) -> None:
     old = TM._new_buffer
     TM._new_buffer = _nan_buffer
     try:
-        got = TM.fused_experts_forward(*args, configs=_gemm1_config(args, 1))
-        again = TM.fused_experts_forward(*args, configs=_gemm1_config(args, 1))
+        got = TM.fused_experts_forward(*args, configs=_gemm1_config(args, gluon))
+        again = TM.fused_experts_forward(*args, configs=_gemm1_config(args, gluon))
         triton_path = TM.fused_experts_forward(*args, configs=_gemm1_config(args, 0))
     finally:
         TM._new_buffer = old
@@ -135,24 +147,26 @@ def test_cuda_gluon_gemm1_forward(gate: str, shape: str) -> None:
     x2, w2 = torch.randn_like(args[0]), args[2] * (0.5 + torch.rand_like(args[2]))
     x, rw = args[0].clone(), args[2].clone()
     live = sub(args, hidden_states=x, top_k_weights=rw)
-    graph, out = captured(lambda: TM.fused_experts_forward(*live, configs=_gemm1_config(live, 1)))
+    graph, out = captured(lambda: TM.fused_experts_forward(*live, configs=_gemm1_config(live, gluon)))
     x.copy_(x2)
     rw.copy_(w2)
     graph.replay()
-    want2 = TM.fused_experts_forward(*sub(args, hidden_states=x2, top_k_weights=w2), configs=_gemm1_config(args, 1))
+    want2 = TM.fused_experts_forward(*sub(args, hidden_states=x2, top_k_weights=w2),
+                                     configs=_gemm1_config(args, gluon))
     assert torch.equal(out, want2), "the replayed graph differs from a call on the same inputs"
 
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("gluon", [1, 2], ids=["pingpong", "coop"])
 @pytest.mark.parametrize("family", ["mixtral silu", "clamped silu", "k=1 empty experts"])
-def test_cuda_gluon_gemm1_training(family: str) -> None:
-    """bf16 forward + backward with GEMM1 on the Gluon kernel (its saved pre-activation read
-    by the backward) and on Triton: both match float64, and each other."""
+def test_cuda_gluon_gemm1_training(family: str, gluon: int) -> None:
+    """bf16 forward + backward with GEMM1 on the Gluon kernels (their saved pre-activation
+    read by the backward) and on Triton: each matches float64, and Triton's path."""
     _gluon_module()
     t, k, _, _, e = FAMILIES[family][0]
     args = _requires(_special(_clear_limit(make(max(t, 96), k, 256, 128, e, torch.bfloat16, "cuda",
                                                 **{**FAMILIES[family][1], "sentinels": 2})), "nan"), GRAD_ARGS)
     backward = {"wgrad": {"GROUPED_MM": 1, "GLUON": 0}, "dgrad1": {"GROUPED_MM": 0}, "dgrad2": {"GROUPED_MM": 0}}
-    _two_paths(args, lambda g: {**_gemm1_config(args, g), **backward}, lambda g: 2,
+    _two_paths(args, lambda g: {**_gemm1_config(args, gluon if g else 0), **backward}, lambda g: 2,
                ["hidden_states", "top_k_weights", "gate_up_proj", "down_proj"], "GLUON")

@@ -1724,8 +1724,11 @@ def _gluon_gemm1() -> Any:
 def _gluon_gemm1_unfit(c1: dict[str, int], x: torch.Tensor, w1: torch.Tensor, bias: Optional[torch.Tensor],
                        i: int, gated: bool, transposed: bool, interleaved: bool,
                        pre_dt: Optional[torch.dtype]) -> Optional[str]:
-    """Why GEMM1 can't run on the Gluon kernel (``configs["gemm1"]["GLUON"]``) here, or None.
-    Its A is the sorted copy of ``x``'s rows (a fresh contiguous buffer of x's dtype)."""
+    """Why GEMM1 can't run on the Gluon kernel ``configs["gemm1"]["GLUON"]`` asks for (1
+    ping-pong, 2 cooperative: :mod:`.moe_gemm1_gluon`) here, or None. Its A is the sorted copy
+    of ``x``'s rows (a fresh contiguous buffer of x's dtype)."""
+    if c1["GLUON"] not in (1, 2):
+        return f"GLUON must be 0 (off), 1 (ping-pong) or 2 (cooperative), got {c1['GLUON']!r}"
     module = _gluon_gemm1()
     if isinstance(module, str):
         return module
@@ -1734,7 +1737,7 @@ def _gluon_gemm1_unfit(c1: dict[str, int], x: torch.Tensor, w1: torch.Tensor, bi
     if pre_dt is not None and pre_dt not in (torch.bfloat16, torch.float32):
         return f"the saved pre-activation's dtype {pre_dt} is neither bf16 nor fp32"
     return module.unfit(x, _nk_view(w1, transposed), i, gated=gated, interleaved=interleaved,
-                        has_bias=bias is not None, block_m=c1["BLOCK_M"])
+                        has_bias=bias is not None, block_m=c1["BLOCK_M"], pingpong=c1["GLUON"] == 1)
 
 
 def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -1800,7 +1803,8 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
             picked = ({**picked[0], "PREGATHER": 1},) + picked[1:]
             if (why := _gluon_gemm1_unfit(picked[0], x, w1, gate_up_bias, i, gated, transposed, interleaved,
                                           pre_dt)) is not None:
-                raise ValueError(f"fused_experts_forward: configs['gemm1']['GLUON'] = 1, but {why}")
+                raise ValueError(f"fused_experts_forward: configs['gemm1']['GLUON'] = {picked[0]['GLUON']!r}, "
+                                 f"but {why}")
         if spec is not None:
             _remember(_CONFIGS, spec, picked)
     c1, c2, cc = picked
@@ -1834,7 +1838,7 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         elif c1.get("GLUON", 0):
             _gluon_gemm1().gemm1(a1, _nk_view(w1, transposed), act, pre, sorted_pair_ids, block_expert,
                                  routing["shift"], routing["used"], s, i, ACT_IDS[activation], alpha, limit,
-                                 spec=spec and (spec, "gemm1"))
+                                 pingpong=c1["GLUON"] == 1, spec=spec and (spec, "gemm1"))
         else:
             launch_gemm(c1, a=a1, w_nk=_nk_view(w1, transposed), bias=gate_up_bias, out=act, pre=pre,
                         n=i, k=h, gather=not pregather, routed=False, gated=gated, interleaved=interleaved,

@@ -13,14 +13,22 @@ Why: at Qwen3-MoE's and OLMoE's T = 4096 the Triton GEMM1 ran 12 % behind CUTLAS
 grouped GEMM on the same sorted rows (473 / 421 and 543 / 484 us, H100, thirty-seventh
 session), with the gate in its epilogue against none; the Triton kernel is one tile a
 program, no warp specialisation (Triton's own does nothing on sm90), so each tile's fill and
-epilogue stall its tensor cores. Here a program per SM walks its tiles: a 1-warp TMA loader
-streams A's 128 rows and W's gate and up tiles (128 columns each) through a ring of
-``STAGES`` 48 KB stages, and two 4-warp consumers take one tile together, each 64 of its rows
-(two m64n128 wgmma chains, gate and up), so the loader fills the next tile's stages under
-this tile's epilogue.
+epilogue stall its tensor cores. Here a program per SM walks its tiles, a 1-warp TMA loader
+streams A's 128 rows and W's gate and up tiles through a ring of stages, and two 4-warp
+consumers take them in one of two ways (as the weight gradients' kernels,
+:mod:`.moe_wgrad_gluon`):
+
+* ping-pong (``pingpong=True``, ``configs["gemm1"]["GLUON"] = 1``): the consumers alternate
+  tiles of 128 rows x (64 gate + 64 up) columns, so one's epilogue (the gate, the stores of
+  act and of the saved pre-activation) runs under the other's MMAs; 6 stages of 32 KB;
+* cooperative (``GLUON = 2``): both on one tile of 128 rows x (128 gate + 128 up) columns, 64
+  rows each (two m64n128 wgmma chains), so W's tiles are read from L2 half as often; the
+  loader fills the next tile's stages under this tile's epilogue, but the tensor cores wait
+  for it; 4 stages of 48 KB.
 
 Scope: bf16 rows and weights, gated with gate and up halves concatenated (transformers'
-layout: W (E, 2I, K), K contiguous), no bias, I a multiple of 128 and K of 64, sm90:
+layout: W (E, 2I, K), K contiguous), no bias, I a multiple of the tile's 64 or 128 gate
+columns and K of 64, sm90:
 :func:`unfit` says which is missing; the caller (:func:`.moe_experts.fused_experts_forward`,
 ``configs["gemm1"]["GLUON"]``) runs it only when asked. Gluon has no interpreter: the kernel
 runs on the GPU only (``tests/test_moe_gemm1_gluon.py``'s CUDA cases; its CPU case compiles it
@@ -42,12 +50,14 @@ from opreg.backends.triton.launch import launch
 # the Triton GEMM1's tile order and gate (Triton functions: Gluon calls them as they are)
 from opreg.backends.triton.moe_experts import _gate, _tile_of
 
-__all__ = ["STAGES", "gemm1", "unfit"]
+__all__ = ["PP_STAGES", "STAGES", "gemm1", "unfit"]
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # a tile's rows, its gate (and up) columns; K per step
-# 4 stages of 48 KB (A 16 KB, W's gate and up tiles 16 KB each): 196,608 bytes; the
-# epilogue stores from registers (a tile's rows are ragged at an expert's end: no TMA store)
-STAGES = 4
+PP_BLOCK_N = 64  # the ping-pong tile's gate (and up) columns: 128 x 128 fp32 accumulators a consumer
+# the cooperative ring: 4 stages of 48 KB (A 16 KB, W's gate and up tiles 16 KB each);
+# ping-pong: 6 of 32 KB (W's tiles 8 KB each); 196,608 bytes either way. The epilogue
+# stores from registers (a tile's rows are ragged at an expert's end: no TMA store)
+STAGES, PP_STAGES = 4, 6
 # tiles walk GROUP_M row blocks of one column block, so W's tiles come from L2 (the Triton
 # GEMM1's order)
 GROUP_M = gl.constexpr(8)
@@ -65,6 +75,24 @@ def _save_pre(acc_g, acc_u, pre_rows, c, NI, mask, alpha, limit, ACT: gl.constex
     gl.store(pre_rows + c, pg, mask=mask)
     gl.store(pre_rows + (c + NI), pu, mask=mask)
     return _gate(pg.to(gl.float32), pu.to(gl.float32), alpha, limit, True, ACT, HAS_LIMIT)
+
+
+@gluon.jit
+def _epilogue(acc_g, acc_u, prow, col, expert, act_ptr, pre_ptr, pair_ids_ptr, shift_ptr, num_pairs, NI,
+              stride_act, stride_pre, alpha, limit, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr,
+              SAVE_PRE: gl.constexpr):
+    """A consumer's accumulators (padded rows ``prow``, gate columns ``col``) through the gate
+    into act's sorted rows, masked to the rows that hold a pair (and the pre-activation first
+    where saved)."""
+    row_ok = gl.expand_dims(gl.load(pair_ids_ptr + prow) < num_pairs, 1)
+    srows = gl.expand_dims((prow + gl.load(shift_ptr + expert)).to(gl.int64), 1)
+    c = gl.expand_dims(col, 0)
+    mask = row_ok & (c < NI)
+    if SAVE_PRE:  # the backward's input to the gate's derivative; a narrower pre is the gate's input too
+        y = _save_pre(acc_g, acc_u, pre_ptr + srows * stride_pre, c, NI, mask, alpha, limit, ACT, HAS_LIMIT)
+    else:
+        y = _gate(acc_g, acc_u, alpha, limit, True, ACT, HAS_LIMIT)
+    gl.store(act_ptr + srows * stride_act + c, y.to(gl.bfloat16), mask=mask)
 
 
 @gluon.jit
@@ -94,7 +122,7 @@ def _loader(a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_p
 
 
 @gluon.jit
-def _consumer(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr,
+def _coop_consumer(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr,
               pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha, limit,
               ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, WHICH: gl.constexpr):
     # Consumer c takes rows [64 c, 64 c + 64) of each tile: two m64n128 wgmma chains on its
@@ -129,27 +157,65 @@ def _consumer(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_p
         if ksteps > 0:
             mbarrier.arrive(empty.index((g - 1) % STAGES))
 
-        # the epilogue: this consumer's 64 rows, masked to the rows that hold a pair
-        prow = pid_m * BM + WHICH * HM + rows  # padded rows
-        row_ok = gl.expand_dims(gl.load(pair_ids_ptr + prow) < num_pairs, 1)
-        srows = gl.expand_dims((prow + gl.load(shift_ptr + expert)).to(gl.int64), 1)
-        c = gl.expand_dims(pid_n * BN + cols, 0)
-        mask = row_ok & (c < NI)
-        if SAVE_PRE:  # the backward's input to the gate's derivative; a narrower pre is the gate's input too
-            y = _save_pre(acc_g, acc_u, pre_ptr + srows * stride_pre, c, NI, mask, alpha, limit, ACT, HAS_LIMIT)
-        else:
-            y = _gate(acc_g, acc_u, alpha, limit, True, ACT, HAS_LIMIT)
-        gl.store(act_ptr + srows * stride_act + c, y.to(gl.bfloat16), mask=mask)
+        # the epilogue: this consumer's 64 rows
+        _epilogue(acc_g, acc_u, pid_m * BM + WHICH * HM + rows, pid_n * BN + cols, expert, act_ptr, pre_ptr,
+                  pair_ids_ptr, shift_ptr, num_pairs, NI, stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT,
+                  SAVE_PRE)
+
+
+@gluon.jit
+def _pp_consumer(a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
+                 shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha,
+                 limit, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, WHICH: gl.constexpr):
+    # Consumer c takes the program's tiles i = c mod 2, all 128 rows: two m64n64 wgmma chains
+    # (gate, up) a 64-row half, on the whole of A's stage.
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BM: gl.constexpr = a_bufs.shape[1]
+    BK: gl.constexpr = a_bufs.shape[2]
+    BN: gl.constexpr = g_bufs.shape[1]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+    ksteps = K // BK
+    for i in range(n_local):
+        if i % 2 == WHICH:
+            pid_m, pid_n, expert = _tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, GROUP_M)
+            g = i * ksteps  # every tile has K // BK steps: tile i's first ring position
+            # Start this tile's MMAs only once the other consumer has issued all of tile i - 1's
+            # (its epilogue then runs under ours), which also keeps this consumer within one
+            # lap of the loader: a parity wait on ready cannot pass on a stale phase
+            if i > 0:
+                mbarrier.wait(order.index(1 - WHICH), ((i - 1) // 2) & 1)
+            acc_g = gl.zeros([BM, BN], gl.float32, acc_layout)
+            acc_u = gl.zeros([BM, BN], gl.float32, acc_layout)
+            for kb in range(ksteps):
+                s = (g + kb) % STAGES
+                mbarrier.wait(ready.index(s), ((g + kb) // STAGES) & 1)
+                a_s = a_bufs.index(s)
+                acc_g = warpgroup_mma(a_s, g_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
+                acc_u = warpgroup_mma(a_s, u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
+                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+                if kb > 0:
+                    mbarrier.arrive(empty.index((g + kb - 1) % STAGES))
+            # every step of this tile issued: the tensor cores go to the other consumer
+            # (order[WHICH] completes once per tile of ours)
+            mbarrier.arrive(order.index(WHICH))
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+            if ksteps > 0:
+                mbarrier.arrive(empty.index((g + ksteps - 1) % STAGES))
+            _epilogue(acc_g, acc_u, pid_m * BM + rows, pid_n * BN + cols, expert, act_ptr, pre_ptr, pair_ids_ptr,
+                      shift_ptr, num_pairs, NI, stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE)
 
 
 @gluon.jit
 def gemm1_kernel(a_desc, w_desc, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr, used_ptr,
                  num_pairs, NI, N1, K, stride_act, stride_pre, alpha, limit,
                  STAGES: gl.constexpr, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                 PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = w_desc.block_type.shape[0]
+    BN: gl.constexpr = w_desc.block_type.shape[0]  # the tile's gate (and up) columns
     gl.static_assert(w_desc.block_type.shape[1] == BK)
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
@@ -159,7 +225,12 @@ def gemm1_kernel(a_desc, w_desc, act_ptr, pre_ptr, pair_ids_ptr, block_expert_pt
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)  # the loader's expect-arrive (+ TMA bytes)
-        mbarrier.init(empty.index(s), count=2)  # both consumers release a stage
+        # a stage goes back when its consumer (ping-pong) or both (cooperative) release it
+        mbarrier.init(empty.index(s), count=1 if PINGPONG else 2)
+    # ping-pong: order[c] completes once consumer c has issued a tile's MMAs (one arrive a tile)
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(order.index(0), count=1)
+    mbarrier.init(order.index(1), count=1)
     fence_async_shared()  # the barriers' init visible to the async proxy (TMA) before any use
 
     pid = gl.program_id(0)
@@ -173,23 +244,35 @@ def gemm1_kernel(a_desc, w_desc, act_ptr, pre_ptr, pair_ids_ptr, block_expert_pt
     # HAS_LIMIT, SAVE_PRE and the consumer's index must stay compile-time (each gate's code
     # alone; no pre branch; one function for both consumers).
     # triton 3.6 signature: ([(fn, args) default first, workers...], worker warps, worker regs)
-    gl.warp_specialize([
-        (_consumer, (a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
-                     shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha,
-                     limit, ACT, HAS_LIMIT, SAVE_PRE, 0)),
-        (_consumer, (a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
-                     shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha,
-                     limit, ACT, HAS_LIMIT, SAVE_PRE, 1)),
-        (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid, nprog,
-                   n_local, used_m, tiles_n, NI, N1, K)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    if PINGPONG:
+        gl.warp_specialize([
+            (_pp_consumer, (a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, pre_ptr, pair_ids_ptr,
+                            block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K,
+                            stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, 0)),
+            (_pp_consumer, (a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, pre_ptr, pair_ids_ptr,
+                            block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K,
+                            stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, 1)),
+            (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid,
+                       nprog, n_local, used_m, tiles_n, NI, N1, K)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_coop_consumer, (a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr,
+                              block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K,
+                              stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, 0)),
+            (_coop_consumer, (a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr,
+                              block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K,
+                              stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, 1)),
+            (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid,
+                       nprog, n_local, used_m, tiles_n, NI, N1, K)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 @functools.cache
-def _layouts() -> tuple[object, object]:
-    """The NVMMA shared layouts of A's stage ([128, 64]) and of a W tile ([128, 64])."""
+def _layouts(block_n: int = BLOCK_N) -> tuple[object, object]:
+    """The NVMMA shared layouts of A's stage ([128, 64]) and of a W tile ([block_n, 64])."""
     return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16))
+            gl.NVMMASharedLayout.get_default_for([block_n, BLOCK_K], gl.bfloat16))
 
 
 @functools.cache
@@ -199,10 +282,10 @@ def _device(index: int) -> tuple[tuple[int, int], int]:
 
 
 def unfit(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, gated: bool, interleaved: bool, has_bias: bool,
-          block_m: int) -> str | None:
+          block_m: int, pingpong: bool = False) -> str | None:
     """Why :func:`gemm1` can't take the token rows ``x`` (T, K) (their sorted copy, a fresh
     contiguous buffer, is its A) and the weight seen as (E, N1, K) ``w_nk`` (I = ``i`` output
-    columns), or None. ``block_m``: the routing's block."""
+    columns), or None. ``block_m``: the routing's block; ``pingpong``: which kernel."""
     if not gated or interleaved:
         return "the Gluon GEMM1 needs a gated weight with gate and up halves concatenated"
     if has_bias:
@@ -217,8 +300,9 @@ def unfit(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, gated: bool, interleav
     k = x.shape[1]
     if w_nk.shape[1] != 2 * i or w_nk.shape[2] != k:
         return f"gate_up_proj's shape {tuple(w_nk.shape)} is not (E, 2 x {i}, {k})"
-    if i % BLOCK_N or k % BLOCK_K or not (i and k):
-        return f"I = {i} and K = {k} must be positive multiples of {BLOCK_N} and {BLOCK_K}"
+    bn = PP_BLOCK_N if pingpong else BLOCK_N
+    if i % bn or k % BLOCK_K or not (i and k):
+        return f"I = {i} and K = {k} must be positive multiples of {bn} and {BLOCK_K}"
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if _device(index)[0][0] != 9:
         return f"the GPU is sm{''.join(map(str, _device(index)[0]))}, not sm90 (wgmma)"
@@ -228,23 +312,26 @@ def unfit(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, gated: bool, interleav
 def gemm1(a: torch.Tensor, w_nk: torch.Tensor, act: torch.Tensor, pre: torch.Tensor | None,
           sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, shift: torch.Tensor, used: torch.Tensor,
           num_pairs: int, i: int, act_id: int, alpha: float = 1.0, limit: float = math.inf,
-          programs: int | None = None, spec: object = None) -> None:
+          programs: int | None = None, pingpong: bool = False, spec: object = None) -> None:
     """GEMM1 with the gate into ``act`` (S, I) (and the pre-activation into ``pre`` (S, 2I)
     where given), over the routing's padded pair list (``sorted_pair_ids``, ``block_expert``,
     ``shift``: sorted row = padded row + shift[e], ``used``: a 1-element view of its last
-    padded end); ``pre`` bf16 or fp32. The caller checks :func:`unfit` first. ``programs``: how many persistent
-    programs (default one per SM). ``spec``: a key that determines every argument's metadata."""
+    padded end); ``pre`` bf16 or fp32. The caller checks :func:`unfit` first (with the same
+    ``pingpong``: the ping-pong kernel, else the cooperative one). ``programs``: how many
+    persistent programs (default one per SM). ``spec``: a key that determines every argument's
+    metadata."""
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    a_layout, w_layout = _layouts()
+    bn = PP_BLOCK_N if pingpong else BLOCK_N
+    a_layout, w_layout = _layouts(bn)
     a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], a_layout)
-    w_desc = TensorDescriptor.from_tensor(w_nk.view(-1, w_nk.shape[2]), [BLOCK_N, BLOCK_K], w_layout)
-    tiles = block_expert.shape[0] * (i // BLOCK_N)  # the static worst case
+    w_desc = TensorDescriptor.from_tensor(w_nk.view(-1, w_nk.shape[2]), [bn, BLOCK_K], w_layout)
+    tiles = block_expert.shape[0] * (i // bn)  # the static worst case
     grid = (max(1, min(programs or _device(index)[1], tiles)),)
     has_limit = math.isfinite(limit)
     p = pre if pre is not None else act  # a valid pointer, never written
     launch(gemm1_kernel, grid, a_desc, w_desc, act, p, sorted_pair_ids, block_expert, shift, used,
            num_pairs, i, w_nk.shape[1], a.shape[1], act.stride(0), p.stride(0), float(alpha),
            float(limit) if has_limit else 0.0,
-           spec_key=None if spec is None else (spec, "gluon gemm1"), STAGES=STAGES, ACT=act_id,
-           HAS_LIMIT=has_limit, SAVE_PRE=pre is not None, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
-           num_warps=4)
+           spec_key=None if spec is None else (spec, "gluon gemm1", pingpong),
+           STAGES=PP_STAGES if pingpong else STAGES, ACT=act_id, HAS_LIMIT=has_limit, SAVE_PRE=pre is not None,
+           PINGPONG=pingpong, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
