@@ -168,23 +168,29 @@ def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
     routing = dict(rw=rw, sorted_pair_ids=spi, block_expert=be, shift=tables[4], top_k=k)
     real = slice(0, int(tables[0, -1]))
     outs = {}
+    pre = torch.full((s, 2 * i), float("nan"), dtype=x.dtype, device="cuda")  # the training forward's save
     for label, cfg in (("Triton (the table's, pregathered)", {**d1, "BLOCK_M": G1.BLOCK_M}),
                        ("Triton, no HALF_TAIL", {**d1, "BLOCK_M": G1.BLOCK_M, "HALF_TAIL": 0})):
         act = torch.full((s, i), float("nan"), dtype=x.dtype, device="cuda")
-        timed(f"gemm1 {label}", lambda: F.launch_gemm(cfg, a=xs, w_nk=w1, bias=None, out=act, pre=None, n=i, k=h,
-                                                      gather=False, routed=False, gated=True, act=0,
-                                                      used=flat[4 * e - 1:4 * e], **routing), f1, reps)
-        print()
+        for save in (None, pre):
+            timed(f"gemm1 {label}{', saving pre' * (save is not None)}",
+                  lambda p=save: F.launch_gemm(cfg, a=xs, w_nk=w1, bias=None, out=act, pre=p, n=i, k=h, gather=False,
+                                               routed=False, gated=True, act=0, used=flat[4 * e - 1:4 * e],
+                                               **routing), f1, reps)
+            print()
         outs[label] = act
     base = outs["Triton (the table's, pregathered)"]
     kernels = {"pingpong": 1, "coop": 2}
-    for label, gluon in kernels.items():
+    for label, pp, coalesce in (("pingpong", True, None), ("coop", False, None),
+                                ("coop, stores as held (COALESCE 0)", False, False)):
         act = torch.full((s, i), float("nan"), dtype=x.dtype, device="cuda")
-        timed(f"gemm1 Gluon {label}", lambda pp=gluon == 1: G1.gemm1(xs, w1, act, None, spi, be, flat[4 * e:],
-                                                                      flat[4 * e - 1:4 * e], s, i, 0, pingpong=pp),
-              f1, reps)
-        print(f"   max |diff| vs Triton {float((act[real].float() - base[real].float()).abs().max()):.3g}, "
-              f"NaN rows {int(act[real].isnan().any(1).sum())}")
+        for save in (None, pre):
+            timed(f"gemm1 Gluon {label}{', saving pre' * (save is not None)}",
+                  lambda p=save, pp=pp, co=coalesce: G1.gemm1(xs, w1, act, p, spi, be, flat[4 * e:],
+                                                                flat[4 * e - 1:4 * e], s, i, 0, pingpong=pp,
+                                                                coalesce=co), f1, reps)
+            print(f"   max |diff| vs Triton {float((act[real].float() - base[real].float()).abs().max()):.3g}, "
+                  f"NaN rows {int(act[real].isnan().any(1).sum())}")
     timed("torch._grouped_mm gemm1 (no gate)", lambda: torch._grouped_mm(xs, w1.transpose(1, 2), offs=tables[0]),
           f1, reps)
     print()

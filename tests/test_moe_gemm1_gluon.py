@@ -72,9 +72,11 @@ def test_gluon_gemm1_compiles_for_sm90(act: int, save: str | None, pingpong: boo
            "shift_ptr": "*i32", "used_ptr": "*i32", "num_pairs": "i32", "NI": "i32", "N1": "i32", "K": "i32",
            "stride_act": "i32", "stride_pre": "i32", "alpha": "fp32", "limit": "fp32",
            "STAGES": "constexpr", "ACT": "constexpr", "HAS_LIMIT": "constexpr", "SAVE_PRE": "constexpr",
-           "PINGPONG": "constexpr", "CONSUMER_REGS": "constexpr", "LOADER_REGS": "constexpr"}
+           "PINGPONG": "constexpr", "COALESCE": "constexpr", "CONSUMER_REGS": "constexpr",
+           "LOADER_REGS": "constexpr"}
     consts = {"STAGES": G.PP_STAGES if pingpong else G.STAGES, "ACT": act, "HAS_LIMIT": act == 6,
-              "SAVE_PRE": save is not None, "PINGPONG": pingpong, "CONSUMER_REGS": G.CONSUMER_REGS,
+              "SAVE_PRE": save is not None, "PINGPONG": pingpong, "COALESCE": G.COALESCE,
+              "CONSUMER_REGS": G.CONSUMER_REGS,
               "LOADER_REGS": G.LOADER_REGS}
     src = GluonASTSource(G.gemm1_kernel, signature=sig, constexprs=consts,
                          attrs={(j,): [["tt.divisibility", 16]] for j in (2, 3, 4, 5, 6, 7)})

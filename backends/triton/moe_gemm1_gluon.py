@@ -50,7 +50,10 @@ from opreg.backends.triton.launch import launch
 # the Triton GEMM1's tile order and gate (Triton functions: Gluon calls them as they are)
 from opreg.backends.triton.moe_experts import _gate, _tile_of
 
-__all__ = ["PP_STAGES", "STAGES", "gemm1", "unfit"]
+__all__ = ["COALESCE", "PP_STAGES", "STAGES", "gemm1", "unfit"]
+
+# a partition-wide barrier: gl.thread_barrier in triton 3.6, gl.barrier from 3.7 on
+_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # a tile's rows, its gate (and up) columns; K per step
 PP_BLOCK_N = 64  # the ping-pong tile's gate (and up) columns: 128 x 128 fp32 accumulators a consumer
@@ -64,35 +67,67 @@ GROUP_M = gl.constexpr(8)
 # registers a thread: the loader warp 40, the second consumer 216 (Triton raises the default
 # partition, the first consumer, to 256: 4 x 32 x (256 + 216) + 32 x 40 <= 65,536)
 CONSUMER_REGS, LOADER_REGS = 216, 40
+# the epilogue's stores converted to 16 bytes a thread first (:func:`_epilogue`): the
+# training forward, which stores the pre-activation too, ran 579 against the Triton GEMM1's
+# 481 us at Qwen3-MoE's T = 4096 storing from the accumulators' layout (H100, 2026-12-06)
+COALESCE = True
 
 
 @gluon.jit
-def _save_pre(acc_g, acc_u, pre_rows, c, NI, mask, alpha, limit, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr):
-    """Both halves of the pre-activation stored in ``pre_rows``' dtype, then the gate of the
-    stored (rounded) values."""
-    pg = acc_g.to(pre_rows.dtype.element_ty)
-    pu = acc_u.to(pre_rows.dtype.element_ty)
-    gl.store(pre_rows + c, pg, mask=mask)
-    gl.store(pre_rows + (c + NI), pu, mask=mask)
-    return _gate(pg.to(gl.float32), pu.to(gl.float32), alpha, limit, True, ACT, HAS_LIMIT)
+def _staged_store(buf, val, ptrs, mask, layout: gl.constexpr):
+    """``val`` stored at ``ptrs`` (in ``layout``, 16 bytes a thread) through the consumer's
+    shared buffer ``buf`` (the accumulator's layout holds 2 consecutive columns a thread: its
+    own 4-byte stores touch 8 rows a warp)."""
+    _barrier()  # every warp of this consumer has read the buffer's previous tile
+    buf.store(val)
+    _barrier()
+    gl.store(ptrs, buf.load(layout), mask=mask)
 
 
 @gluon.jit
-def _epilogue(acc_g, acc_u, prow, col, expert, act_ptr, pre_ptr, pair_ids_ptr, shift_ptr, num_pairs, NI,
+def _epilogue(acc_g, acc_u, buf, row0, col0, expert, act_ptr, pre_ptr, pair_ids_ptr, shift_ptr, num_pairs, NI,
               stride_act, stride_pre, alpha, limit, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr,
-              SAVE_PRE: gl.constexpr):
-    """A consumer's accumulators (padded rows ``prow``, gate columns ``col``) through the gate
-    into act's sorted rows, masked to the rows that hold a pair (and the pre-activation first
-    where saved)."""
+              SAVE_PRE: gl.constexpr, COALESCE: gl.constexpr):
+    """A consumer's accumulators (padded rows from ``row0``, gate columns from ``col0``)
+    through the gate into act's sorted rows, masked to the rows that hold a pair (and the
+    pre-activation, both halves, where saved: the gate then reads its rounded values, as the
+    Triton kernel's). COALESCE: the bf16 tiles go through the consumer's shared buffer ``buf``
+    ([rows, BN] bf16) and leave it 16 bytes a thread; an fp32 pre is stored as held."""
+    BM: gl.constexpr = acc_g.shape[0]
+    BN: gl.constexpr = acc_g.shape[1]
+    acc_layout: gl.constexpr = acc_g.type.layout
+    # the coalesced layout: 8 consecutive elements a thread, a row's BN columns on BN / 8
+    # threads, the 4 warps stacked over rows
+    TN: gl.constexpr = BN // 8
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TN, TN], [4, 1], [1, 0]) if COALESCE \
+        else acc_layout
+    shift = gl.load(shift_ptr + expert)
+    prow = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))  # padded rows
     row_ok = gl.expand_dims(gl.load(pair_ids_ptr + prow) < num_pairs, 1)
-    srows = gl.expand_dims((prow + gl.load(shift_ptr + expert)).to(gl.int64), 1)
-    c = gl.expand_dims(col, 0)
+    srows = gl.expand_dims((prow + shift).to(gl.int64), 1)
+    c = gl.expand_dims(col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout)), 0)
     mask = row_ok & (c < NI)
     if SAVE_PRE:  # the backward's input to the gate's derivative; a narrower pre is the gate's input too
-        y = _save_pre(acc_g, acc_u, pre_ptr + srows * stride_pre, c, NI, mask, alpha, limit, ACT, HAS_LIMIT)
+        pg = acc_g.to(pre_ptr.dtype.element_ty)
+        pu = acc_u.to(pre_ptr.dtype.element_ty)
+        if COALESCE and pre_ptr.dtype.element_ty == gl.bfloat16:
+            pre_rows = pre_ptr + srows * stride_pre
+            _staged_store(buf, pg, pre_rows + c, mask, out_layout)
+            _staged_store(buf, pu, pre_rows + (c + NI), mask, out_layout)
+        else:  # in the accumulators' layout
+            prow_a = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+            ok_a = gl.expand_dims(gl.load(pair_ids_ptr + prow_a) < num_pairs, 1)
+            pre_a = pre_ptr + gl.expand_dims((prow_a + shift).to(gl.int64), 1) * stride_pre
+            c_a = gl.expand_dims(col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout)), 0)
+            gl.store(pre_a + c_a, pg, mask=ok_a & (c_a < NI))
+            gl.store(pre_a + (c_a + NI), pu, mask=ok_a & (c_a < NI))
+        y = _gate(pg.to(gl.float32), pu.to(gl.float32), alpha, limit, True, ACT, HAS_LIMIT).to(gl.bfloat16)
     else:
-        y = _gate(acc_g, acc_u, alpha, limit, True, ACT, HAS_LIMIT)
-    gl.store(act_ptr + srows * stride_act + c, y.to(gl.bfloat16), mask=mask)
+        y = _gate(acc_g, acc_u, alpha, limit, True, ACT, HAS_LIMIT).to(gl.bfloat16)
+    if COALESCE:
+        _staged_store(buf, y, act_ptr + srows * stride_act + c, mask, out_layout)
+    else:
+        gl.store(act_ptr + srows * stride_act + c, y, mask=mask)
 
 
 @gluon.jit
@@ -122,9 +157,10 @@ def _loader(a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_p
 
 
 @gluon.jit
-def _coop_consumer(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr,
-              pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha, limit,
-              ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, WHICH: gl.constexpr):
+def _coop_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
+              shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha, limit,
+              ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, COALESCE: gl.constexpr,
+              WHICH: gl.constexpr):
     # Consumer c takes rows [64 c, 64 c + 64) of each tile: two m64n128 wgmma chains on its
     # slice of A's stage, against the gate and the up tiles of W (K-major: permuted views).
     STAGES: gl.constexpr = a_bufs.shape[0]
@@ -134,8 +170,6 @@ def _coop_consumer(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_
     HM: gl.constexpr = BM // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
-    rows = gl.arange(0, HM, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     ksteps = K // BK
     g = 0
     for i in range(n_local):
@@ -158,15 +192,15 @@ def _coop_consumer(a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_
             mbarrier.arrive(empty.index((g - 1) % STAGES))
 
         # the epilogue: this consumer's 64 rows
-        _epilogue(acc_g, acc_u, pid_m * BM + WHICH * HM + rows, pid_n * BN + cols, expert, act_ptr, pre_ptr,
-                  pair_ids_ptr, shift_ptr, num_pairs, NI, stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT,
-                  SAVE_PRE)
+        _epilogue(acc_g, acc_u, o_buf, pid_m * BM + WHICH * HM, pid_n * BN, expert, act_ptr, pre_ptr, pair_ids_ptr,
+                  shift_ptr, num_pairs, NI, stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE)
 
 
 @gluon.jit
-def _pp_consumer(a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
+def _pp_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, order, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
                  shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha,
-                 limit, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, WHICH: gl.constexpr):
+                 limit, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, COALESCE: gl.constexpr,
+                 WHICH: gl.constexpr):
     # Consumer c takes the program's tiles i = c mod 2, all 128 rows: two m64n64 wgmma chains
     # (gate, up) a 64-row half, on the whole of A's stage.
     STAGES: gl.constexpr = a_bufs.shape[0]
@@ -175,8 +209,6 @@ def _pp_consumer(a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, pre_ptr, 
     BN: gl.constexpr = g_bufs.shape[1]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
-    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     ksteps = K // BK
     for i in range(n_local):
         if i % 2 == WHICH:
@@ -204,15 +236,16 @@ def _pp_consumer(a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, pre_ptr, 
             acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
             if ksteps > 0:
                 mbarrier.arrive(empty.index((g + ksteps - 1) % STAGES))
-            _epilogue(acc_g, acc_u, pid_m * BM + rows, pid_n * BN + cols, expert, act_ptr, pre_ptr, pair_ids_ptr,
-                      shift_ptr, num_pairs, NI, stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE)
+            _epilogue(acc_g, acc_u, o_buf, pid_m * BM, pid_n * BN, expert, act_ptr, pre_ptr, pair_ids_ptr, shift_ptr,
+                      num_pairs, NI, stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE)
 
 
 @gluon.jit
 def gemm1_kernel(a_desc, w_desc, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr, used_ptr,
                  num_pairs, NI, N1, K, stride_act, stride_pre, alpha, limit,
                  STAGES: gl.constexpr, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr,
-                 PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                 PINGPONG: gl.constexpr, COALESCE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                 LOADER_REGS: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]  # the tile's gate (and up) columns
@@ -221,6 +254,11 @@ def gemm1_kernel(a_desc, w_desc, act_ptr, pre_ptr, pair_ids_ptr, block_expert_pt
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     g_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
     u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+    # each consumer's epilogue buffer (COALESCE): its rows of the tile, bf16
+    o_rows: gl.constexpr = BM if PINGPONG else BM // 2
+    o_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]) if COALESCE \
+        else gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    o_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, o_rows if COALESCE else 1, BN if COALESCE else 8], o_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -246,23 +284,23 @@ def gemm1_kernel(a_desc, w_desc, act_ptr, pre_ptr, pair_ids_ptr, block_expert_pt
     # triton 3.6 signature: ([(fn, args) default first, workers...], worker warps, worker regs)
     if PINGPONG:
         gl.warp_specialize([
-            (_pp_consumer, (a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, pre_ptr, pair_ids_ptr,
-                            block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K,
-                            stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, 0)),
-            (_pp_consumer, (a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, pre_ptr, pair_ids_ptr,
-                            block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K,
-                            stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, 1)),
+            (_pp_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(0), ready, empty, order, act_ptr, pre_ptr,
+                            pair_ids_ptr, block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K,
+                            stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 0)),
+            (_pp_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(1), ready, empty, order, act_ptr, pre_ptr,
+                            pair_ids_ptr, block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K,
+                            stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 1)),
             (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid,
                        nprog, n_local, used_m, tiles_n, NI, N1, K)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_coop_consumer, (a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr,
+            (_coop_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(0), ready, empty, act_ptr, pre_ptr, pair_ids_ptr,
                               block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K,
-                              stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, 0)),
-            (_coop_consumer, (a_bufs, g_bufs, u_bufs, ready, empty, act_ptr, pre_ptr, pair_ids_ptr,
+                              stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 0)),
+            (_coop_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(1), ready, empty, act_ptr, pre_ptr, pair_ids_ptr,
                               block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K,
-                              stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, 1)),
+                              stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 1)),
             (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid,
                        nprog, n_local, used_m, tiles_n, NI, N1, K)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -312,14 +350,17 @@ def unfit(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, gated: bool, interleav
 def gemm1(a: torch.Tensor, w_nk: torch.Tensor, act: torch.Tensor, pre: torch.Tensor | None,
           sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, shift: torch.Tensor, used: torch.Tensor,
           num_pairs: int, i: int, act_id: int, alpha: float = 1.0, limit: float = math.inf,
-          programs: int | None = None, pingpong: bool = False, spec: object = None) -> None:
+          programs: int | None = None, pingpong: bool = False, coalesce: bool | None = None,
+          spec: object = None) -> None:
     """GEMM1 with the gate into ``act`` (S, I) (and the pre-activation into ``pre`` (S, 2I)
     where given), over the routing's padded pair list (``sorted_pair_ids``, ``block_expert``,
     ``shift``: sorted row = padded row + shift[e], ``used``: a 1-element view of its last
     padded end); ``pre`` bf16 or fp32. The caller checks :func:`unfit` first (with the same
     ``pingpong``: the ping-pong kernel, else the cooperative one). ``programs``: how many
-    persistent programs (default one per SM). ``spec``: a key that determines every argument's
+    persistent programs (default one per SM). ``coalesce``: the epilogue's bf16 tiles stored 16
+    bytes a thread (default :data:`COALESCE`). ``spec``: a key that determines every argument's
     metadata."""
+    coalesce = COALESCE if coalesce is None else coalesce
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     bn = PP_BLOCK_N if pingpong else BLOCK_N
     a_layout, w_layout = _layouts(bn)
@@ -332,6 +373,7 @@ def gemm1(a: torch.Tensor, w_nk: torch.Tensor, act: torch.Tensor, pre: torch.Ten
     launch(gemm1_kernel, grid, a_desc, w_desc, act, p, sorted_pair_ids, block_expert, shift, used,
            num_pairs, i, w_nk.shape[1], a.shape[1], act.stride(0), p.stride(0), float(alpha),
            float(limit) if has_limit else 0.0,
-           spec_key=None if spec is None else (spec, "gluon gemm1", pingpong),
+           spec_key=None if spec is None else (spec, "gluon gemm1", pingpong, coalesce),
            STAGES=PP_STAGES if pingpong else STAGES, ACT=act_id, HAS_LIMIT=has_limit, SAVE_PRE=pre is not None,
-           PINGPONG=pingpong, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
+           PINGPONG=pingpong, COALESCE=coalesce, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+           num_warps=4)
