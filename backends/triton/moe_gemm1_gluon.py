@@ -285,11 +285,11 @@ def gemm1_kernel(a_desc, w_desc, act_ptr, pre_ptr, pair_ids_ptr, block_expert_pt
     if PINGPONG:
         gl.warp_specialize([
             (_pp_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(0), ready, empty, order, act_ptr, pre_ptr,
-                            pair_ids_ptr, block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K,
-                            stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 0)),
+                            pair_ids_ptr, block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs,
+                            NI, K, stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 0)),
             (_pp_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(1), ready, empty, order, act_ptr, pre_ptr,
-                            pair_ids_ptr, block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K,
-                            stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 1)),
+                            pair_ids_ptr, block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs,
+                            NI, K, stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 1)),
             (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid,
                        nprog, n_local, used_m, tiles_n, NI, N1, K)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
