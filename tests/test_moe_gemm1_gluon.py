@@ -119,16 +119,18 @@ def test_gluon_gemm1_refuses_what_it_cannot_take() -> None:
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("coalesce", [True, False], ids=["coalesced", "as held"])
 @pytest.mark.parametrize("gluon", [1, 2], ids=["pingpong", "coop"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("gate", list(GATES))
-def test_cuda_gluon_gemm1_forward(gate: str, shape: str, gluon: int) -> None:
+def test_cuda_gluon_gemm1_forward(gate: str, shape: str, gluon: int, coalesce: bool,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16, no grad: the forward with GEMM1 on a Gluon kernel (``gluon``: 1 ping-pong, 2
-    cooperative) against float64 and against the Triton GEMM1 on the same sorted rows;
-    NaN-filled buffers (act's among them: a row left unwritten would show), sentinel slots
-    with NaN weights and a negative id, the same bits twice, a CUDA graph replayed on new
-    values."""
-    _gluon_module()
+    cooperative; its epilogue's stores through the shared buffer or as held) against float64
+    and against the Triton GEMM1 on the same sorted rows; NaN-filled buffers (act's among
+    them: a row left unwritten would show), sentinel slots with NaN weights and a negative id,
+    the same bits twice, a CUDA graph replayed on new values."""
+    monkeypatch.setattr(_gluon_module(), "COALESCE", coalesce)
     args, ref_args = _forward_special(make(*SHAPES[shape], torch.bfloat16, "cuda", **{**GATES[gate], "sentinels": 3}),
                                      "nan")
     want = M.reference(*tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
@@ -160,15 +162,57 @@ def test_cuda_gluon_gemm1_forward(gate: str, shape: str, gluon: int) -> None:
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("coalesce", [True, False], ids=["coalesced", "as held"])
 @pytest.mark.parametrize("gluon", [1, 2], ids=["pingpong", "coop"])
 @pytest.mark.parametrize("family", ["mixtral silu", "clamped silu", "k=1 empty experts"])
-def test_cuda_gluon_gemm1_training(family: str, gluon: int) -> None:
-    """bf16 forward + backward with GEMM1 on the Gluon kernels (their saved pre-activation
-    read by the backward) and on Triton: each matches float64, and Triton's path."""
-    _gluon_module()
+def test_cuda_gluon_gemm1_training(family: str, gluon: int, coalesce: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 forward + backward with GEMM1 on the Gluon kernels (their saved pre-activation,
+    bf16 or fp32 under a clamp, read by the backward) and on Triton: each matches float64,
+    and Triton's path."""
+    monkeypatch.setattr(_gluon_module(), "COALESCE", coalesce)
     t, k, _, _, e = FAMILIES[family][0]
     args = _requires(_special(_clear_limit(make(max(t, 96), k, 256, 128, e, torch.bfloat16, "cuda",
                                                 **{**FAMILIES[family][1], "sentinels": 2})), "nan"), GRAD_ARGS)
     backward = {"wgrad": {"GROUPED_MM": 1, "GLUON": 0}, "dgrad1": {"GROUPED_MM": 0}, "dgrad2": {"GROUPED_MM": 0}}
     _two_paths(args, lambda g: {**_gemm1_config(args, gluon if g else 0), **backward}, lambda g: 2,
                ["hidden_states", "top_k_weights", "gate_up_proj", "down_proj"], "GLUON")
+
+
+def test_gluon_gemm1_default_rule() -> None:
+    """The default asks for the cooperative kernel only for a forward that saves nothing, from
+    GLUON_GEMM1_MIN_ROWS rows per expert on, and only where the kernel fits (CPU tensors never
+    do)."""
+    rows = TM.GLUON_GEMM1_MIN_ROWS
+    assert TM.gluon_gemm1_default(rows, False) == 2
+    assert TM.gluon_gemm1_default(rows - 1, False) == 0
+    assert TM.gluon_gemm1_default(4 * rows, True) == 0
+    x, w = make(2 * rows, 4, 128, 128, 8, torch.bfloat16, "cpu")[0::3][:2]
+    c1 = {"GLUON": 2, "BLOCK_M": 128, "PREGATHER": 1, "HALF_TAIL": 0, "PERSISTENT": 0}
+    why = TM._gluon_gemm1_unfit(c1, x, w, None, 128, True, False, False, None)
+    assert why is not None and ("CUDA" in why or "Gluon" in why), why
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("save", [False, True], ids=["no grad", "training forward"])
+def test_cuda_gluon_gemm1_default(save: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On sm90 the op's forward with no configs runs GEMM1 on the cooperative kernel from
+    GLUON_GEMM1_MIN_ROWS rows per expert on when it saves nothing (and the Triton GEMM1 when it
+    saves, or below), matching float64 and the Triton GEMM1's forward, every buffer NaN-filled."""
+    G = _gluon_module()
+    calls: list[bool] = []
+    real = G.gemm1
+    monkeypatch.setattr(G, "gemm1", lambda *a, **kw: (calls.append(kw.get("pingpong", False)), real(*a, **kw))[1])
+    monkeypatch.setattr(TM, "_new_buffer", _nan_buffer)
+    rows = TM.GLUON_GEMM1_MIN_ROWS
+    for t, on in ((2 * rows + 40, True), (2 * rows - 80, False)):  # 4 of 8 experts' rows a token
+        args = make(t, 4, 256, 256, 8, torch.bfloat16, "cuda")
+        want = M.reference(*tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                                  for a in args))
+        calls.clear()
+        got = TM.fused_experts_forward(*args, save=save)
+        got = got[0] if save else got
+        assert calls == ([False] if on and not save else []), (t, calls)
+        assert_matches(got, want, torch.bfloat16)
+        triton_path = TM.fused_experts_forward(*args, configs=_gemm1_config(args, 0))
+        assert_matches(got, triton_path.double(), torch.bfloat16)
