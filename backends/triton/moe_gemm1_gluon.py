@@ -85,28 +85,28 @@ def _staged_store(buf, val, ptrs, mask, layout: gl.constexpr):
     gl.store(ptrs, buf.load(layout), mask=mask)
 
 
+@gluon.constexpr_function
+def _out_layout(acc_layout, BN, COALESCE):
+    """The layout the epilogue stores from: the accumulators' own, or (COALESCE) 8 consecutive
+    elements a thread, a row's BN columns on BN / 8 threads, the 4 warps stacked over rows."""
+    return gl.BlockedLayout([1, 8], [32 // (BN // 8), BN // 8], [4, 1], [1, 0]) if COALESCE else acc_layout
+
+
 @gluon.jit
-def _epilogue(acc_g, acc_u, buf, row0, col0, expert, act_ptr, pre_ptr, pair_ids_ptr, shift_ptr, num_pairs, NI,
+def _epilogue(acc_g, acc_u, buf, prow, col, expert, act_ptr, pre_ptr, pair_ids_ptr, shift_ptr, num_pairs, NI,
               stride_act, stride_pre, alpha, limit, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr,
               SAVE_PRE: gl.constexpr, COALESCE: gl.constexpr):
-    """A consumer's accumulators (padded rows from ``row0``, gate columns from ``col0``)
-    through the gate into act's sorted rows, masked to the rows that hold a pair (and the
-    pre-activation, both halves, where saved: the gate then reads its rounded values, as the
-    Triton kernel's). COALESCE: the bf16 tiles go through the consumer's shared buffer ``buf``
-    ([rows, BN] bf16) and leave it 16 bytes a thread; an fp32 pre is stored as held."""
-    BM: gl.constexpr = acc_g.shape[0]
-    BN: gl.constexpr = acc_g.shape[1]
-    acc_layout: gl.constexpr = acc_g.type.layout
-    # the coalesced layout: 8 consecutive elements a thread, a row's BN columns on BN / 8
-    # threads, the 4 warps stacked over rows
-    TN: gl.constexpr = BN // 8
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TN, TN], [4, 1], [1, 0]) if COALESCE \
-        else acc_layout
+    """A consumer's accumulators (padded rows ``prow``, gate columns ``col``, both in the
+    layout it stores from: :func:`_out_layout`) through the gate into act's sorted rows,
+    masked to the rows that hold a pair (and the pre-activation, both halves, where saved: the
+    gate then reads its rounded values, as the Triton kernel's). COALESCE: the bf16 tiles go
+    through the consumer's shared buffer ``buf`` ([rows, BN] bf16) and leave it 16 bytes a
+    thread; an fp32 pre is stored as held."""
+    out_layout: gl.constexpr = prow.type.layout.parent
     shift = gl.load(shift_ptr + expert)
-    prow = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))  # padded rows
     row_ok = gl.expand_dims(gl.load(pair_ids_ptr + prow) < num_pairs, 1)
     srows = gl.expand_dims((prow + shift).to(gl.int64), 1)
-    c = gl.expand_dims(col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout)), 0)
+    c = gl.expand_dims(col, 0)
     mask = row_ok & (c < NI)
     if SAVE_PRE:  # the backward's input to the gate's derivative; a narrower pre is the gate's input too
         pg = acc_g.to(pre_ptr.dtype.element_ty)
@@ -115,20 +115,24 @@ def _epilogue(acc_g, acc_u, buf, row0, col0, expert, act_ptr, pre_ptr, pair_ids_
             pre_rows = pre_ptr + srows * stride_pre
             _staged_store(buf, pg, pre_rows + c, mask, out_layout)
             _staged_store(buf, pu, pre_rows + (c + NI), mask, out_layout)
-        else:  # in the accumulators' layout
-            prow_a = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
-            ok_a = gl.expand_dims(gl.load(pair_ids_ptr + prow_a) < num_pairs, 1)
+        elif COALESCE:  # an fp32 pre from the accumulators' layout (its indices converted, 1-D)
+            acc_layout: gl.constexpr = acc_g.type.layout
+            prow_a = gl.convert_layout(prow, gl.SliceLayout(1, acc_layout))
+            c_a = gl.expand_dims(gl.convert_layout(col, gl.SliceLayout(0, acc_layout)), 0)
             pre_a = pre_ptr + gl.expand_dims((prow_a + shift).to(gl.int64), 1) * stride_pre
-            c_a = gl.expand_dims(col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout)), 0)
-            gl.store(pre_a + c_a, pg, mask=ok_a & (c_a < NI))
-            gl.store(pre_a + (c_a + NI), pu, mask=ok_a & (c_a < NI))
-        y = _gate(pg.to(gl.float32), pu.to(gl.float32), alpha, limit, True, ACT, HAS_LIMIT).to(gl.bfloat16)
+            mask_a = gl.expand_dims(gl.load(pair_ids_ptr + prow_a) < num_pairs, 1) & (c_a < NI)
+            gl.store(pre_a + c_a, pg, mask=mask_a)
+            gl.store(pre_a + (c_a + NI), pu, mask=mask_a)
+        else:
+            gl.store(pre_ptr + srows * stride_pre + c, pg, mask=mask)
+            gl.store(pre_ptr + srows * stride_pre + (c + NI), pu, mask=mask)
+        y = _gate(pg.to(gl.float32), pu.to(gl.float32), alpha, limit, True, ACT, HAS_LIMIT)
     else:
-        y = _gate(acc_g, acc_u, alpha, limit, True, ACT, HAS_LIMIT).to(gl.bfloat16)
+        y = _gate(acc_g, acc_u, alpha, limit, True, ACT, HAS_LIMIT)
     if COALESCE:
-        _staged_store(buf, y, act_ptr + srows * stride_act + c, mask, out_layout)
+        _staged_store(buf, y.to(gl.bfloat16), act_ptr + srows * stride_act + c, mask, out_layout)
     else:
-        gl.store(act_ptr + srows * stride_act + c, y, mask=mask)
+        gl.store(act_ptr + srows * stride_act + c, y.to(gl.bfloat16), mask=mask)
 
 
 @gluon.jit
@@ -171,6 +175,9 @@ def _coop_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, act_ptr, pre_ptr
     HM: gl.constexpr = BM // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
+    out_layout: gl.constexpr = _out_layout(acc_layout, BN, COALESCE)
+    rows = gl.arange(0, HM, layout=gl.SliceLayout(1, out_layout))
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
     ksteps = K // BK
     g = 0
     for i in range(n_local):
@@ -193,8 +200,9 @@ def _coop_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, act_ptr, pre_ptr
             mbarrier.arrive(empty.index((g - 1) % STAGES))
 
         # the epilogue: this consumer's 64 rows
-        _epilogue(acc_g, acc_u, o_buf, pid_m * BM + WHICH * HM, pid_n * BN, expert, act_ptr, pre_ptr, pair_ids_ptr,
-                  shift_ptr, num_pairs, NI, stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE)
+        _epilogue(acc_g, acc_u, o_buf, pid_m * BM + WHICH * HM + rows, pid_n * BN + cols, expert, act_ptr, pre_ptr,
+                  pair_ids_ptr, shift_ptr, num_pairs, NI, stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT,
+                  SAVE_PRE, COALESCE)
 
 
 @gluon.jit
@@ -210,6 +218,9 @@ def _pp_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, order, act_ptr, pr
     BN: gl.constexpr = g_bufs.shape[1]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
+    out_layout: gl.constexpr = _out_layout(acc_layout, BN, COALESCE)
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
     ksteps = K // BK
     for i in range(n_local):
         if i % 2 == WHICH:
@@ -237,8 +248,9 @@ def _pp_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, order, act_ptr, pr
             acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
             if ksteps > 0:
                 mbarrier.arrive(empty.index((g + ksteps - 1) % STAGES))
-            _epilogue(acc_g, acc_u, o_buf, pid_m * BM, pid_n * BN, expert, act_ptr, pre_ptr, pair_ids_ptr, shift_ptr,
-                      num_pairs, NI, stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE)
+            _epilogue(acc_g, acc_u, o_buf, pid_m * BM + rows, pid_n * BN + cols, expert, act_ptr, pre_ptr,
+                      pair_ids_ptr, shift_ptr, num_pairs, NI, stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT,
+                      SAVE_PRE, COALESCE)
 
 
 @gluon.jit
