@@ -163,9 +163,9 @@ def _loader(a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_p
 
 @gluon.jit
 def _coop_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
-              shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha, limit,
-              ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, COALESCE: gl.constexpr,
-              WHICH: gl.constexpr):
+                   shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha,
+                   limit, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, COALESCE: gl.constexpr,
+                   WHICH: gl.constexpr):
     # Consumer c takes rows [64 c, 64 c + 64) of each tile: two m64n128 wgmma chains on its
     # slice of A's stage, against the gate and the up tiles of W (K-major: permuted views).
     STAGES: gl.constexpr = a_bufs.shape[0]
@@ -267,7 +267,7 @@ def gemm1_kernel(a_desc, w_desc, act_ptr, pre_ptr, pair_ids_ptr, block_expert_pt
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     g_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
     u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
-    # each consumer's epilogue buffer (COALESCE): its rows of the tile, bf16
+    # each consumer's epilogue buffer (COALESCE): its rows of the tile, bf16 (32 bytes, unused, when off)
     o_rows: gl.constexpr = BM if PINGPONG else BM // 2
     o_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]) if COALESCE \
         else gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
