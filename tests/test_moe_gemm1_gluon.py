@@ -192,13 +192,25 @@ def test_gluon_gemm1_default_rule() -> None:
     assert why is not None and ("CUDA" in why or "Gluon" in why), why
 
 
+def test_describe_configs_names_gemm1s_kernel() -> None:
+    """The DEBUG line of a forward's configs names the kernel GEMM1 runs on."""
+    c2, cc = {"BLOCK_N": 128}, {"BLOCK_H": 256}
+    for c1, kernel in (({"GLUON": 2}, "Gluon cooperative"), ({"GLUON": 1}, "Gluon ping-pong"),
+                       ({"GROUPED_MM": 1}, "CUTLASS"), ({"BLOCK_M": 64}, "Triton")):
+        line = TM.describe_configs(({**c1, "BLOCK_N": 64}, c2, cc))
+        assert line.startswith(f"GEMM1 on {kernel}") and "'BLOCK_N': 64" in line and "BLOCK_H" in line, line
+
+
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("save", [False, True], ids=["no grad", "training forward"])
-def test_cuda_gluon_gemm1_default(save: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_gluon_gemm1_default(save: bool, monkeypatch: pytest.MonkeyPatch,
+                                  caplog: pytest.LogCaptureFixture) -> None:
     """On sm90 the op's forward with no configs runs GEMM1 on the cooperative kernel from
     GLUON_GEMM1_MIN_ROWS rows per expert on when it saves nothing (and the Triton GEMM1 when it
-    saves, or below), matching float64 and the Triton GEMM1's forward, every buffer NaN-filled."""
+    saves, or below), matching float64 and the Triton GEMM1's forward, every buffer NaN-filled;
+    the ``opreg`` logger says which at DEBUG."""
+    caplog.set_level("DEBUG", logger="opreg")
     G = _gluon_module()
     calls: list[bool] = []
     real = G.gemm1
@@ -213,6 +225,8 @@ def test_cuda_gluon_gemm1_default(save: bool, monkeypatch: pytest.MonkeyPatch) -
         got = TM.fused_experts_forward(*args, save=save)
         got = got[0] if save else got
         assert calls == ([False] if on and not save else []), (t, calls)
+        said = [r.getMessage() for r in caplog.records if "moe_experts/triton forward, T %d," % t in r.getMessage()]
+        assert len(said) == 1 and ("GEMM1 on Gluon cooperative" in said[0]) == (on and not save), said
         assert_matches(got, want, torch.bfloat16)
         triton_path = TM.fused_experts_forward(*args, configs=_gemm1_config(args, 0))
         assert_matches(got, triton_path.double(), torch.bfloat16)

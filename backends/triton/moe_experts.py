@@ -69,7 +69,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from opreg import registry
-from opreg._log import log_once
+from opreg._log import log_once, logger
 from opreg.ops import moe_experts as M
 from opreg.ops import moe_experts_grouped as G
 
@@ -1721,6 +1721,15 @@ def _gluon_gemm1() -> Any:
     return moe_gemm1_gluon
 
 
+def describe_configs(picked: tuple[dict[str, int], dict[str, int], dict[str, int]]) -> str:
+    """The forward's (gemm1, gemm2, combine) configs in one line, GEMM1's kernel named first
+    (what the ``opreg`` logger says at DEBUG when a forward's configs are picked)."""
+    c1, c2, cc = picked
+    kernel = ("CUTLASS (torch._grouped_mm) + the gate's pass" if c1.get("GROUPED_MM", 0)
+              else {1: "Gluon ping-pong", 2: "Gluon cooperative"}.get(c1.get("GLUON", 0), "Triton"))
+    return f"GEMM1 on {kernel} {dict(c1)}, GEMM2 {dict(c2)}, combine {dict(cc)}"
+
+
 # GEMM1 of a forward that saves nothing runs on the cooperative Gluon kernel by default from
 # this many rows per expert on (gluon_gemm1_default says why)
 GLUON_GEMM1_MIN_ROWS = 256
@@ -1839,6 +1848,9 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
                                  f"but {why}")
         if spec is not None:
             _remember(_CONFIGS, spec, picked)
+        if logger.isEnabledFor(logging.DEBUG):  # once a spec: its configs are remembered above
+            logger.debug("opreg: moe_experts/triton forward, T %d, E %d, H %d, I %d, k %d, %s: %s", t, e, h, i, k,
+                         "saving for the backward" if save else "no save", describe_configs(picked))
     c1, c2, cc = picked
     grouped1 = bool(c1.get("GROUPED_MM", 0))
     bm = c1["BLOCK_M"]
