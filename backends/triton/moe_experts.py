@@ -1848,7 +1848,9 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
                                  f"but {why}")
         if spec is not None:
             _remember(_CONFIGS, spec, picked)
-        if logger.isEnabledFor(logging.DEBUG):  # once a spec: its configs are remembered above
+        # once a spec (its configs are remembered above); not under Dynamo (spec None), which
+        # can't trace the logger, nor for given configs (the caller's own)
+        if spec is not None and logger.isEnabledFor(logging.DEBUG):
             logger.debug("opreg: moe_experts/triton forward, T %d, E %d, H %d, I %d, k %d, %s: %s", t, e, h, i, k,
                          "saving for the backward" if save else "no save", describe_configs(picked))
     c1, c2, cc = picked
