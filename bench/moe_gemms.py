@@ -20,9 +20,10 @@ beside it, the control of that change), side by side in interleaved rounds (benc
 
 ``--gluon``: only the A/B of GEMM1 on the Gluon kernels (``configs["gemm1"]["GLUON"]`` 1
 ping-pong, 2 cooperative; backends/triton/moe_gemm1_gluon.py): GEMM1 alone on the same sorted
-rows (the table's Triton config pregathered, each Gluon kernel, ``torch._grouped_mm`` without
-the gate), then the fused forward, no grad and saving for the backward, with the table's
-configs and with each GLUON, in interleaved rounds.
+rows (the table's Triton config pregathered, each Gluon kernel storing from the accumulators'
+layout, the cooperative one with ``COALESCE`` too, ``torch._grouped_mm`` without the gate),
+then the fused forward, no grad and saving for the backward, with the table's configs, with
+each GLUON and with the cooperative kernel's ``COALESCE`` stores, in interleaved rounds.
 """
 from __future__ import annotations
 
@@ -181,8 +182,8 @@ def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
         outs[label] = act
     base = outs["Triton (the table's, pregathered)"]
     kernels = {"pingpong": 1, "coop": 2}
-    for label, pp, coalesce in (("pingpong", True, None), ("coop", False, None),
-                                ("coop, stores as held (COALESCE 0)", False, False)):
+    for label, pp, coalesce in (("pingpong", True, False), ("coop", False, False),
+                                ("coop, coalesced stores (COALESCE 1)", False, True)):
         act = torch.full((s, i), float("nan"), dtype=x.dtype, device="cuda")
         for save in (None, pre):
             timed(f"gemm1 Gluon {label}{', saving pre' * (save is not None)}",
@@ -199,10 +200,21 @@ def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
     for label, gluon in kernels.items():
         variants[label] = {"gemm1": {**d1, "BLOCK_M": G1.BLOCK_M, "HALF_TAIL": 0, "PERSISTENT": 0, "GLUON": gluon},
                            "gemm2": g2}
+    variants["coop+coalesce"] = variants["coop"]
+    kernels["coop+coalesce"] = 2
+
+    def forward(cfgs: dict, coalesce: bool, **kw: Any) -> Any:
+        held, G1.COALESCE = G1.COALESCE, coalesce  # read at each call: the coalesced epilogue's rows
+        try:
+            return F.fused_experts_forward(*args, configs=cfgs, **kw)
+        finally:
+            G1.COALESCE = held
+
     for label, cfgs in variants.items():
-        calls[f"forward, {label}"] = tm.Variant(lambda j, c=cfgs: F.fused_experts_forward(*args, configs=c))
+        co = label.endswith("+coalesce")
+        calls[f"forward, {label}"] = tm.Variant(lambda j, c=cfgs, co=co: forward(c, co))
         calls[f"forward save, {label}"] = tm.Variant(
-            lambda j, c=cfgs: F.fused_experts_forward(*args, configs=c, save=True, keep_rows=True))
+            lambda j, c=cfgs, co=co: forward(c, co, save=True, keep_rows=True))
     times = tm.interleaved(calls, "cuda", rounds=rounds, target_us=5000.0, min_batch=5)
     print(f"{name} T={t}: the fused forward, {rounds} interleaved rounds (median us a call; Gluon / table, "
           f"paired by round)")
