@@ -179,13 +179,11 @@ def test_cuda_gluon_gemm1_training(family: str, gluon: int, coalesce: bool, monk
 
 
 def test_gluon_gemm1_default_rule() -> None:
-    """The default asks for the cooperative kernel only for a forward that saves nothing, from
-    GLUON_GEMM1_MIN_ROWS rows per expert on, and only where the kernel fits (CPU tensors never
-    do)."""
+    """The default asks for the cooperative kernel from GLUON_GEMM1_MIN_ROWS rows per expert
+    on, and only where the kernel fits (CPU tensors never do)."""
     rows = TM.GLUON_GEMM1_MIN_ROWS
-    assert TM.gluon_gemm1_default(rows, False) == 2
-    assert TM.gluon_gemm1_default(rows - 1, False) == 0
-    assert TM.gluon_gemm1_default(4 * rows, True) == 0
+    assert TM.gluon_gemm1_default(rows) == 2
+    assert TM.gluon_gemm1_default(rows - 1) == 0
     x, w = make(2 * rows, 4, 128, 128, 8, torch.bfloat16, "cpu")[0::3][:2]
     c1 = {"GLUON": 2, "BLOCK_M": 128, "PREGATHER": 1, "HALF_TAIL": 0, "PERSISTENT": 0}
     why = TM._gluon_gemm1_unfit(c1, x, w, None, 128, True, False, False, None)
@@ -206,10 +204,10 @@ def test_describe_configs_names_gemm1s_kernel() -> None:
 @pytest.mark.parametrize("save", [False, True], ids=["no grad", "training forward"])
 def test_cuda_gluon_gemm1_default(save: bool, monkeypatch: pytest.MonkeyPatch,
                                   caplog: pytest.LogCaptureFixture) -> None:
-    """On sm90 the op's forward with no configs runs GEMM1 on the cooperative kernel from
-    GLUON_GEMM1_MIN_ROWS rows per expert on when it saves nothing (and the Triton GEMM1 when it
-    saves, or below), matching float64 and the Triton GEMM1's forward, every buffer NaN-filled;
-    the ``opreg`` logger says which at DEBUG."""
+    """On sm90 the op's forward with no configs, saving for the backward or not, runs GEMM1 on
+    the cooperative kernel from GLUON_GEMM1_MIN_ROWS rows per expert on (and the Triton GEMM1
+    below), matching float64 and the Triton GEMM1's forward, every buffer NaN-filled; the
+    ``opreg`` logger says which at DEBUG."""
     caplog.set_level("DEBUG", logger="opreg")
     G = _gluon_module()
     calls: list[bool] = []
@@ -224,9 +222,9 @@ def test_cuda_gluon_gemm1_default(save: bool, monkeypatch: pytest.MonkeyPatch,
         calls.clear()
         got = TM.fused_experts_forward(*args, save=save)
         got = got[0] if save else got
-        assert calls == ([False] if on and not save else []), (t, calls)
+        assert calls == ([False] if on else []), (t, calls)
         said = [r.getMessage() for r in caplog.records if "moe_experts/triton forward, T %d," % t in r.getMessage()]
-        assert len(said) == 1 and ("GEMM1 on Gluon cooperative" in said[0]) == (on and not save), said
+        assert len(said) == 1 and ("GEMM1 on Gluon cooperative" in said[0]) == on, said
         assert_matches(got, want, torch.bfloat16)
         triton_path = TM.fused_experts_forward(*args, configs=_gemm1_config(args, 0))
         assert_matches(got, triton_path.double(), torch.bfloat16)

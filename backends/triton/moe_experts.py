@@ -1730,30 +1730,32 @@ def describe_configs(picked: tuple[dict[str, int], dict[str, int], dict[str, int
     return f"GEMM1 on {kernel} {dict(c1)}, GEMM2 {dict(c2)}, combine {dict(cc)}"
 
 
-# GEMM1 of a forward that saves nothing runs on the cooperative Gluon kernel by default from
+# GEMM1 runs on the cooperative Gluon kernel by default (with no grad and in the training forward) from
 # this many rows per expert on (gluon_gemm1_default says why)
 GLUON_GEMM1_MIN_ROWS = 256
 
 
-def gluon_gemm1_default(rows_per_expert: float, save: bool) -> int:
+def gluon_gemm1_default(rows_per_expert: float) -> int:
     """``configs["gemm1"]["GLUON"]`` by default: 2 (the cooperative Gluon kernel of
-    :mod:`.moe_gemm1_gluon`, where :func:`_gluon_gemm1_unfit` allows it) for a forward that
-    saves nothing with at least :data:`GLUON_GEMM1_MIN_ROWS` rows per expert, else 0 (the
-    table's Triton GEMM1).
+    :mod:`.moe_gemm1_gluon`, where :func:`_gluon_gemm1_unfit` allows it) for a forward with
+    at least :data:`GLUON_GEMM1_MIN_ROWS` rows per expert, saving for the backward or not, else
+    0 (the table's Triton GEMM1).
 
     The model: the same MMAs as the Triton GEMM1 (128-row tiles, gate and up as two 64 x 128
     wgmma chains a warpgroup), but a program per SM walks its tiles with a TMA loader warp, so
     each tile's pipeline fill and the loads under its epilogue cost nothing: a fixed saving a
     tile, the same share of the GEMM at any number of tiles. Measured (H100, T = 4096,
-    ``bench/moe_gemms.py --gluon``, 2026-12-06): GEMM1 alone 437 / 464 / 427 us against the
-    table's Triton 432 / 485 / 430 (Qwen3-MoE, 256 rows an expert, where the table has
-    HALF_TAIL / OLMoE, 512 / Mixtral, 1024); the no-grad forward 0.992 / 0.973 / 0.969x in
-    interleaved rounds. Not where the forward saves: the kernel's epilogue stores three tiles
-    then (act and both pre halves) from the accumulators' layout, and the training forward's
-    GEMM1 ran 579 / 568 / 535 against Triton's 481 / 567 / 529 (``moe_launches.py``). Below
-    256 rows (T <= 512 at these shapes) the forward waits on its host, and the Gluon launch
-    costs more host time than Triton's (``moe_wgrad.py --host``: ~30 us a Gluon launch)."""
-    return 2 if not save and rows_per_expert >= GLUON_GEMM1_MIN_ROWS else 0
+    ``bench/moe_gemms.py --gluon``, 2026-12-06, the epilogue's stores coalesced,
+    :data:`.moe_gemm1_gluon.COALESCE`): the fused forward against the same on the table's
+    Triton GEMM1, 5 interleaved rounds, 0.952 / 0.942 / 0.911x with no grad and 0.995 / 0.961
+    / 0.950x saving for the backward (Qwen3-MoE, 256 rows an expert, where the table has
+    HALF_TAIL / OLMoE, 512 / Mixtral, 1024); the training step (``moe_launches.py``, 7
+    rounds) 2570 -> 2570 / 2858 -> 2843 / 2537 -> 2493 us, its GEMM1 482 -> 466 / 565 -> 527 /
+    534 -> 462. Before the stores were coalesced the saving forward lost (1.019-1.074x): three
+    tiles stored (act and both pre halves) from the accumulators' layout. Below 256 rows (T <=
+    512 at these shapes) the forward waits on its host, and the Gluon launch costs more host
+    time than Triton's (``moe_wgrad.py --host``: ~30 us a Gluon launch)."""
+    return 2 if rows_per_expert >= GLUON_GEMM1_MIN_ROWS else 0
 
 
 def _gluon_gemm1_unfit(c1: dict[str, int], x: torch.Tensor, w1: torch.Tensor, bias: Optional[torch.Tensor],
@@ -1833,7 +1835,7 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         picked = ({**picked[0], "GROUPED_MM": int(g1)},) + picked[1:]
         if _dynamo_tracing():  # Gluon's kernels don't trace: under Dynamo, the Triton GEMM1
             picked = ({**picked[0], "GLUON": 0},) + picked[1:]
-        elif not (configs or {}).get("gemm1") and not g1 and gluon_gemm1_default(s / e, save):
+        elif not (configs or {}).get("gemm1") and not g1 and gluon_gemm1_default(s / e):
             fit = {**picked[0], "GLUON": 2, "PREGATHER": 1, "HALF_TAIL": 0, "PERSISTENT": 0}
             if _gluon_gemm1_unfit(fit, x, w1, gate_up_bias, i, gated, transposed, interleaved, pre_dt) is None:
                 picked = (fit,) + picked[1:]

@@ -68,10 +68,13 @@ GROUP_M = gl.constexpr(8)
 # partition, the first consumer, to 256: 4 x 32 x (256 + 216) + 32 x 40 <= 65,536)
 CONSUMER_REGS, LOADER_REGS = 216, 40
 # the epilogue's bf16 tiles stored through a shared buffer, 16 bytes a thread (:func:`_epilogue`),
-# aimed at the training forward, which stores the pre-activation too: its GEMM1 ran 579 against
-# the Triton GEMM1's 481 us at Qwen3-MoE's T = 4096 storing from the accumulators' layout (H100,
-# 2026-12-06). Off until timed on a GPU (its tests cover both)
-COALESCE = False
+# not from the accumulators' layout (2 columns a thread: a warp's 4-byte stores touch 8 rows).
+# H100, T = 4096, the cooperative kernel (bench/moe_gemms.py --gluon, 2026-12-06): GEMM1 saving
+# the pre-activation 527 -> 461 / 635 -> 568 / 565 -> 497 us (Qwen3-MoE / OLMoE / Mixtral), with
+# no save 422 -> 413 / 518 -> 503 / 434 -> 437; the fused forward against the Triton GEMM1's
+# 0.958 -> 0.952 / 0.978 -> 0.942 / 0.946 -> 0.911 with no grad, 1.078 -> 0.995 / 1.037 -> 0.961 /
+# 1.029 -> 0.950 saving. ``gemm1(coalesce=False)`` stores as held (its tests cover both)
+COALESCE = True
 
 
 @gluon.jit
