@@ -315,10 +315,11 @@ fi
 
 if [ "$STAGE" = gluon1 ]; then
   # GEMM1 on the Gluon kernels (configs["gemm1"]["GLUON"] 1 ping-pong, 2 cooperative; moe_gemm1_gluon.py;
-  # the cooperative one the default from 256 rows per expert on): its cases (every gate, the
-  # pre-activation saved, both epilogues, NaN-filled buffers, a CUDA graph, training against the
-  # Triton GEMM1, the default's own), then its A/B against the table's Triton GEMM1 per config
-  # (GEMM1 alone, then the fused forward with and without save, interleaved rounds)
+  # the cooperative one the default from 256 rows per expert on; GEMM2 on it, configs["gemm2"]["GLUON"] 2):
+  # its cases (every gate, the pre-activation saved, both epilogues, NaN-filled buffers, a CUDA
+  # graph, training against the Triton GEMM1, the default's own, GEMM2's), then its A/B against the
+  # table's Triton GEMMs per config (GEMM1 alone, GEMM2 alone, then the fused forward with and
+  # without save, interleaved rounds)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
   timeout ${GLUON1_TEST_S:-150} env OPREG_CHECK_SPEC=1 python3 -m pytest -q -p no:cacheprovider -n 14 --dist load \
     -rfE tests/test_moe_gemm1_gluon.py > "$OUT/gluon1_tests.log" 2>&1

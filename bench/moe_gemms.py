@@ -22,8 +22,10 @@ beside it, the control of that change), side by side in interleaved rounds (benc
 ping-pong, 2 cooperative; backends/triton/moe_gemm1_gluon.py): GEMM1 alone on the same sorted
 rows (the table's Triton config pregathered, each Gluon kernel storing from the accumulators'
 layout, the cooperative one with ``COALESCE`` too, ``torch._grouped_mm`` without the gate),
-then the fused forward, no grad and saving for the backward, with the table's configs, with
-each GLUON and with the cooperative kernel's ``COALESCE`` stores, in interleaved rounds.
+then GEMM2 on GEMM1's act rows (the table's Triton GEMM2, the cooperative Gluon kernel with and
+without ``COALESCE``), then the fused forward, no grad and saving for the backward, with the
+table's configs, with each GLUON, with the cooperative kernel's ``COALESCE`` stores, and with
+both GEMMs on it, in interleaved rounds.
 """
 from __future__ import annotations
 
@@ -197,6 +199,25 @@ def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
     timed("torch._grouped_mm gemm1 (no gate)", lambda: torch._grouped_mm(xs, w1.transpose(1, 2), offs=tables[0]),
           f1, reps)
     print()
+    # GEMM2 on the same act rows (the Triton GEMM1's): the table's Triton GEMM2, the Gluon one
+    w2 = args[5]
+    act = base[False]
+    f2 = 2 * s * i * h
+    pairs = {}
+    for label, run in (("Triton (the table's)", lambda out: F.launch_gemm(
+            g2, a=act, w_nk=w2, bias=None, out=out, pre=None, n=h, k=i, gather=False, routed=True, scaled=True,
+            used=flat[4 * e - 1:4 * e], **routing)),
+                       ("Gluon coop", lambda out: G1.gemm2(act, w2, out, rw, spi, be, flat[4 * e:],
+                                                            flat[4 * e - 1:4 * e], s, k, coalesce=False)),
+                       ("Gluon coop, COALESCE", lambda out: G1.gemm2(act, w2, out, rw, spi, be, flat[4 * e:],
+                                                                      flat[4 * e - 1:4 * e], s, k, coalesce=True))):
+        out = torch.full((s, h), float("nan"), dtype=x.dtype, device="cuda")
+        timed(f"gemm2 {label}", lambda run=run, out=out: run(out), f2, reps)
+        pairs[label] = out
+        ref = pairs["Triton (the table's)"]
+        print(f"   max |diff| vs Triton {float((out.float() - ref.float()).abs().max()):.3g}, "
+              f"NaN rows {int(out.isnan().any(1).sum())} of {s}")
+    print()
     calls = {}
     variants = {"table": {"gemm1": d1, "gemm2": d2}}
     for label, gluon in kernels.items():
@@ -204,6 +225,10 @@ def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
                            "gemm2": g2}
     variants["coop+coalesce"] = variants["coop"]
     kernels["coop+coalesce"] = 2
+    # and GEMM2 on the cooperative Gluon kernel too
+    variants["both+coalesce"] = {"gemm1": variants["coop"]["gemm1"],
+                                 "gemm2": {**g2, "HALF_TAIL": 0, "PERSISTENT": 0, "GLUON": 2}}
+    kernels["both+coalesce"] = 2
 
     def forward(cfgs: dict, coalesce: bool, **kw: Any) -> Any:
         held, G1.COALESCE = G1.COALESCE, coalesce  # read at each call: the coalesced epilogue's rows
@@ -213,7 +238,7 @@ def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
             G1.COALESCE = held
 
     for label, cfgs in variants.items():
-        co = label.endswith("+coalesce")
+        co = label.endswith("+coalesce")  # the module's COALESCE, read by both GEMMs' wrappers
         calls[f"forward, {label}"] = tm.Variant(lambda j, c=cfgs, co=co: forward(c, co))
         calls[f"forward save, {label}"] = tm.Variant(
             lambda j, c=cfgs, co=co: forward(c, co, save=True, keep_rows=True))

@@ -1,5 +1,6 @@
 """moe_experts' GEMM1 on the Gluon kernels (backends/triton/moe_gemm1_gluon.py), asked for with
-``configs["gemm1"]["GLUON"]``: 1 ping-pong, 2 cooperative.
+``configs["gemm1"]["GLUON"]``: 1 ping-pong, 2 cooperative; and GEMM2 on the cooperative one
+(``configs["gemm2"]["GLUON"] = 2``).
 
 Gluon has no interpreter: on the CPU the kernel is compiled for sm90 (every gate, with and
 without the saved pre-activation) and the wrapper's refusals are checked; on an sm90 GPU it runs
@@ -36,6 +37,9 @@ GATES = {"silu": {}, "gelu": dict(activation="gelu"), "gelu_tanh": dict(activati
 # (T, k, H, I, E): ragged runs (~150 rows an expert: a full tile and a partial one), sparse
 # (most experts empty, 1-2 rows in the rest), more tiles than SMs (a program walks several)
 SHAPES = {"ragged": (300, 4, 256, 256, 8), "sparse": (24, 2, 128, 128, 64), "many tiles": (1536, 8, 512, 384, 32)}
+# GEMM2's: H a multiple of its 256-column tile
+SHAPES2 = {"ragged": (300, 4, 256, 256, 8), "sparse": (24, 2, 256, 128, 64), "many tiles": (1536, 8, 512, 384, 32),
+           "k=1": (200, 1, 512, 128, 4)}
 
 
 def _gemm1_config(args: tuple, gluon: int) -> dict[str, dict[str, int]]:
@@ -47,39 +51,52 @@ def _gemm1_config(args: tuple, gluon: int) -> dict[str, dict[str, int]]:
     return {"gemm1": c1}
 
 
+def _gemm2_config(args: tuple, gluon1: int = 0) -> dict[str, dict[str, int]]:
+    """:func:`_gemm1_config` (GLUON = ``gluon1``) with GEMM2 on the cooperative Gluon kernel."""
+    x, ids, w1, w2 = args[0], args[1], args[3], args[5]
+    c2 = TM.pick_config("gemm2", ids.numel() / w1.shape[0], w2.shape[1], w2.shape[2], x.dtype, block_m=128)
+    c2.update(HALF_TAIL=0, PERSISTENT=0, GLUON=2)
+    return {**_gemm1_config(args, gluon1), "gemm2": c2}
+
+
 def _gluon_module() -> Any:
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon GEMM1 needs sm90")
     return pytest.importorskip("opreg.backends.triton.moe_gemm1_gluon")
 
 
-@pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "coop"])
-@pytest.mark.parametrize("act,save", [(a, s) for a in (0, 1, 2, 3, 4, 5, 6) for s in (None, "bf16", "fp32")
-                                      if s is None or a in (0, 6)])
-def test_gluon_gemm1_compiles_for_sm90(act: int, save: str | None, pingpong: bool) -> None:
+@pytest.mark.parametrize("act,save,pingpong",
+                         [(a, s, pp) for pp in (True, False) for a in (0, 1, 2, 3, 4, 5, 6)
+                          for s in (None, "bf16", "fp32") if s is None or a in (0, 6)]
+                         + [("gemm2", "fp32 weights", False), ("gemm2", None, False)])
+def test_gluon_gemm1_compiles_for_sm90(act: int | str, save: str | None, pingpong: bool) -> None:
     """Both kernels compiled for sm90 (no GPU needed): wgmma and setmaxnreg in its PTX, shared
     memory within the H100's 232,448 bytes a block, for each gate, with the
-    pre-activation saved in bf16 or fp32 and without."""
+    pre-activation saved in bf16 or fp32 and without; and GEMM2 (``act`` "gemm2", the
+    cooperative kernel only), its routing weights fp32 or bf16."""
     G = pytest.importorskip("opreg.backends.triton.moe_gemm1_gluon")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    bn = G.PP_BLOCK_N if pingpong else G.BLOCK_N
+    gated = act != "gemm2"
+    bn = (G.PP_BLOCK_N if pingpong else G.BLOCK_N) if gated else G.GEMM2_BLOCK_N
     a_layout, w_layout = G._layouts(bn)
     sig = {"a_desc": f"tensordesc<bf16[{G.BLOCK_M}, {G.BLOCK_K}],{a_layout!r}>",
            "w_desc": f"tensordesc<bf16[{bn}, {G.BLOCK_K}],{w_layout!r}>",
-           "act_ptr": "*bf16", "pre_ptr": f"*{save or 'bf16'}", "pair_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-           "shift_ptr": "*i32", "used_ptr": "*i32", "num_pairs": "i32", "NI": "i32", "N1": "i32", "K": "i32",
-           "stride_act": "i32", "stride_pre": "i32", "alpha": "fp32", "limit": "fp32",
-           "STAGES": "constexpr", "ACT": "constexpr", "HAS_LIMIT": "constexpr", "SAVE_PRE": "constexpr",
-           "PINGPONG": "constexpr", "COALESCE": "constexpr", "CONSUMER_REGS": "constexpr",
+           "out_ptr": "*bf16", "pre_ptr": f"*{save if gated and save else 'bf16'}", "pair_ids_ptr": "*i32",
+           "block_expert_ptr": "*i32", "shift_ptr": "*i32", "used_ptr": "*i32",
+           "route_w_ptr": "*fp32" if save == "fp32 weights" else "*bf16", "num_pairs": "i32", "top_k": "i32",
+           "NI": "i32", "N1": "i32", "K": "i32", "stride_out": "i32", "stride_pre": "i32", "stride_rt": "i32",
+           "stride_rk": "i32", "alpha": "fp32", "limit": "fp32",
+           "STAGES": "constexpr", "GATED": "constexpr", "ACT": "constexpr", "HAS_LIMIT": "constexpr",
+           "SAVE_PRE": "constexpr", "PINGPONG": "constexpr", "COALESCE": "constexpr", "CONSUMER_REGS": "constexpr",
            "LOADER_REGS": "constexpr"}
-    consts = {"STAGES": G.PP_STAGES if pingpong else G.STAGES, "ACT": act, "HAS_LIMIT": act == 6,
-              "SAVE_PRE": save is not None, "PINGPONG": pingpong, "COALESCE": G.COALESCE,
-              "CONSUMER_REGS": G.CONSUMER_REGS,
+    consts = {"STAGES": (G.PP_STAGES if pingpong else G.STAGES) if gated else G.GEMM2_STAGES, "GATED": gated,
+              "ACT": act if gated else 0, "HAS_LIMIT": act == 6, "SAVE_PRE": gated and save is not None,
+              "PINGPONG": pingpong, "COALESCE": G.COALESCE, "CONSUMER_REGS": G.CONSUMER_REGS,
               "LOADER_REGS": G.LOADER_REGS}
-    src = GluonASTSource(G.gemm1_kernel, signature=sig, constexprs=consts,
-                         attrs={(j,): [["tt.divisibility", 16]] for j in (2, 3, 4, 5, 6, 7)})
+    src = GluonASTSource(G.gemm_kernel, signature=sig, constexprs=consts,
+                         attrs={(j,): [["tt.divisibility", 16]] for j in (2, 3, 4, 5, 6, 7, 8)})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = kernel.asm["ptx"]
     assert "wgmma" in ptx and "setmaxnreg" in ptx
@@ -104,7 +121,18 @@ def test_gluon_gemm1_refuses_what_it_cannot_take() -> None:
     both["gemm1"]["GROUPED_MM"] = 1
     with pytest.raises(ValueError, match="GROUPED_MM"):
         TM.fused_experts_forward(*args, configs=both, save=True, keep_rows=True)
-    x, w = args[0], args[3]
+    with pytest.raises(ValueError, match=r"gemm2'\]\['GLUON'\] = 2.*not bf16 on CUDA"):
+        TM.fused_experts_forward(*args, configs=_gemm2_config(args))
+    for key, value, match in (("GLUON", 1, "no ping-pong"), ("PERSISTENT", 1, "PERSISTENT"),
+                              ("HALF_TAIL", 1, "HALF_TAIL")):
+        bad = _gemm2_config(args)
+        bad["gemm2"][key] = value
+        with pytest.raises(ValueError, match=match):
+            TM.fused_experts_forward(*args, configs=bad)
+    x, w, w2 = args[0], args[3], args[5]
+    assert "bias" in G.unfit2(x, w2, 128, has_bias=True, block_m=128)
+    assert "BLOCK_M" in G.unfit2(x, w2, 128, has_bias=False, block_m=64)
+    assert "CUDA" in G.unfit2(x, w2, 128, has_bias=False, block_m=128)
     common = dict(gated=True, interleaved=False, has_bias=False, block_m=128)
     assert "concatenated" in G.unfit(x, w, 128, **{**common, "interleaved": True})
     assert "concatenated" in G.unfit(x, w, 128, **{**common, "gated": False})
@@ -115,6 +143,10 @@ def test_gluon_gemm1_refuses_what_it_cannot_take() -> None:
         xc, w192 = x.cuda(), torch.zeros(4, 384, 128, dtype=torch.bfloat16, device="cuda")
         assert G.unfit(xc, w192, 192, **common, pingpong=True) is None
         assert "multiples of 128" in G.unfit(xc, w192, 192, **common)  # the cooperative tile: 128 gate columns
+        w2c = torch.zeros(4, 384, 128, dtype=torch.bfloat16, device="cuda")  # H = 384: not a 256-column tile's
+        assert "multiples of 256" in G.unfit2(xc, w2c, 128, has_bias=False, block_m=128)
+        assert G.unfit2(xc, torch.zeros(4, 512, 128, dtype=torch.bfloat16, device="cuda"), 128, has_bias=False,
+                        block_m=128) is None
 
 
 @pytest.mark.cuda
@@ -157,6 +189,48 @@ def test_cuda_gluon_gemm1_forward(gate: str, shape: str, gluon: int, coalesce: b
     graph.replay()
     want2 = TM.fused_experts_forward(*sub(args, hidden_states=x2, top_k_weights=w2),
                                      configs=_gemm1_config(args, gluon))
+    assert torch.equal(out, want2), "the replayed graph differs from a call on the same inputs"
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("coalesce", [True, False], ids=["coalesced", "as held"])
+@pytest.mark.parametrize("gluon1", [0, 2], ids=["GEMM1 on Triton", "GEMM1 on Gluon"])
+@pytest.mark.parametrize("rw_dtype", [torch.bfloat16, torch.float32], ids=["bf16 weights", "fp32 weights"])
+@pytest.mark.parametrize("shape", list(SHAPES2))
+def test_cuda_gluon_gemm2_forward(shape: str, rw_dtype: torch.dtype, gluon1: int, coalesce: bool,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16, no grad: the forward with GEMM2 on the cooperative Gluon kernel (each pair's row
+    scaled by its routing weight, bf16 or fp32 as transformers' are) against float64 and the
+    same forward on the Triton GEMM2; NaN-filled buffers (the pair rows among them: a row left
+    unwritten would show), sentinel slots with NaN weights and a negative id, the same bits
+    twice, a CUDA graph replayed on new values."""
+    monkeypatch.setattr(_gluon_module(), "COALESCE", coalesce)
+    args = make(*SHAPES2[shape], torch.bfloat16, "cuda", sentinels=3)
+    args = sub(args, top_k_weights=args[2].to(rw_dtype))
+    args, ref_args = _forward_special(args, "nan")
+    want = M.reference(*tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                              for a in ref_args))
+    gluon, triton_gemm2 = _gemm2_config(args, gluon1), _gemm1_config(args, gluon1)
+    old = TM._new_buffer
+    TM._new_buffer = _nan_buffer
+    try:
+        got = TM.fused_experts_forward(*args, configs=gluon)
+        again = TM.fused_experts_forward(*args, configs=gluon)
+        triton_path = TM.fused_experts_forward(*args, configs=triton_gemm2)
+    finally:
+        TM._new_buffer = old
+    assert_matches(got, want, torch.bfloat16)
+    assert_matches(got, triton_path.double(), torch.bfloat16)
+    assert torch.equal(got, again), "two runs differ"
+    x2, w2 = torch.randn_like(args[0]), args[2] * (0.5 + torch.rand_like(args[2]))
+    x, rw = args[0].clone(), args[2].clone()
+    live = sub(args, hidden_states=x, top_k_weights=rw)
+    graph, out = captured(lambda: TM.fused_experts_forward(*live, configs=gluon))
+    x.copy_(x2)
+    rw.copy_(w2)
+    graph.replay()
+    want2 = TM.fused_experts_forward(*sub(args, hidden_states=x2, top_k_weights=w2), configs=gluon)
     assert torch.equal(out, want2), "the replayed graph differs from a call on the same inputs"
 
 

@@ -1727,7 +1727,8 @@ def describe_configs(picked: tuple[dict[str, int], dict[str, int], dict[str, int
     c1, c2, cc = picked
     kernel = ("CUTLASS (torch._grouped_mm) + the gate's pass" if c1.get("GROUPED_MM", 0)
               else {1: "Gluon ping-pong", 2: "Gluon cooperative"}.get(c1.get("GLUON", 0), "Triton"))
-    return f"GEMM1 on {kernel} {dict(c1)}, GEMM2 {dict(c2)}, combine {dict(cc)}"
+    kernel2 = "Gluon cooperative" if c2.get("GLUON", 0) else "Triton"
+    return f"GEMM1 on {kernel} {dict(c1)}, GEMM2 on {kernel2} {dict(c2)}, combine {dict(cc)}"
 
 
 # GEMM1 runs on the cooperative Gluon kernel by default (with no grad and in the training forward) from
@@ -1775,6 +1776,21 @@ def _gluon_gemm1_unfit(c1: dict[str, int], x: torch.Tensor, w1: torch.Tensor, bi
         return f"the saved pre-activation's dtype {pre_dt} is neither bf16 nor fp32"
     return module.unfit(x, _nk_view(w1, transposed), i, gated=gated, interleaved=interleaved,
                         has_bias=bias is not None, block_m=c1["BLOCK_M"], pingpong=c1["GLUON"] == 1)
+
+
+def _gluon_gemm2_unfit(c1: dict[str, int], c2: dict[str, int], x: torch.Tensor, w2: torch.Tensor,
+                       bias: Optional[torch.Tensor], i: int, transposed: bool) -> Optional[str]:
+    """Why GEMM2 can't run on the cooperative Gluon kernel ``configs["gemm2"]["GLUON"]`` asks
+    for (:func:`.moe_gemm1_gluon.gemm2`) here, or None. Its A is GEMM1's output (a fresh
+    contiguous buffer of x's dtype, I columns)."""
+    if c2["GLUON"] != 2:
+        return f"GLUON must be 0 (off) or 2 (cooperative: GEMM2 has no ping-pong kernel), got {c2['GLUON']!r}"
+    module = _gluon_gemm1()
+    if isinstance(module, str):
+        return module
+    if c2.get("HALF_TAIL", 0) or c2.get("PERSISTENT", 0):
+        return "the Gluon kernel is persistent with whole tiles: HALF_TAIL and PERSISTENT must be 0"
+    return module.unfit2(x, _nk_view(w2, transposed), i, has_bias=bias is not None, block_m=c1["BLOCK_M"])
 
 
 def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -1833,8 +1849,8 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
             if (why := half_tail_unfit(c)) is not None:
                 raise ValueError(f"fused_experts_forward: configs[{gemm!r}]: {why}")
         picked = ({**picked[0], "GROUPED_MM": int(g1)},) + picked[1:]
-        if _dynamo_tracing():  # Gluon's kernels don't trace: under Dynamo, the Triton GEMM1
-            picked = ({**picked[0], "GLUON": 0},) + picked[1:]
+        if _dynamo_tracing():  # Gluon's kernels don't trace: under Dynamo, the Triton GEMMs
+            picked = ({**picked[0], "GLUON": 0}, {**picked[1], "GLUON": 0}, picked[2])
         elif not (configs or {}).get("gemm1") and not g1 and gluon_gemm1_default(s / e):
             fit = {**picked[0], "GLUON": 2, "PREGATHER": 1, "HALF_TAIL": 0, "PERSISTENT": 0}
             if _gluon_gemm1_unfit(fit, x, w1, gate_up_bias, i, gated, transposed, interleaved, pre_dt) is None:
@@ -1848,6 +1864,9 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
                                           pre_dt)) is not None:
                 raise ValueError(f"fused_experts_forward: configs['gemm1']['GLUON'] = {picked[0]['GLUON']!r}, "
                                  f"but {why}")
+        if picked[1].get("GLUON", 0) and (why := _gluon_gemm2_unfit(picked[0], picked[1], x, w2, down_bias, i,
+                                                                     transposed)) is not None:
+            raise ValueError(f"fused_experts_forward: configs['gemm2']['GLUON'] = {picked[1]['GLUON']!r}, but {why}")
         if spec is not None:
             _remember(_CONFIGS, spec, picked)
         # once a spec (its configs are remembered above); not under Dynamo (spec None), which
@@ -1892,8 +1911,12 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
                         n=i, k=h, gather=not pregather, routed=False, gated=gated, interleaved=interleaved,
                         act=ACT_IDS[activation], alpha=alpha, limit=limit, spec=spec and (spec, "gemm1"),
                         **routing)
-        launch_gemm(c2, a=act, w_nk=_nk_view(w2, transposed), bias=down_bias, out=pairs, pre=None,
-                    n=h, k=i, gather=False, routed=True, scaled=True, spec=spec and (spec, "gemm2"), **routing)
+        if c2.get("GLUON", 0):
+            _gluon_gemm1().gemm2(act, _nk_view(w2, transposed), pairs, rw, sorted_pair_ids, block_expert,
+                                 routing["shift"], routing["used"], s, k, spec=spec and (spec, "gemm2"))
+        else:
+            launch_gemm(c2, a=act, w_nk=_nk_view(w2, transposed), bias=down_bias, out=pairs, pre=None,
+                        n=h, k=i, gather=False, routed=True, scaled=True, spec=spec and (spec, "gemm2"), **routing)
         combine(pairs, ids, out, e, cc, spec=spec and (spec, "combine"))
     if not save:
         return out

@@ -26,13 +26,24 @@ consumers take them in one of two ways (as the weight gradients' kernels,
   loader fills the next tile's stages under this tile's epilogue, but the tensor cores wait
   for it; 4 stages of 48 KB.
 
+GEMM2 runs on the same cooperative kernel (``gemm_kernel`` with ``GATED`` off, :func:`gemm2`,
+``configs["gemm2"]["GLUON"] = 2``):
+
+    pairs[p] = rw[p] * (act[r] @ W2[e]^T)     act (S, I) sorted rows, W2 (E, H, I) -> pairs (S, H)
+
+one m64n256 chain a consumer on 128 x 256 tiles (the Triton GEMM2's tile), 3 stages of 48 KB,
+each row scaled by its pair's routing weight in fp32 and stored to the pair's own row, as the
+Triton GEMM2's ``ROUTED`` and ``SCALED`` epilogue. Written in the fifty-eighth session without
+a GPU: its CUDA cases and A/B (``STAGE=gluon1``) have not run; not a default.
+
 Scope: bf16 rows and weights, gated with gate and up halves concatenated (transformers'
 layout: W (E, 2I, K), K contiguous), no bias, I a multiple of the tile's 64 or 128 gate
-columns and K of 64, sm90:
-:func:`unfit` says which is missing; the caller (:func:`.moe_experts.fused_experts_forward`,
-``configs["gemm1"]["GLUON"]``) runs it only when asked. Gluon has no interpreter: the kernel
-runs on the GPU only (``tests/test_moe_gemm1_gluon.py``'s CUDA cases; its CPU case compiles it
-for sm90).
+columns and K of 64, sm90 (GEMM2: W2 (E, H, I) contiguous, H a multiple of 256, I of 64, no
+bias): :func:`unfit` and :func:`unfit2` say which is missing; the caller
+(:func:`.moe_experts.fused_experts_forward`, ``configs["gemm1"]["GLUON"]``, whose default is
+:func:`.moe_experts.gluon_gemm1_default`, and ``configs["gemm2"]["GLUON"]``) checks them first.
+Gluon has no interpreter: the kernel runs on the GPU only (``tests/test_moe_gemm1_gluon.py``'s
+CUDA cases; its CPU case compiles it for sm90).
 """
 from __future__ import annotations
 
@@ -50,7 +61,7 @@ from opreg.backends.triton.launch import launch
 # the Triton GEMM1's tile order and gate (Triton functions: Gluon calls them as they are)
 from opreg.backends.triton.moe_experts import _gate, _tile_of
 
-__all__ = ["COALESCE", "PP_STAGES", "STAGES", "gemm1", "unfit"]
+__all__ = ["COALESCE", "GEMM2_BLOCK_N", "GEMM2_STAGES", "PP_STAGES", "STAGES", "gemm1", "gemm2", "unfit", "unfit2"]
 
 # a partition-wide barrier: gl.thread_barrier in triton 3.6, gl.barrier from 3.7 on
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -61,6 +72,10 @@ PP_BLOCK_N = 64  # the ping-pong tile's gate (and up) columns: 128 x 128 fp32 ac
 # ping-pong: 6 of 32 KB (W's tiles 8 KB each); 196,608 bytes either way. The epilogue
 # stores from registers (a tile's rows are ragged at an expert's end: no TMA store)
 STAGES, PP_STAGES = 4, 6
+# GEMM2 (cooperative): 128 rows x 256 columns a tile (m64n256 chains, as the Triton GEMM2's 128 x 256
+# tiles on 8 warps), 3 stages of 48 KB (A 16 KB, W's tile 32 KB) and the epilogue's two 64 x 256
+# bf16 buffers (64 KB): 212,992 bytes
+GEMM2_BLOCK_N, GEMM2_STAGES = 256, 3
 # tiles walk GROUP_M row blocks of one column block, so W's tiles come from L2 (the Triton
 # GEMM1's order)
 GROUP_M = gl.constexpr(8)
@@ -139,18 +154,46 @@ def _epilogue(acc_g, acc_u, buf, prow, col, expert, act_ptr, pre_ptr, pair_ids_p
 
 
 @gluon.jit
+def _routed_epilogue(acc, buf, prow, col, out_ptr, pair_ids_ptr, route_w_ptr, num_pairs, top_k, N, stride_out,
+                     stride_rt, stride_rk, COALESCE: gl.constexpr):
+    """GEMM2's store: a consumer's accumulator (padded rows ``prow``, columns ``col``, in the
+    layout it stores from) times each row's routing weight in fp32, rounded once to bf16,
+    into the pair's own row of ``out`` (the Triton GEMM2's ``ROUTED`` and ``SCALED``: the same
+    bits); a padding row (pair id = the pair count) is never stored."""
+    out_layout: gl.constexpr = prow.type.layout.parent
+    acc_layout: gl.constexpr = acc.type.layout
+    # the weight, in the accumulator's row slice (the product is formed where the sums are)
+    prow_a = gl.convert_layout(prow, gl.SliceLayout(1, acc_layout))
+    pair_a = gl.load(pair_ids_ptr + prow_a)
+    ok_a = pair_a < num_pairs
+    p_a = gl.where(ok_a, pair_a, 0)
+    rw = gl.load(route_w_ptr + (p_a // top_k).to(gl.int64) * stride_rt + (p_a % top_k) * stride_rk, mask=ok_a,
+                 other=0.0).to(gl.float32)
+    y = (acc * gl.expand_dims(rw, 1)).to(gl.bfloat16)
+    pair = gl.load(pair_ids_ptr + prow)
+    row_ok = gl.expand_dims(pair < num_pairs, 1)
+    c = gl.expand_dims(col, 0)
+    ptrs = out_ptr + gl.expand_dims(gl.where(pair < num_pairs, pair, 0).to(gl.int64), 1) * stride_out + c
+    mask = row_ok & (c < N)
+    if COALESCE:
+        _staged_store(buf, y, ptrs, mask, out_layout)
+    else:
+        gl.store(ptrs, y, mask=mask)
+
+
+@gluon.jit
 def _loader(a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid, nprog,
-            n_local, used_m, tiles_n, NI, N1, K):
+            n_local, used_m, tiles_n, NI, N1, K, GATED: gl.constexpr):
     STAGES: gl.constexpr = a_bufs.shape[0]
     BM: gl.constexpr = a_bufs.shape[1]
     BK: gl.constexpr = a_bufs.shape[2]
     BN: gl.constexpr = g_bufs.shape[1]
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATED else 1) * w_desc.block_type.nbytes
     g = 0  # k-steps issued over all of this program's tiles
     for i in range(n_local):
         pid_m, pid_n, expert = _tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, GROUP_M)
         srow0 = pid_m * BM + gl.load(shift_ptr + expert)  # the tile's first sorted row
-        wrow = expert * N1 + pid_n * BN  # its gate columns' first row of W (E * 2I, K)
+        wrow = expert * N1 + pid_n * BN  # its (gate) columns' first row of W (E * N1, K)
         for kb in range(K // BK):
             s = g % STAGES
             # a fresh mbarrier counts as having completed the phase before phase 0
@@ -160,17 +203,19 @@ def _loader(a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_p
             # feed only their own output rows, which are never stored
             tma.async_copy_global_to_shared(a_desc, [srow0, kb * BK], ready.index(s), a_bufs.index(s))
             tma.async_copy_global_to_shared(w_desc, [wrow, kb * BK], ready.index(s), g_bufs.index(s))
-            tma.async_copy_global_to_shared(w_desc, [wrow + NI, kb * BK], ready.index(s), u_bufs.index(s))
+            if GATED:
+                tma.async_copy_global_to_shared(w_desc, [wrow + NI, kb * BK], ready.index(s), u_bufs.index(s))
             g += 1
 
 
 @gluon.jit
 def _coop_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
-                   shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha,
-                   limit, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, COALESCE: gl.constexpr,
-                   WHICH: gl.constexpr):
-    # Consumer c takes rows [64 c, 64 c + 64) of each tile: two m64n128 wgmma chains on its
-    # slice of A's stage, against the gate and the up tiles of W (K-major: permuted views).
+                   shift_ptr, route_w_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, top_k, NI, K, stride_act,
+                   stride_pre, stride_rt, stride_rk, alpha, limit, GATED: gl.constexpr, ACT: gl.constexpr,
+                   HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, COALESCE: gl.constexpr, WHICH: gl.constexpr):
+    # Consumer c takes rows [64 c, 64 c + 64) of each tile: GATED (GEMM1), two m64n128 wgmma
+    # chains on its slice of A's stage, against the gate and the up tiles of W (K-major:
+    # permuted views); else (GEMM2) one m64n256 chain against W's one tile.
     STAGES: gl.constexpr = a_bufs.shape[0]
     BM: gl.constexpr = a_bufs.shape[1]
     BK: gl.constexpr = a_bufs.shape[2]
@@ -186,26 +231,37 @@ def _coop_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, act_ptr, pre_ptr
     for i in range(n_local):
         pid_m, pid_n, expert = _tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, GROUP_M)
         acc_g = gl.zeros([HM, BN], gl.float32, acc_layout)
-        acc_u = gl.zeros([HM, BN], gl.float32, acc_layout)
+        if GATED:
+            acc_u = gl.zeros([HM, BN], gl.float32, acc_layout)
         for kb in range(ksteps):
             s = g % STAGES
             mbarrier.wait(ready.index(s), (g // STAGES) & 1)
             a_s = a_bufs.index(s).slice(WHICH * HM, HM, dim=0)
             acc_g = warpgroup_mma(a_s, g_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
-            acc_u = warpgroup_mma(a_s, u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
-            # keep this step's pair in flight; the previous step's is done: its stage goes back
-            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+            # keep this step's MMAs in flight; the previous step's are done: its stage goes back
+            if GATED:
+                acc_u = warpgroup_mma(a_s, u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
+                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+            else:
+                acc_g = warpgroup_mma_wait(num_outstanding=1, deps=(acc_g,))
             if kb > 0:
                 mbarrier.arrive(empty.index((g - 1) % STAGES))
             g += 1
-        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+        if GATED:
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+        else:
+            acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
         if ksteps > 0:
             mbarrier.arrive(empty.index((g - 1) % STAGES))
 
         # the epilogue: this consumer's 64 rows
-        _epilogue(acc_g, acc_u, o_buf, pid_m * BM + WHICH * HM + rows, pid_n * BN + cols, expert, act_ptr, pre_ptr,
-                  pair_ids_ptr, shift_ptr, num_pairs, NI, stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT,
-                  SAVE_PRE, COALESCE)
+        if GATED:
+            _epilogue(acc_g, acc_u, o_buf, pid_m * BM + WHICH * HM + rows, pid_n * BN + cols, expert, act_ptr,
+                      pre_ptr, pair_ids_ptr, shift_ptr, num_pairs, NI, stride_act, stride_pre, alpha, limit, ACT,
+                      HAS_LIMIT, SAVE_PRE, COALESCE)
+        else:
+            _routed_epilogue(acc_g, o_buf, pid_m * BM + WHICH * HM + rows, pid_n * BN + cols, act_ptr, pair_ids_ptr,
+                             route_w_ptr, num_pairs, top_k, NI, stride_act, stride_rt, stride_rk, COALESCE)
 
 
 @gluon.jit
@@ -257,19 +313,27 @@ def _pp_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, order, act_ptr, pr
 
 
 @gluon.jit
-def gemm1_kernel(a_desc, w_desc, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr, used_ptr,
-                 num_pairs, NI, N1, K, stride_act, stride_pre, alpha, limit,
-                 STAGES: gl.constexpr, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr,
-                 PINGPONG: gl.constexpr, COALESCE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                 LOADER_REGS: gl.constexpr):
+def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr, used_ptr, route_w_ptr,
+                num_pairs, top_k, NI, N1, K, stride_out, stride_pre, stride_rt, stride_rk, alpha, limit,
+                STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                SAVE_PRE: gl.constexpr, PINGPONG: gl.constexpr, COALESCE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                LOADER_REGS: gl.constexpr):
+    """GATED: GEMM1 and its gate into ``out`` = act's sorted rows (NI = I columns, W's N1 = 2I
+    rows an expert); else GEMM2, cooperative only: ``out`` = the pairs' rows, scaled by their
+    routing weights (NI = N1 = H). ``route_w_ptr``, ``top_k`` and their strides are GEMM2's;
+    ``pre_ptr``, ``alpha``, ``limit`` and the gate's constexprs GEMM1's."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = w_desc.block_type.shape[0]  # the tile's gate (and up) columns
+    BN: gl.constexpr = w_desc.block_type.shape[0]  # the tile's (gate and up) columns
     gl.static_assert(w_desc.block_type.shape[1] == BK)
+    gl.static_assert(GATED or not PINGPONG, "GEMM2 runs on the cooperative kernel only")
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     g_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
-    u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+    if GATED:
+        u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+    else:
+        u_bufs = g_bufs  # never read
     # each consumer's epilogue buffer (COALESCE): its rows of the tile, bf16 (32 bytes, unused, when off)
     o_rows: gl.constexpr = BM if PINGPONG else BM // 2
     o_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]) if COALESCE \
@@ -300,25 +364,27 @@ def gemm1_kernel(a_desc, w_desc, act_ptr, pre_ptr, pair_ids_ptr, block_expert_pt
     # triton 3.6 signature: ([(fn, args) default first, workers...], worker warps, worker regs)
     if PINGPONG:
         gl.warp_specialize([
-            (_pp_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(0), ready, empty, order, act_ptr, pre_ptr,
+            (_pp_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(0), ready, empty, order, out_ptr, pre_ptr,
                             pair_ids_ptr, block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs,
-                            NI, K, stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 0)),
-            (_pp_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(1), ready, empty, order, act_ptr, pre_ptr,
+                            NI, K, stride_out, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 0)),
+            (_pp_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(1), ready, empty, order, out_ptr, pre_ptr,
                             pair_ids_ptr, block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs,
-                            NI, K, stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 1)),
+                            NI, K, stride_out, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 1)),
             (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid,
-                       nprog, n_local, used_m, tiles_n, NI, N1, K)),
+                       nprog, n_local, used_m, tiles_n, NI, N1, K, GATED)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_coop_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(0), ready, empty, act_ptr, pre_ptr, pair_ids_ptr,
-                              block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K,
-                              stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 0)),
-            (_coop_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(1), ready, empty, act_ptr, pre_ptr, pair_ids_ptr,
-                              block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K,
-                              stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 1)),
+            (_coop_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(0), ready, empty, out_ptr, pre_ptr, pair_ids_ptr,
+                              block_expert_ptr, shift_ptr, route_w_ptr, pid, nprog, n_local, used_m, tiles_n,
+                              num_pairs, top_k, NI, K, stride_out, stride_pre, stride_rt, stride_rk, alpha, limit,
+                              GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 0)),
+            (_coop_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(1), ready, empty, out_ptr, pre_ptr, pair_ids_ptr,
+                              block_expert_ptr, shift_ptr, route_w_ptr, pid, nprog, n_local, used_m, tiles_n,
+                              num_pairs, top_k, NI, K, stride_out, stride_pre, stride_rt, stride_rk, alpha, limit,
+                              GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 1)),
             (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid,
-                       nprog, n_local, used_m, tiles_n, NI, N1, K)),
+                       nprog, n_local, used_m, tiles_n, NI, N1, K, GATED)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -386,10 +452,59 @@ def gemm1(a: torch.Tensor, w_nk: torch.Tensor, act: torch.Tensor, pre: torch.Ten
     grid = (max(1, min(programs or _device(index)[1], tiles)),)
     has_limit = math.isfinite(limit)
     p = pre if pre is not None else act  # a valid pointer, never written
-    launch(gemm1_kernel, grid, a_desc, w_desc, act, p, sorted_pair_ids, block_expert, shift, used,
-           num_pairs, i, w_nk.shape[1], a.shape[1], act.stride(0), p.stride(0), float(alpha),
+    # act: GEMM2's routing weights' pointer (never read here)
+    launch(gemm_kernel, grid, a_desc, w_desc, act, p, sorted_pair_ids, block_expert, shift, used, act,
+           num_pairs, 1, i, w_nk.shape[1], a.shape[1], act.stride(0), p.stride(0), 0, 0, float(alpha),
            float(limit) if has_limit else 0.0,
            spec_key=None if spec is None else (spec, "gluon gemm1", pingpong, coalesce),
-           STAGES=PP_STAGES if pingpong else STAGES, ACT=act_id, HAS_LIMIT=has_limit, SAVE_PRE=pre is not None,
-           PINGPONG=pingpong, COALESCE=coalesce, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
-           num_warps=4)
+           STAGES=PP_STAGES if pingpong else STAGES, GATED=True, ACT=act_id, HAS_LIMIT=has_limit,
+           SAVE_PRE=pre is not None, PINGPONG=pingpong, COALESCE=coalesce, CONSUMER_REGS=CONSUMER_REGS,
+           LOADER_REGS=LOADER_REGS, num_warps=4)
+
+
+def unfit2(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, has_bias: bool, block_m: int) -> str | None:
+    """Why :func:`gemm2` can't take GEMM1's output (S, ``i``) of the token rows ``x``'s dtype
+    and device (a fresh contiguous buffer: its A) and the down projection seen as (E, H, I)
+    ``w_nk``, or None."""
+    if has_bias:
+        return "the Gluon GEMM2 takes no down bias"
+    if block_m != BLOCK_M:
+        return f"the Gluon GEMM2 needs the routing's BLOCK_M = {BLOCK_M}, got {block_m}"
+    for name, t in (("hidden_states", x), ("down_proj", w_nk)):
+        if not t.is_cuda or t.dtype != torch.bfloat16:
+            return f"{name} is not bf16 on CUDA ({t.dtype}, {t.device})"
+    if w_nk.dim() != 3 or not w_nk.is_contiguous() or w_nk.data_ptr() % 16:
+        return "down_proj is not a contiguous (E, H, I) tensor, 16-byte aligned (K-major tiles through TMA)"
+    h = w_nk.shape[1]
+    if w_nk.shape[2] != i:
+        return f"down_proj's shape {tuple(w_nk.shape)} is not (E, H, {i})"
+    if h % GEMM2_BLOCK_N or i % BLOCK_K or not (h and i):
+        return f"H = {h} and I = {i} must be positive multiples of {GEMM2_BLOCK_N} and {BLOCK_K}"
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if _device(index)[0][0] != 9:
+        return f"the GPU is sm{''.join(map(str, _device(index)[0]))}, not sm90 (wgmma)"
+    return None
+
+
+def gemm2(a: torch.Tensor, w_nk: torch.Tensor, out: torch.Tensor, route_w: torch.Tensor,
+          sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, shift: torch.Tensor, used: torch.Tensor,
+          num_pairs: int, top_k: int, programs: int | None = None, coalesce: bool | None = None,
+          spec: object = None) -> None:
+    """GEMM2 on the cooperative kernel: ``out[p] = route_w[p // top_k, p % top_k] * (A[r] @
+    W[e]^T)`` for each pair p at sorted row r of expert e, ``out`` (S, H) bf16, ``a`` the
+    activation's sorted rows (S, I), ``w_nk`` (E, H, I); the routing as :func:`gemm1`'s. The
+    caller checks :func:`unfit2` first. ``programs``, ``coalesce``, ``spec``: as :func:`gemm1`'s."""
+    coalesce = COALESCE if coalesce is None else coalesce
+    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    a_layout, w_layout = _layouts(GEMM2_BLOCK_N)
+    a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], a_layout)
+    w_desc = TensorDescriptor.from_tensor(w_nk.view(-1, w_nk.shape[2]), [GEMM2_BLOCK_N, BLOCK_K], w_layout)
+    h = w_nk.shape[1]
+    tiles = block_expert.shape[0] * (h // GEMM2_BLOCK_N)  # the static worst case
+    grid = (max(1, min(programs or _device(index)[1], tiles)),)
+    # out: GEMM1's pre-activation pointer (never read here)
+    launch(gemm_kernel, grid, a_desc, w_desc, out, out, sorted_pair_ids, block_expert, shift, used, route_w,
+           num_pairs, top_k, h, h, a.shape[1], out.stride(0), out.stride(0), route_w.stride(0), route_w.stride(1),
+           1.0, 0.0, spec_key=None if spec is None else (spec, "gluon gemm2", coalesce),
+           STAGES=GEMM2_STAGES, GATED=False, ACT=0, HAS_LIMIT=False, SAVE_PRE=False, PINGPONG=False,
+           COALESCE=coalesce, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
