@@ -59,6 +59,20 @@ def _gemm2_config(args: tuple, gluon1: int = 0) -> dict[str, dict[str, int]]:
     return {**_gemm1_config(args, gluon1), "gemm2": c2}
 
 
+def _replays(args: tuple, configs: dict[str, dict[str, int]]) -> None:
+    """The forward with ``configs`` captured once in a CUDA graph, replayed on new token rows
+    and routing weights: the same bits as a call on those inputs."""
+    x2, w2 = torch.randn_like(args[0]), args[2] * (0.5 + torch.rand_like(args[2]))
+    x, rw = args[0].clone(), args[2].clone()
+    live = sub(args, hidden_states=x, top_k_weights=rw)
+    graph, out = captured(lambda: TM.fused_experts_forward(*live, configs=configs))
+    x.copy_(x2)
+    rw.copy_(w2)
+    graph.replay()
+    want2 = TM.fused_experts_forward(*sub(args, hidden_states=x2, top_k_weights=w2), configs=configs)
+    assert torch.equal(out, want2), "the replayed graph differs from a call on the same inputs"
+
+
 def _gluon_module() -> Any:
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon GEMM1 needs sm90")
@@ -179,17 +193,7 @@ def test_cuda_gluon_gemm1_forward(gate: str, shape: str, gluon: int, coalesce: b
     assert_matches(triton_path, want, torch.bfloat16)
     assert_matches(got, triton_path.double(), torch.bfloat16)
     assert torch.equal(got, again), "two runs differ"
-    # captured once, replayed on new token rows and routing weights
-    x2, w2 = torch.randn_like(args[0]), args[2] * (0.5 + torch.rand_like(args[2]))
-    x, rw = args[0].clone(), args[2].clone()
-    live = sub(args, hidden_states=x, top_k_weights=rw)
-    graph, out = captured(lambda: TM.fused_experts_forward(*live, configs=_gemm1_config(live, gluon)))
-    x.copy_(x2)
-    rw.copy_(w2)
-    graph.replay()
-    want2 = TM.fused_experts_forward(*sub(args, hidden_states=x2, top_k_weights=w2),
-                                     configs=_gemm1_config(args, gluon))
-    assert torch.equal(out, want2), "the replayed graph differs from a call on the same inputs"
+    _replays(args, _gemm1_config(args, gluon))
 
 
 @pytest.mark.cuda
@@ -223,15 +227,7 @@ def test_cuda_gluon_gemm2_forward(shape: str, rw_dtype: torch.dtype, gluon1: int
     assert_matches(got, want, torch.bfloat16)
     assert_matches(got, triton_path.double(), torch.bfloat16)
     assert torch.equal(got, again), "two runs differ"
-    x2, w2 = torch.randn_like(args[0]), args[2] * (0.5 + torch.rand_like(args[2]))
-    x, rw = args[0].clone(), args[2].clone()
-    live = sub(args, hidden_states=x, top_k_weights=rw)
-    graph, out = captured(lambda: TM.fused_experts_forward(*live, configs=gluon))
-    x.copy_(x2)
-    rw.copy_(w2)
-    graph.replay()
-    want2 = TM.fused_experts_forward(*sub(args, hidden_states=x2, top_k_weights=w2), configs=gluon)
-    assert torch.equal(out, want2), "the replayed graph differs from a call on the same inputs"
+    _replays(args, gluon)
 
 
 @pytest.mark.cuda

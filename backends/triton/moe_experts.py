@@ -1759,6 +1759,15 @@ def gluon_gemm1_default(rows_per_expert: float) -> int:
     return 2 if rows_per_expert >= GLUON_GEMM1_MIN_ROWS else 0
 
 
+def _gluon_for(c: dict[str, int]) -> Any:
+    """:mod:`.moe_gemm1_gluon` for a GEMM config that asks for it, or why it can't take the
+    config (no Gluon; the Triton kernels' HALF_TAIL or PERSISTENT asked for too)."""
+    module = _gluon_gemm1()
+    if not isinstance(module, str) and (c.get("HALF_TAIL", 0) or c.get("PERSISTENT", 0)):
+        return "the Gluon kernel is persistent with whole tiles: HALF_TAIL and PERSISTENT must be 0"
+    return module
+
+
 def _gluon_gemm1_unfit(c1: dict[str, int], x: torch.Tensor, w1: torch.Tensor, bias: Optional[torch.Tensor],
                        i: int, gated: bool, transposed: bool, interleaved: bool,
                        pre_dt: Optional[torch.dtype]) -> Optional[str]:
@@ -1767,11 +1776,9 @@ def _gluon_gemm1_unfit(c1: dict[str, int], x: torch.Tensor, w1: torch.Tensor, bi
     of ``x``'s rows (a fresh contiguous buffer of x's dtype)."""
     if c1["GLUON"] not in (1, 2):
         return f"GLUON must be 0 (off), 1 (ping-pong) or 2 (cooperative), got {c1['GLUON']!r}"
-    module = _gluon_gemm1()
+    module = _gluon_for(c1)
     if isinstance(module, str):
         return module
-    if c1.get("HALF_TAIL", 0) or c1.get("PERSISTENT", 0):
-        return "the Gluon kernel is persistent with whole tiles: HALF_TAIL and PERSISTENT must be 0"
     if pre_dt is not None and pre_dt not in (torch.bfloat16, torch.float32):
         return f"the saved pre-activation's dtype {pre_dt} is neither bf16 nor fp32"
     return module.unfit(x, _nk_view(w1, transposed), i, gated=gated, interleaved=interleaved,
@@ -1785,11 +1792,9 @@ def _gluon_gemm2_unfit(c1: dict[str, int], c2: dict[str, int], x: torch.Tensor, 
     contiguous buffer of x's dtype, I columns)."""
     if c2["GLUON"] != 2:
         return f"GLUON must be 0 (off) or 2 (cooperative: GEMM2 has no ping-pong kernel), got {c2['GLUON']!r}"
-    module = _gluon_gemm1()
+    module = _gluon_for(c2)
     if isinstance(module, str):
         return module
-    if c2.get("HALF_TAIL", 0) or c2.get("PERSISTENT", 0):
-        return "the Gluon kernel is persistent with whole tiles: HALF_TAIL and PERSISTENT must be 0"
     return module.unfit2(x, _nk_view(w2, transposed), i, has_bias=bias is not None, block_m=c1["BLOCK_M"])
 
 

@@ -401,6 +401,29 @@ def _device(index: int) -> tuple[tuple[int, int], int]:
     return (p.major, p.minor), p.multi_processor_count
 
 
+def _unfit_common(gemm: str, x: torch.Tensor, w_nk: torch.Tensor, weight: str, layout: str, bias: str,
+                  has_bias: bool, block_m: int) -> str | None:
+    """What both GEMMs need: no bias, the routing's 128-row blocks, bf16 on CUDA, the weight
+    contiguous and 16-byte aligned (``weight`` named, seen as ``layout``)."""
+    if has_bias:
+        return f"the Gluon {gemm} takes no {bias} bias"
+    if block_m != BLOCK_M:
+        return f"the Gluon {gemm} needs the routing's BLOCK_M = {BLOCK_M}, got {block_m}"
+    for name, t in (("hidden_states", x), (weight, w_nk)):
+        if not t.is_cuda or t.dtype != torch.bfloat16:
+            return f"{name} is not bf16 on CUDA ({t.dtype}, {t.device})"
+    if w_nk.dim() != 3 or not w_nk.is_contiguous() or w_nk.data_ptr() % 16:
+        return f"{weight} is not a contiguous {layout} tensor, 16-byte aligned (K-major tiles through TMA)"
+    return None
+
+
+def _not_sm90(x: torch.Tensor) -> str | None:
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if _device(index)[0][0] != 9:
+        return f"the GPU is sm{''.join(map(str, _device(index)[0]))}, not sm90 (wgmma)"
+    return None
+
+
 def unfit(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, gated: bool, interleaved: bool, has_bias: bool,
           block_m: int, pingpong: bool = False) -> str | None:
     """Why :func:`gemm1` can't take the token rows ``x`` (T, K) (their sorted copy, a fresh
@@ -408,25 +431,16 @@ def unfit(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, gated: bool, interleav
     columns), or None. ``block_m``: the routing's block; ``pingpong``: which kernel."""
     if not gated or interleaved:
         return "the Gluon GEMM1 needs a gated weight with gate and up halves concatenated"
-    if has_bias:
-        return "the Gluon GEMM1 takes no gate_up bias"
-    if block_m != BLOCK_M:
-        return f"the Gluon GEMM1 needs the routing's BLOCK_M = {BLOCK_M}, got {block_m}"
-    for name, t in (("hidden_states", x), ("gate_up_proj", w_nk)):
-        if not t.is_cuda or t.dtype != torch.bfloat16:
-            return f"{name} is not bf16 on CUDA ({t.dtype}, {t.device})"
-    if w_nk.dim() != 3 or not w_nk.is_contiguous() or w_nk.data_ptr() % 16:
-        return "gate_up_proj is not a contiguous (E, 2I, K) tensor, 16-byte aligned (K-major tiles through TMA)"
+    why = _unfit_common("GEMM1", x, w_nk, "gate_up_proj", "(E, 2I, K)", "gate_up", has_bias, block_m)
+    if why is not None:
+        return why
     k = x.shape[1]
     if w_nk.shape[1] != 2 * i or w_nk.shape[2] != k:
         return f"gate_up_proj's shape {tuple(w_nk.shape)} is not (E, 2 x {i}, {k})"
     bn = PP_BLOCK_N if pingpong else BLOCK_N
     if i % bn or k % BLOCK_K or not (i and k):
         return f"I = {i} and K = {k} must be positive multiples of {bn} and {BLOCK_K}"
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if _device(index)[0][0] != 9:
-        return f"the GPU is sm{''.join(map(str, _device(index)[0]))}, not sm90 (wgmma)"
-    return None
+    return _not_sm90(x)
 
 
 def gemm1(a: torch.Tensor, w_nk: torch.Tensor, act: torch.Tensor, pre: torch.Tensor | None,
@@ -466,24 +480,15 @@ def unfit2(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, has_bias: bool, block
     """Why :func:`gemm2` can't take GEMM1's output (S, ``i``) of the token rows ``x``'s dtype
     and device (a fresh contiguous buffer: its A) and the down projection seen as (E, H, I)
     ``w_nk``, or None."""
-    if has_bias:
-        return "the Gluon GEMM2 takes no down bias"
-    if block_m != BLOCK_M:
-        return f"the Gluon GEMM2 needs the routing's BLOCK_M = {BLOCK_M}, got {block_m}"
-    for name, t in (("hidden_states", x), ("down_proj", w_nk)):
-        if not t.is_cuda or t.dtype != torch.bfloat16:
-            return f"{name} is not bf16 on CUDA ({t.dtype}, {t.device})"
-    if w_nk.dim() != 3 or not w_nk.is_contiguous() or w_nk.data_ptr() % 16:
-        return "down_proj is not a contiguous (E, H, I) tensor, 16-byte aligned (K-major tiles through TMA)"
+    why = _unfit_common("GEMM2", x, w_nk, "down_proj", "(E, H, I)", "down", has_bias, block_m)
+    if why is not None:
+        return why
     h = w_nk.shape[1]
     if w_nk.shape[2] != i:
         return f"down_proj's shape {tuple(w_nk.shape)} is not (E, H, {i})"
     if h % GEMM2_BLOCK_N or i % BLOCK_K or not (h and i):
         return f"H = {h} and I = {i} must be positive multiples of {GEMM2_BLOCK_N} and {BLOCK_K}"
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if _device(index)[0][0] != 9:
-        return f"the GPU is sm{''.join(map(str, _device(index)[0]))}, not sm90 (wgmma)"
-    return None
+    return _not_sm90(x)
 
 
 def gemm2(a: torch.Tensor, w_nk: torch.Tensor, out: torch.Tensor, route_w: torch.Tensor,
