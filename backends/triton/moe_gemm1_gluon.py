@@ -33,8 +33,13 @@ GEMM2 runs on the same cooperative kernel (``gemm_kernel`` with ``GATED`` off, :
 
 one m64n256 chain a consumer on 128 x 256 tiles (the Triton GEMM2's tile), 3 stages of 48 KB,
 each row scaled by its pair's routing weight in fp32 and stored to the pair's own row, as the
-Triton GEMM2's ``ROUTED`` and ``SCALED`` epilogue. Written in the fifty-eighth session without
-a GPU: its CUDA cases and A/B (``STAGE=gluon1``) have not run; not a default.
+Triton GEMM2's ``ROUTED`` and ``SCALED`` epilogue: the same bits as the Triton GEMM2 at
+Qwen3-MoE's, OLMoE's and Mixtral's T = 4096. Not a default: on the H100 (2026-12-06,
+``bench/moe_gemms.py --gluon``, COALESCE) it ran 258 / 260 / 227 us against the table's Triton
+GEMM2's 242 / 247 / 225 (persistent 128 x 256 tiles, 4 stages at the first two), and the fused
+forward with both GEMMs on Gluon was no faster than with GEMM1 alone on it (no grad 0.963 /
+0.946 / 0.924 against 0.935 / 0.935 / 0.922 of the table's). The cooperative consumers wait
+through each tile's epilogue, a larger share of GEMM2's short K loop (I = 768-4096).
 
 Scope: bf16 rows and weights, gated with gate and up halves concatenated (transformers'
 layout: W (E, 2I, K), K contiguous), no bias, I a multiple of the tile's 64 or 128 gate
