@@ -23,9 +23,9 @@ ping-pong, 2 cooperative; backends/triton/moe_gemm1_gluon.py): GEMM1 alone on th
 rows (the table's Triton config pregathered, each Gluon kernel storing from the accumulators'
 layout, the cooperative one with ``COALESCE`` too, ``torch._grouped_mm`` without the gate),
 then GEMM2 on GEMM1's act rows (the table's Triton GEMM2, the cooperative Gluon kernel with and
-without ``COALESCE``), then the fused forward, no grad and saving for the backward, with the
-table's configs, with each GLUON, with the cooperative kernel's ``COALESCE`` stores, and with
-both GEMMs on it, in interleaved rounds.
+without ``COALESCE``, the ping-pong one), then the fused forward, no grad and saving for the
+backward, with the table's configs, with each GLUON, with the cooperative kernel's ``COALESCE``
+stores, and with GEMM2 on each Gluon kernel too, in interleaved rounds.
 """
 from __future__ import annotations
 
@@ -210,7 +210,10 @@ def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
                        ("Gluon coop", lambda out: G1.gemm2(act, w2, out, rw, spi, be, flat[4 * e:],
                                                             flat[4 * e - 1:4 * e], s, k, coalesce=False)),
                        ("Gluon coop, COALESCE", lambda out: G1.gemm2(act, w2, out, rw, spi, be, flat[4 * e:],
-                                                                      flat[4 * e - 1:4 * e], s, k, coalesce=True))):
+                                                                      flat[4 * e - 1:4 * e], s, k, coalesce=True)),
+                       ("Gluon pingpong, COALESCE", lambda out: G1.gemm2(act, w2, out, rw, spi, be, flat[4 * e:],
+                                                                          flat[4 * e - 1:4 * e], s, k, pingpong=True,
+                                                                          coalesce=True))):
         out = torch.full((s, h), float("nan"), dtype=x.dtype, device="cuda")
         timed(f"gemm2 {label}", lambda run=run, out=out: run(out), f2, reps)
         pairs[label] = out
@@ -225,10 +228,11 @@ def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
                            "gemm2": g2}
     variants["coop+coalesce"] = variants["coop"]
     kernels["coop+coalesce"] = 2
-    # and GEMM2 on the cooperative Gluon kernel too
-    variants["both+coalesce"] = {"gemm1": variants["coop"]["gemm1"],
-                                 "gemm2": {**g2, "HALF_TAIL": 0, "PERSISTENT": 0, "GLUON": 2}}
-    kernels["both+coalesce"] = 2
+    # and GEMM2 on a Gluon kernel too (GEMM1 on the cooperative one): cooperative, ping-pong
+    for label, gluon2 in (("both+coalesce", 2), ("gemm2 pp+coalesce", 1)):
+        variants[label] = {"gemm1": variants["coop"]["gemm1"],
+                           "gemm2": {**g2, "HALF_TAIL": 0, "PERSISTENT": 0, "GLUON": gluon2}}
+        kernels[label] = 2
 
     def forward(cfgs: dict, coalesce: bool, **kw: Any) -> Any:
         held, G1.COALESCE = G1.COALESCE, coalesce  # read at each call: the coalesced epilogue's rows

@@ -51,11 +51,12 @@ def _gemm1_config(args: tuple, gluon: int) -> dict[str, dict[str, int]]:
     return {"gemm1": c1}
 
 
-def _gemm2_config(args: tuple, gluon1: int = 0) -> dict[str, dict[str, int]]:
-    """:func:`_gemm1_config` (GLUON = ``gluon1``) with GEMM2 on the cooperative Gluon kernel."""
+def _gemm2_config(args: tuple, gluon1: int = 0, gluon2: int = 2) -> dict[str, dict[str, int]]:
+    """:func:`_gemm1_config` (GLUON = ``gluon1``) with GEMM2 on a Gluon kernel (``gluon2``: 1
+    ping-pong, 2 cooperative)."""
     x, ids, w1, w2 = args[0], args[1], args[3], args[5]
     c2 = TM.pick_config("gemm2", ids.numel() / w1.shape[0], w2.shape[1], w2.shape[2], x.dtype, block_m=128)
-    c2.update(HALF_TAIL=0, PERSISTENT=0, GLUON=2)
+    c2.update(HALF_TAIL=0, PERSISTENT=0, GLUON=gluon2)
     return {**_gemm1_config(args, gluon1), "gemm2": c2}
 
 
@@ -82,18 +83,18 @@ def _gluon_module() -> Any:
 @pytest.mark.parametrize("act,save,pingpong",
                          [(a, s, pp) for pp in (True, False) for a in (0, 1, 2, 3, 4, 5, 6)
                           for s in (None, "bf16", "fp32") if s is None or a in (0, 6)]
-                         + [("gemm2", "fp32 weights", False), ("gemm2", None, False)])
+                         + [("gemm2", w, pp) for w in ("fp32 weights", None) for pp in (True, False)])
 def test_gluon_gemm1_compiles_for_sm90(act: int | str, save: str | None, pingpong: bool) -> None:
     """Both kernels compiled for sm90 (no GPU needed): wgmma and setmaxnreg in its PTX, shared
     memory within the H100's 232,448 bytes a block, for each gate, with the
-    pre-activation saved in bf16 or fp32 and without; and GEMM2 (``act`` "gemm2", the
-    cooperative kernel only), its routing weights fp32 or bf16."""
+    pre-activation saved in bf16 or fp32 and without; and GEMM2 (``act`` "gemm2", both
+    kernels), its routing weights fp32 or bf16."""
     G = pytest.importorskip("opreg.backends.triton.moe_gemm1_gluon")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     gated = act != "gemm2"
-    bn = (G.PP_BLOCK_N if pingpong else G.BLOCK_N) if gated else G.GEMM2_BLOCK_N
+    bn = (G.PP_BLOCK_N if pingpong else G.BLOCK_N) if gated else (G.GEMM2_PP_BLOCK_N if pingpong else G.GEMM2_BLOCK_N)
     a_layout, w_layout = G._layouts(bn)
     sig = {"a_desc": f"tensordesc<bf16[{G.BLOCK_M}, {G.BLOCK_K}],{a_layout!r}>",
            "w_desc": f"tensordesc<bf16[{bn}, {G.BLOCK_K}],{w_layout!r}>",
@@ -105,7 +106,8 @@ def test_gluon_gemm1_compiles_for_sm90(act: int | str, save: str | None, pingpon
            "STAGES": "constexpr", "GATED": "constexpr", "ACT": "constexpr", "HAS_LIMIT": "constexpr",
            "SAVE_PRE": "constexpr", "PINGPONG": "constexpr", "COALESCE": "constexpr", "CONSUMER_REGS": "constexpr",
            "LOADER_REGS": "constexpr"}
-    consts = {"STAGES": (G.PP_STAGES if pingpong else G.STAGES) if gated else G.GEMM2_STAGES, "GATED": gated,
+    stages = (G.PP_STAGES if pingpong else G.STAGES) if gated else (G.GEMM2_PP_STAGES if pingpong else G.GEMM2_STAGES)
+    consts = {"STAGES": stages, "GATED": gated,
               "ACT": act if gated else 0, "HAS_LIMIT": act == 6, "SAVE_PRE": gated and save is not None,
               "PINGPONG": pingpong, "COALESCE": G.COALESCE, "CONSUMER_REGS": G.CONSUMER_REGS,
               "LOADER_REGS": G.LOADER_REGS}
@@ -137,8 +139,8 @@ def test_gluon_gemm1_refuses_what_it_cannot_take() -> None:
         TM.fused_experts_forward(*args, configs=both, save=True, keep_rows=True)
     with pytest.raises(ValueError, match=r"gemm2'\]\['GLUON'\] = 2.*not bf16 on CUDA"):
         TM.fused_experts_forward(*args, configs=_gemm2_config(args))
-    for key, value, match in (("GLUON", 1, "no ping-pong"), ("PERSISTENT", 1, "PERSISTENT"),
-                              ("HALF_TAIL", 1, "HALF_TAIL")):
+    for key, value, match in (("GLUON", 3, r"GLUON must be 0 \(off\), 1 \(ping-pong\) or 2"),
+                              ("PERSISTENT", 1, "PERSISTENT"), ("HALF_TAIL", 1, "HALF_TAIL")):
         bad = _gemm2_config(args)
         bad["gemm2"][key] = value
         with pytest.raises(ValueError, match=match):
@@ -159,6 +161,7 @@ def test_gluon_gemm1_refuses_what_it_cannot_take() -> None:
         assert "multiples of 128" in G.unfit(xc, w192, 192, **common)  # the cooperative tile: 128 gate columns
         w2c = torch.zeros(4, 384, 128, dtype=torch.bfloat16, device="cuda")  # H = 384: not a 256-column tile's
         assert "multiples of 256" in G.unfit2(xc, w2c, 128, has_bias=False, block_m=128)
+        assert G.unfit2(xc, w2c, 128, has_bias=False, block_m=128, pingpong=True) is None  # 128-column tiles
         assert G.unfit2(xc, torch.zeros(4, 512, 128, dtype=torch.bfloat16, device="cuda"), 128, has_bias=False,
                         block_m=128) is None
 
@@ -200,11 +203,12 @@ def test_cuda_gluon_gemm1_forward(gate: str, shape: str, gluon: int, coalesce: b
 @needs_cuda
 @pytest.mark.parametrize("coalesce", [True, False], ids=["coalesced", "as held"])
 @pytest.mark.parametrize("gluon1", [0, 2], ids=["GEMM1 on Triton", "GEMM1 on Gluon"])
+@pytest.mark.parametrize("gluon2", [1, 2], ids=["pingpong", "coop"])
 @pytest.mark.parametrize("rw_dtype", [torch.bfloat16, torch.float32], ids=["bf16 weights", "fp32 weights"])
 @pytest.mark.parametrize("shape", list(SHAPES2))
-def test_cuda_gluon_gemm2_forward(shape: str, rw_dtype: torch.dtype, gluon1: int, coalesce: bool,
+def test_cuda_gluon_gemm2_forward(shape: str, rw_dtype: torch.dtype, gluon2: int, gluon1: int, coalesce: bool,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16, no grad: the forward with GEMM2 on the cooperative Gluon kernel (each pair's row
+    """bf16, no grad: the forward with GEMM2 on a Gluon kernel (``gluon2``; each pair's row
     scaled by its routing weight, bf16 or fp32 as transformers' are) against float64 and the
     same forward on the Triton GEMM2; NaN-filled buffers (the pair rows among them: a row left
     unwritten would show), sentinel slots with NaN weights and a negative id, the same bits
@@ -215,7 +219,7 @@ def test_cuda_gluon_gemm2_forward(shape: str, rw_dtype: torch.dtype, gluon1: int
     args, ref_args = _forward_special(args, "nan")
     want = M.reference(*tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                               for a in ref_args))
-    gluon, triton_gemm2 = _gemm2_config(args, gluon1), _gemm1_config(args, gluon1)
+    gluon, triton_gemm2 = _gemm2_config(args, gluon1, gluon2), _gemm1_config(args, gluon1)
     old = TM._new_buffer
     TM._new_buffer = _nan_buffer
     try:

@@ -1727,7 +1727,7 @@ def describe_configs(picked: tuple[dict[str, int], dict[str, int], dict[str, int
     c1, c2, cc = picked
     kernel = ("CUTLASS (torch._grouped_mm) + the gate's pass" if c1.get("GROUPED_MM", 0)
               else {1: "Gluon ping-pong", 2: "Gluon cooperative"}.get(c1.get("GLUON", 0), "Triton"))
-    kernel2 = "Gluon cooperative" if c2.get("GLUON", 0) else "Triton"
+    kernel2 = {1: "Gluon ping-pong", 2: "Gluon cooperative"}.get(c2.get("GLUON", 0), "Triton")
     return f"GEMM1 on {kernel} {dict(c1)}, GEMM2 on {kernel2} {dict(c2)}, combine {dict(cc)}"
 
 
@@ -1787,15 +1787,16 @@ def _gluon_gemm1_unfit(c1: dict[str, int], x: torch.Tensor, w1: torch.Tensor, bi
 
 def _gluon_gemm2_unfit(c1: dict[str, int], c2: dict[str, int], x: torch.Tensor, w2: torch.Tensor,
                        bias: Optional[torch.Tensor], i: int, transposed: bool) -> Optional[str]:
-    """Why GEMM2 can't run on the cooperative Gluon kernel ``configs["gemm2"]["GLUON"]`` asks
-    for (:func:`.moe_gemm1_gluon.gemm2`) here, or None. Its A is GEMM1's output (a fresh
-    contiguous buffer of x's dtype, I columns)."""
-    if c2["GLUON"] != 2:
-        return f"GLUON must be 0 (off) or 2 (cooperative: GEMM2 has no ping-pong kernel), got {c2['GLUON']!r}"
+    """Why GEMM2 can't run on the Gluon kernel ``configs["gemm2"]["GLUON"]`` asks for (1
+    ping-pong, 2 cooperative: :func:`.moe_gemm1_gluon.gemm2`) here, or None. Its A is GEMM1's
+    output (a fresh contiguous buffer of x's dtype, I columns)."""
+    if c2["GLUON"] not in (1, 2):
+        return f"GLUON must be 0 (off), 1 (ping-pong) or 2 (cooperative), got {c2['GLUON']!r}"
     module = _gluon_for(c2)
     if isinstance(module, str):
         return module
-    return module.unfit2(x, _nk_view(w2, transposed), i, has_bias=bias is not None, block_m=c1["BLOCK_M"])
+    return module.unfit2(x, _nk_view(w2, transposed), i, has_bias=bias is not None, block_m=c1["BLOCK_M"],
+                         pingpong=c2["GLUON"] == 1)
 
 
 def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -1918,7 +1919,8 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
                         **routing)
         if c2.get("GLUON", 0):
             _gluon_gemm1().gemm2(act, _nk_view(w2, transposed), pairs, rw, sorted_pair_ids, block_expert,
-                                 routing["shift"], routing["used"], s, k, spec=spec and (spec, "gemm2"))
+                                 routing["shift"], routing["used"], s, k, pingpong=c2["GLUON"] == 1,
+                                 spec=spec and (spec, "gemm2"))
         else:
             launch_gemm(c2, a=act, w_nk=_nk_view(w2, transposed), bias=down_bias, out=pairs, pre=None,
                         n=h, k=i, gather=False, routed=True, scaled=True, spec=spec and (spec, "gemm2"), **routing)

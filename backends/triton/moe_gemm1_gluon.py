@@ -26,8 +26,8 @@ consumers take them in one of two ways (as the weight gradients' kernels,
   loader fills the next tile's stages under this tile's epilogue, but the tensor cores wait
   for it; 4 stages of 48 KB.
 
-GEMM2 runs on the same cooperative kernel (``gemm_kernel`` with ``GATED`` off, :func:`gemm2`,
-``configs["gemm2"]["GLUON"] = 2``):
+GEMM2 runs on the same kernels (``gemm_kernel`` with ``GATED`` off, :func:`gemm2`,
+``configs["gemm2"]["GLUON"]`` 2 cooperative, 1 ping-pong):
 
     pairs[p] = rw[p] * (act[r] @ W2[e]^T)     act (S, I) sorted rows, W2 (E, H, I) -> pairs (S, H)
 
@@ -39,7 +39,10 @@ Qwen3-MoE's, OLMoE's and Mixtral's T = 4096. Not a default: on the H100 (2026-12
 GEMM2's 242 / 247 / 225 (persistent 128 x 256 tiles, 4 stages at the first two), and the fused
 forward with both GEMMs on Gluon was no faster than with GEMM1 alone on it (no grad 0.963 /
 0.946 / 0.924 against 0.935 / 0.935 / 0.922 of the table's). The cooperative consumers wait
-through each tile's epilogue, a larger share of GEMM2's short K loop (I = 768-4096).
+through each tile's epilogue, a larger share of GEMM2's short K loop (I = 768-4096): so the
+ping-pong kernel too (128 x 128 tiles a consumer, one m64n128 chain a 64-row half, 5 stages of
+32 KB), whose epilogue runs under the other consumer's MMAs (written after that run: not yet
+run on a GPU).
 
 Scope: bf16 rows and weights, gated with gate and up halves concatenated (transformers'
 layout: W (E, 2I, K), K contiguous), no bias, I a multiple of the tile's 64 or 128 gate
@@ -66,7 +69,8 @@ from opreg.backends.triton.launch import launch
 # the Triton GEMM1's tile order and gate (Triton functions: Gluon calls them as they are)
 from opreg.backends.triton.moe_experts import _gate, _tile_of
 
-__all__ = ["COALESCE", "GEMM2_BLOCK_N", "GEMM2_STAGES", "PP_STAGES", "STAGES", "gemm1", "gemm2", "unfit", "unfit2"]
+__all__ = ["COALESCE", "GEMM2_BLOCK_N", "GEMM2_PP_BLOCK_N", "GEMM2_PP_STAGES", "GEMM2_STAGES", "PP_STAGES", "STAGES",
+           "gemm1", "gemm2", "unfit", "unfit2"]
 
 # a partition-wide barrier: gl.thread_barrier in triton 3.6, gl.barrier from 3.7 on
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -77,10 +81,12 @@ PP_BLOCK_N = 64  # the ping-pong tile's gate (and up) columns: 128 x 128 fp32 ac
 # ping-pong: 6 of 32 KB (W's tiles 8 KB each); 196,608 bytes either way. The epilogue
 # stores from registers (a tile's rows are ragged at an expert's end: no TMA store)
 STAGES, PP_STAGES = 4, 6
-# GEMM2 (cooperative): 128 rows x 256 columns a tile (m64n256 chains, as the Triton GEMM2's 128 x 256
+# GEMM2 cooperative: 128 rows x 256 columns a tile (m64n256 chains, as the Triton GEMM2's 128 x 256
 # tiles on 8 warps), 3 stages of 48 KB (A 16 KB, W's tile 32 KB) and the epilogue's two 64 x 256
-# bf16 buffers (64 KB): 212,992 bytes
+# bf16 buffers (64 KB); ping-pong: 128 x 128 tiles a consumer, 5 stages of 32 KB and two 128 x 128
+# buffers (64 KB). 229,376 bytes at most
 GEMM2_BLOCK_N, GEMM2_STAGES = 256, 3
+GEMM2_PP_BLOCK_N, GEMM2_PP_STAGES = 128, 5
 # tiles walk GROUP_M row blocks of one column block, so W's tiles come from L2 (the Triton
 # GEMM1's order)
 GROUP_M = gl.constexpr(8)
@@ -271,11 +277,12 @@ def _coop_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, act_ptr, pre_ptr
 
 @gluon.jit
 def _pp_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, order, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
-                 shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, NI, K, stride_act, stride_pre, alpha,
-                 limit, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, COALESCE: gl.constexpr,
-                 WHICH: gl.constexpr):
-    # Consumer c takes the program's tiles i = c mod 2, all 128 rows: two m64n64 wgmma chains
-    # (gate, up) a 64-row half, on the whole of A's stage.
+                 shift_ptr, route_w_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, top_k, NI, K, stride_act,
+                 stride_pre, stride_rt, stride_rk, alpha, limit, GATED: gl.constexpr, ACT: gl.constexpr,
+                 HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, COALESCE: gl.constexpr, WHICH: gl.constexpr):
+    # Consumer c takes the program's tiles i = c mod 2, all 128 rows: GATED (GEMM1), two m64n64
+    # wgmma chains (gate, up) a 64-row half, on the whole of A's stage; else (GEMM2) one m64n128
+    # chain a 64-row half.
     STAGES: gl.constexpr = a_bufs.shape[0]
     BM: gl.constexpr = a_bufs.shape[1]
     BK: gl.constexpr = a_bufs.shape[2]
@@ -296,25 +303,36 @@ def _pp_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, order, act_ptr, pr
             if i > 0:
                 mbarrier.wait(order.index(1 - WHICH), ((i - 1) // 2) & 1)
             acc_g = gl.zeros([BM, BN], gl.float32, acc_layout)
-            acc_u = gl.zeros([BM, BN], gl.float32, acc_layout)
+            if GATED:
+                acc_u = gl.zeros([BM, BN], gl.float32, acc_layout)
             for kb in range(ksteps):
                 s = (g + kb) % STAGES
                 mbarrier.wait(ready.index(s), ((g + kb) // STAGES) & 1)
                 a_s = a_bufs.index(s)
                 acc_g = warpgroup_mma(a_s, g_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
-                acc_u = warpgroup_mma(a_s, u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
-                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+                if GATED:
+                    acc_u = warpgroup_mma(a_s, u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
+                    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+                else:
+                    acc_g = warpgroup_mma_wait(num_outstanding=1, deps=(acc_g,))
                 if kb > 0:
                     mbarrier.arrive(empty.index((g + kb - 1) % STAGES))
             # every step of this tile issued: the tensor cores go to the other consumer
             # (order[WHICH] completes once per tile of ours)
             mbarrier.arrive(order.index(WHICH))
-            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+            if GATED:
+                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+            else:
+                acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
             if ksteps > 0:
                 mbarrier.arrive(empty.index((g + ksteps - 1) % STAGES))
-            _epilogue(acc_g, acc_u, o_buf, pid_m * BM + rows, pid_n * BN + cols, expert, act_ptr, pre_ptr,
-                      pair_ids_ptr, shift_ptr, num_pairs, NI, stride_act, stride_pre, alpha, limit, ACT, HAS_LIMIT,
-                      SAVE_PRE, COALESCE)
+            if GATED:
+                _epilogue(acc_g, acc_u, o_buf, pid_m * BM + rows, pid_n * BN + cols, expert, act_ptr, pre_ptr,
+                          pair_ids_ptr, shift_ptr, num_pairs, NI, stride_act, stride_pre, alpha, limit, ACT,
+                          HAS_LIMIT, SAVE_PRE, COALESCE)
+            else:
+                _routed_epilogue(acc_g, o_buf, pid_m * BM + rows, pid_n * BN + cols, act_ptr, pair_ids_ptr,
+                                 route_w_ptr, num_pairs, top_k, NI, stride_act, stride_rt, stride_rk, COALESCE)
 
 
 @gluon.jit
@@ -324,14 +342,13 @@ def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr
                 SAVE_PRE: gl.constexpr, PINGPONG: gl.constexpr, COALESCE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                 LOADER_REGS: gl.constexpr):
     """GATED: GEMM1 and its gate into ``out`` = act's sorted rows (NI = I columns, W's N1 = 2I
-    rows an expert); else GEMM2, cooperative only: ``out`` = the pairs' rows, scaled by their
+    rows an expert); else GEMM2: ``out`` = the pairs' rows, scaled by their
     routing weights (NI = N1 = H). ``route_w_ptr``, ``top_k`` and their strides are GEMM2's;
     ``pre_ptr``, ``alpha``, ``limit`` and the gate's constexprs GEMM1's."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]  # the tile's (gate and up) columns
     gl.static_assert(w_desc.block_type.shape[1] == BK)
-    gl.static_assert(GATED or not PINGPONG, "GEMM2 runs on the cooperative kernel only")
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     g_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
@@ -370,11 +387,13 @@ def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr
     if PINGPONG:
         gl.warp_specialize([
             (_pp_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(0), ready, empty, order, out_ptr, pre_ptr,
-                            pair_ids_ptr, block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs,
-                            NI, K, stride_out, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 0)),
+                            pair_ids_ptr, block_expert_ptr, shift_ptr, route_w_ptr, pid, nprog, n_local, used_m,
+                            tiles_n, num_pairs, top_k, NI, K, stride_out, stride_pre, stride_rt, stride_rk, alpha,
+                            limit, GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 0)),
             (_pp_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(1), ready, empty, order, out_ptr, pre_ptr,
-                            pair_ids_ptr, block_expert_ptr, shift_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs,
-                            NI, K, stride_out, stride_pre, alpha, limit, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 1)),
+                            pair_ids_ptr, block_expert_ptr, shift_ptr, route_w_ptr, pid, nprog, n_local, used_m,
+                            tiles_n, num_pairs, top_k, NI, K, stride_out, stride_pre, stride_rt, stride_rk, alpha,
+                            limit, GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 1)),
             (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid,
                        nprog, n_local, used_m, tiles_n, NI, N1, K, GATED)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -481,40 +500,45 @@ def gemm1(a: torch.Tensor, w_nk: torch.Tensor, act: torch.Tensor, pre: torch.Ten
            LOADER_REGS=LOADER_REGS, num_warps=4)
 
 
-def unfit2(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, has_bias: bool, block_m: int) -> str | None:
+def unfit2(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, has_bias: bool, block_m: int,
+           pingpong: bool = False) -> str | None:
     """Why :func:`gemm2` can't take GEMM1's output (S, ``i``) of the token rows ``x``'s dtype
     and device (a fresh contiguous buffer: its A) and the down projection seen as (E, H, I)
-    ``w_nk``, or None."""
+    ``w_nk``, or None. ``pingpong``: which kernel."""
     why = _unfit_common("GEMM2", x, w_nk, "down_proj", "(E, H, I)", "down", has_bias, block_m)
     if why is not None:
         return why
     h = w_nk.shape[1]
     if w_nk.shape[2] != i:
         return f"down_proj's shape {tuple(w_nk.shape)} is not (E, H, {i})"
-    if h % GEMM2_BLOCK_N or i % BLOCK_K or not (h and i):
-        return f"H = {h} and I = {i} must be positive multiples of {GEMM2_BLOCK_N} and {BLOCK_K}"
+    bn = GEMM2_PP_BLOCK_N if pingpong else GEMM2_BLOCK_N
+    if h % bn or i % BLOCK_K or not (h and i):
+        return f"H = {h} and I = {i} must be positive multiples of {bn} and {BLOCK_K}"
     return _not_sm90(x)
 
 
 def gemm2(a: torch.Tensor, w_nk: torch.Tensor, out: torch.Tensor, route_w: torch.Tensor,
           sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, shift: torch.Tensor, used: torch.Tensor,
-          num_pairs: int, top_k: int, programs: int | None = None, coalesce: bool | None = None,
-          spec: object = None) -> None:
-    """GEMM2 on the cooperative kernel: ``out[p] = route_w[p // top_k, p % top_k] * (A[r] @
-    W[e]^T)`` for each pair p at sorted row r of expert e, ``out`` (S, H) bf16, ``a`` the
-    activation's sorted rows (S, I), ``w_nk`` (E, H, I); the routing as :func:`gemm1`'s. The
-    caller checks :func:`unfit2` first. ``programs``, ``coalesce``, ``spec``: as :func:`gemm1`'s."""
+          num_pairs: int, top_k: int, programs: int | None = None, pingpong: bool = False,
+          coalesce: bool | None = None, spec: object = None) -> None:
+    """GEMM2: ``out[p] = route_w[p // top_k, p % top_k] * (A[r] @ W[e]^T)`` for each pair p at
+    sorted row r of expert e, ``out`` (S, H) bf16, ``a`` the activation's sorted rows (S, I),
+    ``w_nk`` (E, H, I); the routing as :func:`gemm1`'s. The caller checks :func:`unfit2` first
+    (with the same ``pingpong``). ``programs``, ``pingpong``, ``coalesce``, ``spec``: as
+    :func:`gemm1`'s."""
     coalesce = COALESCE if coalesce is None else coalesce
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    a_layout, w_layout = _layouts(GEMM2_BLOCK_N)
+    bn = GEMM2_PP_BLOCK_N if pingpong else GEMM2_BLOCK_N
+    a_layout, w_layout = _layouts(bn)
     a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], a_layout)
-    w_desc = TensorDescriptor.from_tensor(w_nk.view(-1, w_nk.shape[2]), [GEMM2_BLOCK_N, BLOCK_K], w_layout)
+    w_desc = TensorDescriptor.from_tensor(w_nk.view(-1, w_nk.shape[2]), [bn, BLOCK_K], w_layout)
     h = w_nk.shape[1]
-    tiles = block_expert.shape[0] * (h // GEMM2_BLOCK_N)  # the static worst case
+    tiles = block_expert.shape[0] * (h // bn)  # the static worst case
     grid = (max(1, min(programs or _device(index)[1], tiles)),)
     # out: GEMM1's pre-activation pointer (never read here)
     launch(gemm_kernel, grid, a_desc, w_desc, out, out, sorted_pair_ids, block_expert, shift, used, route_w,
            num_pairs, top_k, h, h, a.shape[1], out.stride(0), out.stride(0), route_w.stride(0), route_w.stride(1),
-           1.0, 0.0, spec_key=None if spec is None else (spec, "gluon gemm2", coalesce),
-           STAGES=GEMM2_STAGES, GATED=False, ACT=0, HAS_LIMIT=False, SAVE_PRE=False, PINGPONG=False,
+           1.0, 0.0, spec_key=None if spec is None else (spec, "gluon gemm2", pingpong, coalesce),
+           STAGES=GEMM2_PP_STAGES if pingpong else GEMM2_STAGES, GATED=False, ACT=0, HAS_LIMIT=False,
+           SAVE_PRE=False, PINGPONG=pingpong,
            COALESCE=coalesce, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
