@@ -467,6 +467,19 @@ def unfit(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, gated: bool, interleav
     return _not_sm90(x)
 
 
+def _operands(a: torch.Tensor, w_nk: torch.Tensor, block_expert: torch.Tensor, n: int, bn: int,
+              programs: int | None) -> tuple[TensorDescriptor, TensorDescriptor, tuple[int]]:
+    """A's and W's tensor descriptors ([128, 64] and [bn, 64] boxes) and the persistent grid:
+    one program per SM (or ``programs``), no more than the worst case's tiles (every padded
+    block x the ``n // bn`` column tiles)."""
+    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    a_layout, w_layout = _layouts(bn)
+    a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], a_layout)
+    w_desc = TensorDescriptor.from_tensor(w_nk.view(-1, w_nk.shape[2]), [bn, BLOCK_K], w_layout)
+    tiles = block_expert.shape[0] * (n // bn)
+    return a_desc, w_desc, (max(1, min(programs or _device(index)[1], tiles)),)
+
+
 def gemm1(a: torch.Tensor, w_nk: torch.Tensor, act: torch.Tensor, pre: torch.Tensor | None,
           sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, shift: torch.Tensor, used: torch.Tensor,
           num_pairs: int, i: int, act_id: int, alpha: float = 1.0, limit: float = math.inf,
@@ -481,13 +494,7 @@ def gemm1(a: torch.Tensor, w_nk: torch.Tensor, act: torch.Tensor, pre: torch.Ten
     bytes a thread (default :data:`COALESCE`). ``spec``: a key that determines every argument's
     metadata."""
     coalesce = COALESCE if coalesce is None else coalesce
-    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    bn = PP_BLOCK_N if pingpong else BLOCK_N
-    a_layout, w_layout = _layouts(bn)
-    a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], a_layout)
-    w_desc = TensorDescriptor.from_tensor(w_nk.view(-1, w_nk.shape[2]), [bn, BLOCK_K], w_layout)
-    tiles = block_expert.shape[0] * (i // bn)  # the static worst case
-    grid = (max(1, min(programs or _device(index)[1], tiles)),)
+    a_desc, w_desc, grid = _operands(a, w_nk, block_expert, i, PP_BLOCK_N if pingpong else BLOCK_N, programs)
     has_limit = math.isfinite(limit)
     p = pre if pre is not None else act  # a valid pointer, never written
     # act: GEMM2's routing weights' pointer (never read here)
@@ -527,18 +534,13 @@ def gemm2(a: torch.Tensor, w_nk: torch.Tensor, out: torch.Tensor, route_w: torch
     (with the same ``pingpong``). ``programs``, ``pingpong``, ``coalesce``, ``spec``: as
     :func:`gemm1`'s."""
     coalesce = COALESCE if coalesce is None else coalesce
-    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    bn = GEMM2_PP_BLOCK_N if pingpong else GEMM2_BLOCK_N
-    a_layout, w_layout = _layouts(bn)
-    a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], a_layout)
-    w_desc = TensorDescriptor.from_tensor(w_nk.view(-1, w_nk.shape[2]), [bn, BLOCK_K], w_layout)
     h = w_nk.shape[1]
-    tiles = block_expert.shape[0] * (h // bn)  # the static worst case
-    grid = (max(1, min(programs or _device(index)[1], tiles)),)
+    a_desc, w_desc, grid = _operands(a, w_nk, block_expert, h, GEMM2_PP_BLOCK_N if pingpong else GEMM2_BLOCK_N,
+                                     programs)
     # out: GEMM1's pre-activation pointer (never read here)
     launch(gemm_kernel, grid, a_desc, w_desc, out, out, sorted_pair_ids, block_expert, shift, used, route_w,
            num_pairs, top_k, h, h, a.shape[1], out.stride(0), out.stride(0), route_w.stride(0), route_w.stride(1),
            1.0, 0.0, spec_key=None if spec is None else (spec, "gluon gemm2", pingpong, coalesce),
            STAGES=GEMM2_PP_STAGES if pingpong else GEMM2_STAGES, GATED=False, ACT=0, HAS_LIMIT=False,
-           SAVE_PRE=False, PINGPONG=pingpong,
-           COALESCE=coalesce, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
+           SAVE_PRE=False, PINGPONG=pingpong, COALESCE=coalesce, CONSUMER_REGS=CONSUMER_REGS,
+           LOADER_REGS=LOADER_REGS, num_warps=4)
