@@ -327,15 +327,17 @@ if [ "$STAGE" = gluon1 ]; then
   timeout ${GLUON1_AB_S:-300} python3 bench/moe_gemms.py --gluon --configs ${GLUON1_CONFIGS:-qwen3_moe olmoe mixtral} \
     --tokens "${TOKENS_GLUON1:-4096}" --rounds ${GLUON1_ROUNDS:-7} > "$OUT/gluon1_ab.log" 2>&1
   echo "A/B rc $?"; grep -vE "[Ww]arn" "$OUT/gluon1_ab.log" | tail -45
-  # GLUON1_STEP=1 (a call of its own: ~2-3 min): the training step with GEMM1 on it, beside the
-  # table's configs given the same way (moe_launches.py --variant), 5 rounds, then each kernel
+  # GLUON1_STEP=1 (a call of its own: ~2-3 min): the training step with GEMM1 on it (the default's
+  # kernel, given), and with GEMM2 on each Gluon kernel too, beside the table's configs given the
+  # same way (moe_launches.py --variant: keys over the table's), 5 rounds, then each kernel
   if [ "${GLUON1_STEP:-0}" = 1 ]; then
     (cd bench && timeout ${GLUON1_STEP_S:-240} python3 moe_launches.py --configs ${GLUON1_CONFIGS:-qwen3_moe olmoe mixtral} \
       --tokens "${TOKENS_GLUON1:-4096}" --rounds 5 \
-      --variant 'gluon_pingpong={"gemm1": {"GLUON": 1, "BLOCK_M": 128, "HALF_TAIL": 0, "PERSISTENT": 0}}' \
       --variant 'gluon_coop={"gemm1": {"GLUON": 2, "BLOCK_M": 128, "HALF_TAIL": 0, "PERSISTENT": 0}}' \
+      --variant 'gemm2_coop={"gemm1": {"GLUON": 2, "BLOCK_M": 128, "HALF_TAIL": 0, "PERSISTENT": 0}, "gemm2": {"GLUON": 2, "HALF_TAIL": 0, "PERSISTENT": 0}}' \
+      --variant 'gemm2_pp={"gemm1": {"GLUON": 2, "BLOCK_M": 128, "HALF_TAIL": 0, "PERSISTENT": 0}, "gemm2": {"GLUON": 1, "HALF_TAIL": 0, "PERSISTENT": 0}}' \
       > "$OUT/gluon1_step.log" 2>&1)
-    echo "step rc $?"; grep -E "T=[0-9]+ |rounds;|gluon_pingpong:|gluon_coop:|table's configs, given:" "$OUT/gluon1_step.log"
+    echo "step rc $?"; grep -E "T=[0-9]+ |rounds;|gluon_coop:|gemm2_coop:|gemm2_pp:|table's configs, given:" "$OUT/gluon1_step.log"
   fi
 fi
 

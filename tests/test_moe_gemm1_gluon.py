@@ -237,18 +237,21 @@ def test_cuda_gluon_gemm2_forward(shape: str, rw_dtype: torch.dtype, gluon2: int
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("coalesce", [True, False], ids=["coalesced", "as held"])
-@pytest.mark.parametrize("gluon", [1, 2], ids=["pingpong", "coop"])
+@pytest.mark.parametrize("gluon,gluon2", [(1, 0), (2, 0), (2, 1), (2, 2)],
+                         ids=["pingpong", "coop", "coop, GEMM2 pingpong", "coop, GEMM2 coop"])
 @pytest.mark.parametrize("family", ["mixtral silu", "clamped silu", "k=1 empty experts"])
-def test_cuda_gluon_gemm1_training(family: str, gluon: int, coalesce: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_gluon_gemm1_training(family: str, gluon: int, gluon2: int, coalesce: bool,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 forward + backward with GEMM1 on the Gluon kernels (their saved pre-activation,
-    bf16 or fp32 under a clamp, read by the backward) and on Triton: each matches float64,
-    and Triton's path."""
+    bf16 or fp32 under a clamp, read by the backward; GEMM2 on Triton or on a Gluon kernel
+    too, ``gluon2``) and on Triton: each matches float64, and Triton's path."""
     monkeypatch.setattr(_gluon_module(), "COALESCE", coalesce)
     t, k, _, _, e = FAMILIES[family][0]
     args = _requires(_special(_clear_limit(make(max(t, 96), k, 256, 128, e, torch.bfloat16, "cuda",
                                                 **{**FAMILIES[family][1], "sentinels": 2})), "nan"), GRAD_ARGS)
     backward = {"wgrad": {"GROUPED_MM": 1, "GLUON": 0}, "dgrad1": {"GROUPED_MM": 0}, "dgrad2": {"GROUPED_MM": 0}}
-    _two_paths(args, lambda g: {**_gemm1_config(args, gluon if g else 0), **backward}, lambda g: 2,
+    gluon_configs = _gemm2_config(args, gluon, gluon2) if gluon2 else _gemm1_config(args, gluon)
+    _two_paths(args, lambda g: {**(gluon_configs if g else _gemm1_config(args, 0)), **backward}, lambda g: 2,
                ["hidden_states", "top_k_weights", "gate_up_proj", "down_proj"], "GLUON")
 
 
