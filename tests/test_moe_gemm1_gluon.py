@@ -1,6 +1,7 @@
 """moe_experts' GEMM1 on the Gluon kernels (backends/triton/moe_gemm1_gluon.py), asked for with
 ``configs["gemm1"]["GLUON"]``: 1 ping-pong, 2 cooperative; and GEMM2 on the cooperative one
-(``configs["gemm2"]["GLUON"] = 2``).
+(``configs["gemm2"]["GLUON"] = 2``), and GEMM2's dgrad with the gate's backward in its epilogue
+(``configs["dgrad2"]["GLUON"] = 2``).
 
 Gluon has no interpreter: on the CPU the kernel is compiled for sm90 (every gate, with and
 without the saved pre-activation) and the wrapper's refusals are checked; on an sm90 GPU it runs
@@ -22,7 +23,7 @@ if HERE not in sys.path:
 from test_moe_experts import FAMILIES, make, sub  # noqa: E402
 from test_moe_triton import TM, _nan_buffer  # noqa: E402
 from test_moe_triton import _special as _forward_special  # noqa: E402
-from test_moe_triton_backward import (GRAD_ARGS, _clear_limit, _requires, _special, _two_paths,  # noqa: E402
+from test_moe_triton_backward import (GRAD_ARGS, TB, _clear_limit, _requires, _special, _two_paths,  # noqa: E402
                                       needs_cuda)
 
 from opreg.ops import moe_experts as M  # noqa: E402
@@ -83,40 +84,50 @@ def _gluon_module() -> Any:
 @pytest.mark.parametrize("act,save,pingpong",
                          [(a, s, pp) for pp in (True, False) for a in (0, 1, 2, 3, 4, 5, 6)
                           for s in (None, "bf16", "fp32") if s is None or a in (0, 6)]
-                         + [("gemm2", w, pp) for w in ("fp32 weights", None) for pp in (True, False)])
+                         + [("gemm2", w, pp) for w in ("fp32 weights", None) for pp in (True, False)]
+                         + [("dgrad2", w, False) for w in ("down (E, H, I)", "down (E, I, H)")])
 def test_gluon_gemm1_compiles_for_sm90(act: int | str, save: str | None, pingpong: bool) -> None:
     """Both kernels compiled for sm90 (no GPU needed): wgmma and setmaxnreg in its PTX, shared
     memory within the H100's 232,448 bytes a block, for each gate, with the
-    pre-activation saved in bf16 or fp32 and without; and GEMM2 (``act`` "gemm2", both
-    kernels), its routing weights fp32 or bf16."""
+    pre-activation saved in bf16 or fp32 and without; GEMM2 (``act`` "gemm2", both
+    kernels), its routing weights fp32 or bf16; and GEMM2's dgrad (``act`` "dgrad2", the
+    cooperative kernel), W's tiles N-contiguous (down_proj (E, H, I): four TMA boxes a tile) or
+    K-contiguous."""
     G = pytest.importorskip("opreg.backends.triton.moe_gemm1_gluon")
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
-    gated = act != "gemm2"
+    gated, dgrad = act not in ("gemm2", "dgrad2"), act == "dgrad2"
+    w_mn = dgrad and save == "down (E, H, I)"
     bn = (G.PP_BLOCK_N if pingpong else G.BLOCK_N) if gated else (G.GEMM2_PP_BLOCK_N if pingpong else G.GEMM2_BLOCK_N)
     a_layout, w_layout = G._layouts(bn)
+    w_box = [G.BLOCK_K, bn] if w_mn else [bn, G.BLOCK_K]
+    if w_mn:
+        w_layout = gl.NVMMASharedLayout.get_default_for(w_box, gl.bfloat16)
     sig = {"a_desc": f"tensordesc<bf16[{G.BLOCK_M}, {G.BLOCK_K}],{a_layout!r}>",
-           "w_desc": f"tensordesc<bf16[{bn}, {G.BLOCK_K}],{w_layout!r}>",
+           "w_desc": f"tensordesc<bf16[{w_box[0]}, {w_box[1]}],{w_layout!r}>",
            "out_ptr": "*bf16", "pre_ptr": f"*{save if gated and save else 'bf16'}", "pair_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "shift_ptr": "*i32", "used_ptr": "*i32",
-           "route_w_ptr": "*fp32" if save == "fp32 weights" else "*bf16", "num_pairs": "i32", "top_k": "i32",
-           "NI": "i32", "N1": "i32", "K": "i32", "stride_out": "i32", "stride_pre": "i32", "stride_rt": "i32",
-           "stride_rk": "i32", "alpha": "fp32", "limit": "fp32",
-           "STAGES": "constexpr", "GATED": "constexpr", "ACT": "constexpr", "HAS_LIMIT": "constexpr",
-           "SAVE_PRE": "constexpr", "PINGPONG": "constexpr", "COALESCE": "constexpr", "CONSUMER_REGS": "constexpr",
-           "LOADER_REGS": "constexpr"}
+           "route_w_ptr": "*fp32" if save == "fp32 weights" else "*bf16", "part_ptr": "*fp32", "num_pairs": "i32",
+           "top_k": "i32", "NI": "i32", "N1": "i32", "K": "i32", "stride_out": "i32", "stride_pre": "i32",
+           "stride_part": "i32", "stride_rt": "i32", "stride_rk": "i32", "alpha": "fp32", "limit": "fp32"}
     stages = (G.PP_STAGES if pingpong else G.STAGES) if gated else (G.GEMM2_PP_STAGES if pingpong else G.GEMM2_STAGES)
     consts = {"STAGES": stages, "GATED": gated,
               "ACT": act if gated else 0, "HAS_LIMIT": act == 6, "SAVE_PRE": gated and save is not None,
-              "PINGPONG": pingpong, "COALESCE": G.COALESCE, "CONSUMER_REGS": G.CONSUMER_REGS,
-              "LOADER_REGS": G.LOADER_REGS}
+              "PINGPONG": pingpong, "COALESCE": G.COALESCE or dgrad, "CONSUMER_REGS": G.CONSUMER_REGS,
+              "LOADER_REGS": G.LOADER_REGS, "DGRAD": dgrad, "W_MN": w_mn, "GATE_TIE": False, "UP_LO_TIE": False,
+              "UP_HI_TIE": False, "WRITE_DPRE": dgrad, "ROUTE_GRAD": dgrad}
+    sig.update({name: "constexpr" for name in consts})
     src = GluonASTSource(G.gemm_kernel, signature=sig, constexprs=consts,
-                         attrs={(j,): [["tt.divisibility", 16]] for j in (2, 3, 4, 5, 6, 7, 8)})
+                         attrs={(j,): [["tt.divisibility", 16]] for j in (2, 3, 4, 5, 6, 7, 8, 9)})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = kernel.asm["ptx"]
     assert "wgmma" in ptx and "setmaxnreg" in ptx
     assert kernel.metadata.shared <= 232448, kernel.metadata.shared
+    if w_mn:  # the [64, 256] tile of W as four 128-byte-wide TMA boxes, B read N-major (tnspB = 1)
+        assert kernel.metadata.tensordesc_meta[1]["block_size"] == [G.BLOCK_K, 64]
+        assert all(line.rstrip(";").endswith("1, 1, 0, 1") for line in ptx.splitlines() if "wgmma.mma_async" in line)
 
 
 def test_gluon_gemm1_refuses_what_it_cannot_take() -> None:
@@ -164,6 +175,86 @@ def test_gluon_gemm1_refuses_what_it_cannot_take() -> None:
         assert G.unfit2(xc, w2c, 128, has_bias=False, block_m=128, pingpong=True) is None  # 128-column tiles
         assert G.unfit2(xc, torch.zeros(4, 512, 128, dtype=torch.bfloat16, device="cuda"), 128, has_bias=False,
                         block_m=128) is None
+
+
+def test_gluon_dgrad2_refuses_what_it_cannot_take() -> None:
+    """GEMM2's dgrad on the Gluon kernel: asked for where it can't run, the backward's check
+    says why (CPU tensors reach it too), and a flag of the Triton or CUTLASS kernels given with
+    it is refused (it would do nothing)."""
+    G = pytest.importorskip("opreg.backends.triton.moe_gemm1_gluon")
+    args = make(40, 2, 256, 256, 4, torch.bfloat16, "cpu")
+    x, w2 = args[0], args[5]
+    c2 = {"GLUON": 2, "BLOCK_M": 128}
+    why = TB._gluon_dgrad2_unfit(c2, {}, x, w2, 256, True, False, False, torch.bfloat16)
+    assert why is not None and "not bf16 on CUDA" in why, why
+    assert "GLUON must be 0 (off) or 2" in TB._gluon_dgrad2_unfit({**c2, "GLUON": 1}, {}, x, w2, 256, True, False,
+                                                                   False, torch.bfloat16)
+    for given in ({"SPLIT": 1}, {"GROUPED_MM": 1}, {"HALF_TAIL": 1}, {"SUBTILE": 2}, {"PREGATHER": 0}):
+        why = TB._gluon_dgrad2_unfit(c2, {**given, "GLUON": 2}, x, w2, 256, True, False, False, torch.bfloat16)
+        assert why is not None and next(iter(given)) in why and "give GLUON alone" in why, why
+    w_nk = w2.transpose(1, 2)  # down (E, H, I) seen as (E, I, H)
+    common = dict(gated=True, interleaved=False, pre_dtype=torch.bfloat16, block_m=128)
+    assert "concatenated" in G.unfit_dgrad2(x, w_nk, 256, **{**common, "interleaved": True})
+    assert "concatenated" in G.unfit_dgrad2(x, w_nk, 256, **{**common, "gated": False})
+    assert "float32" in G.unfit_dgrad2(x, w_nk, 256, **{**common, "pre_dtype": torch.float32})
+    assert "BLOCK_M" in G.unfit_dgrad2(x, w_nk, 256, **{**common, "block_m": 64})
+    assert "CUDA" in G.unfit_dgrad2(x, w_nk, 256, **common)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        xc = x.cuda()
+        for layout in (torch.zeros(4, 256, 384).transpose(1, 2), torch.zeros(4, 384, 256)):  # (E, I, H), I = 384
+            assert "multiples of 256" in G.unfit_dgrad2(xc, layout.to("cuda", torch.bfloat16), 384, **common)
+        for layout in (w_nk, w_nk.contiguous()):  # down (E, H, I) or (E, I, H) underneath
+            assert G.unfit_dgrad2(xc, layout.cuda(), 256, **common) is None
+
+
+# GEMM2's dgrad cases: (T, k, H, I, E), make() options; I a multiple of the 256-column tile
+DGRAD2_CASES = {
+    "silu": ((96, 2, 256, 256, 4), {}),
+    "silu, down (E, I, H)": ((96, 2, 256, 256, 4), dict(transposed=True)),
+    "gelu": ((96, 2, 256, 256, 4), dict(activation="gelu")),
+    "gelu_tanh": ((96, 2, 256, 256, 4), dict(activation="gelu_tanh")),
+    "relu": ((96, 2, 256, 256, 4), dict(activation="relu")),
+    "relu2": ((96, 2, 256, 256, 4), dict(activation="relu2")),
+    "sigmoid": ((96, 2, 256, 256, 4), dict(activation="sigmoid")),
+    "gpt_oss, no clamp": ((96, 2, 256, 256, 4), dict(activation="gpt_oss", alpha=1.702)),
+    "biases": ((96, 2, 256, 256, 4), dict(bias=True)),
+    "sentinels": ((96, 2, 256, 256, 4), dict(sentinels=3)),
+    "k=1 empty experts": ((40, 1, 128, 256, 8), {}),
+    "many tiles": ((640, 8, 192, 512, 16), {}),
+}
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("case", list(DGRAD2_CASES))
+def test_cuda_gluon_dgrad2_training(case: str) -> None:
+    """bf16 forward + backward with GEMM2's dgrad and the gate's backward on the Gluon kernel
+    (``configs["dgrad2"]["GLUON"] = 2``) and on the table's Triton kernels: each matches
+    float64 (every buffer NaN-filled, sentinel slots' weights NaN), the gradients that go
+    through d_pre and d top_k_weights match each other, the others are the same bits, two
+    runs are bit-identical; and with only d top_k_weights, or only the others, asked for."""
+    _gluon_module()
+    dims, opts = DGRAD2_CASES[case]
+    args = _requires(_special(make(*dims, torch.bfloat16, "cuda", **opts), "nan"), GRAD_ARGS)
+    # the routing's 128-row blocks (the table picks 64 at these sizes)
+    backward = {**_gemm1_config(args, 0), "wgrad": {"GROUPED_MM": 1, "GLUON": 0}, "dgrad1": {"GROUPED_MM": 0}}
+
+    def configs_of(gluon: int) -> dict[str, dict[str, int]]:
+        return {**backward, "dgrad2": {"GLUON": 2} if gluon else {"GROUPED_MM": 0}}
+
+    _two_paths(args, configs_of, lambda g: 2, ["hidden_states", "top_k_weights", "gate_up_proj", "gate_up_bias"],
+               "dgrad2 GLUON")
+    plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    _, saved = TM.fused_experts_forward(*plain, configs=configs_of(1), save=True)
+    cot = torch.randn(args[0].shape, dtype=torch.bfloat16, device="cuda")
+    full = TB.fused_experts_backward(cot, *plain, saved, configs=configs_of(1))
+    for asked in (("top_k_weights",), ("hidden_states", "gate_up_proj", "down_proj")):
+        needs = tuple(n in asked for n in GRAD_ARGS)
+        grads = TB.fused_experts_backward(cot, *plain, saved, needs=needs, configs=configs_of(1))
+        for n, g, f in zip(GRAD_ARGS, grads, full):
+            assert (g is not None) == (n in asked and f is not None), n
+            if g is not None:
+                assert torch.equal(g, f), f"d {n} with {asked} asked differs from all asked"
 
 
 @pytest.mark.cuda

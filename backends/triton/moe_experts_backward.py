@@ -31,7 +31,14 @@ row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    split default on the three configs (H200, T = 4096, thirty-second session:
    bench/RESULTS.md). Split, the op's forward + backward took 2400 / 2689 / 2792 us
    against 2564 / 2795 / 2980 fused (Mixtral / Qwen3-MoE / OLMoE, T = 4096, 2026-12-02),
-   g's extra write and read included.
+   g's extra write and read included. **On the Gluon cooperative kernel**
+   (``configs["dgrad2"]["GLUON"] = 2``, :func:`.moe_gemm1_gluon.dgrad2`; opt-in, bf16 ``pre``
+   on sm90, I a multiple of 256): g over dout's sorted copy with down_proj's tiles read as
+   stored (N-contiguous for (E, H, I)), rounded to bf16 in shared memory, and the gate's
+   backward in the same kernel's epilogue. Slower than the split default on the H100
+   (2026-12-06, ``bench/moe_launches.py``): 537 / 576 / 554 us against the split's GEMM +
+   gate pass 252 + 85 / 252 + 114 / 244 + 130 (Qwen3-MoE / OLMoE / Mixtral, T = 4096): the
+   cooperative consumers wait through an epilogue that reads ``pre`` a few rows at a time.
 2. **d top_k_weights** (:func:`_route_grad_kernel`): each valid slot's partials summed in
    block order, plus dout[t] . down_bias[e]; 0 at a slot whose id is outside [0, E).
 3. **dgrad of GEMM1** (the forward's ``_moe_gemm``, ROUTED without the routing weight):
@@ -547,6 +554,26 @@ def gluon_wgrad_default(rows_per_expert: float, h: int, n1: int, i: int) -> int:
     return GLUON_PINGPONG if rows_per_expert <= GLUON_WGRAD_MAX_ROWS else GLUON_OFF
 
 
+def _gluon_dgrad2_unfit(c2: dict[str, Any], given: dict[str, Any], x: torch.Tensor, w2: torch.Tensor, i: int,
+                        gated: bool, transposed: bool, interleaved: bool, pre_dtype: torch.dtype) -> str | None:
+    """Why GEMM2's dgrad can't run on the Gluon kernel ``configs["dgrad2"]["GLUON"]`` asks for
+    (2: :func:`.moe_gemm1_gluon.dgrad2`, the cooperative kernel with the gate's backward in its
+    epilogue) here, or None. ``given``: the caller's own dgrad2 config (a flag of another
+    kernel there would do nothing)."""
+    if c2["GLUON"] != 2:
+        return f"GLUON must be 0 (off) or 2 (cooperative), got {c2['GLUON']!r}"
+    # its A is always dout's sorted copy, its tile and ring its own
+    other = [key for key in ("SPLIT", "GROUPED_MM", "PERSISTENT", "HALF_TAIL") if given.get(key, 0)]
+    other += [key for key, off in (("SUBTILE", 1), ("PREGATHER", 1)) if given.get(key, off) != off]
+    if other:
+        return f"{', '.join(other)} are the Triton and CUTLASS kernels' modes: give GLUON alone"
+    module = F._gluon_gemm1()
+    if isinstance(module, str):
+        return module
+    return module.unfit_dgrad2(x, F._nk_view(w2, not transposed), i, gated=gated, interleaved=interleaved,
+                               pre_dtype=pre_dtype, block_m=c2["BLOCK_M"])
+
+
 # GEMM2's split dgrad on torch._grouped_mm by default from this many rows per expert on
 # (grouped_mm_dgrad2_default says why)
 DGRAD2_GROUPED_MIN_ROWS = 1024
@@ -648,8 +675,10 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     :func:`grouped_mm_wgrad_default`; 1 where :func:`grouped_mm_unfit` says why not raises
     ValueError), ``configs["wgrad"]["GLUON"]`` 0 / 1 / 2 those on CUTLASS or the Gluon ping-pong
     or cooperative kernel (default: :func:`gluon_wgrad_default`), ``configs["dgrad1"]["GROUPED_MM"]``
-    GEMM1's dgrad (default: :func:`grouped_mm_dgrad1_default`). ``fwd_spec``: :func:`F.spec_of` the
-    op's arguments, if the caller has it."""
+    GEMM1's dgrad (default: :func:`grouped_mm_dgrad1_default`), ``configs["dgrad2"]["GLUON"]`` 2
+    GEMM2's dgrad and the gate's backward on the Gluon kernel (off by default; where it can't
+    run, a ValueError says why). ``fwd_spec``: :func:`F.spec_of` the op's arguments, if the
+    caller has it."""
     x, ids, rw, w1, b1, w2, b2 = hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, \
         down_proj, down_bias
     inputs = (x, rw, w1, b1, w2, b2)
@@ -720,6 +749,12 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             raise ValueError(f"fused_experts_backward: configs['dgrad2']['GATE_GROUPS'] = {groups!r}: the split "
                              "gate pass's column groups (SPLIT 1), a positive int")
         split2, persistent2 = bool(cfg["dgrad2"].get("SPLIT", 0)), bool(cfg["dgrad2"].get("PERSISTENT", 0))
+        gluon2 = cfg["dgrad2"].get("GLUON", 0)
+        if gluon2:  # asked for: runs, or says why not
+            if (why := _gluon_dgrad2_unfit(cfg["dgrad2"], (configs or {}).get("dgrad2") or {}, x, w2, i, gated,
+                                           transposed, interleaved, saved.pre.dtype)) is not None:
+                raise ValueError(f"fused_experts_backward: configs['dgrad2']['GLUON'] = {gluon2!r}, but {why}")
+            split2 = persistent2 = False  # the table's split and persistent modes are the Triton kernels'
         grouped2 = bool(cfg["dgrad2"].get("GROUPED_MM", split2 and not persistent2 and grouped_mm_dgrad2_default(
             x, w2, n1, i, s / e, saved.pre.dtype)))
         if grouped2 and (not split2 or persistent2):
@@ -774,7 +809,18 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                     ROUTE_GRAD=need_rw)
 
     with F._device_ctx(x):
-        if need_dpre or need_rw:
+        if (need_dpre or need_rw) and cfg["dgrad2"].get("GLUON", 0):
+            # GEMM2's dgrad and the gate's backward in one Gluon kernel over dout's sorted rows
+            # (_gluon_dgrad2_unfit has checked it can): one partial sum a 256-column tile
+            d_pre = F._new_buffer((s, n1), x.dtype, dev) if need_dpre else None
+            nnb = i // F._gluon_gemm1().DGRAD2_BLOCK_N
+            part = F._new_buffer((s, nnb), torch.float32, dev) if need_rw else None
+            a2 = F.sorted_rows(dout, rw, sorted_pair_ids, block_expert, tables, k, False, key("dout rows"))
+            ties = clamp_ties()
+            F._gluon_gemm1().dgrad2(a2, F._nk_view(w2, not transposed), saved.pre, rw, d_pre, part, sorted_pair_ids,
+                                    block_expert, tables[4], used, s, k, F.ACT_IDS[activation], alpha, limit, ties,
+                                    spec=key("dgrad2"))
+        elif need_dpre or need_rw:
             c = cfg["dgrad2"]
             split = bool(c.get("SPLIT", 0))
             # the split gate pass's columns in GATE_GROUPS groups, a program each per row

@@ -41,8 +41,28 @@ forward with both GEMMs on Gluon was no faster than with GEMM1 alone on it (no g
 0.946 / 0.924 against 0.935 / 0.935 / 0.922 of the table's). The cooperative consumers wait
 through each tile's epilogue, a larger share of GEMM2's short K loop (I = 768-4096): so the
 ping-pong kernel too (128 x 128 tiles a consumer, one m64n128 chain a 64-row half, 5 stages of
-32 KB), whose epilogue runs under the other consumer's MMAs (written after that run: not yet
-run on a GPU).
+32 KB), whose epilogue runs under the other consumer's MMAs. Correct, and not a default either
+(H100, 2026-12-06, GEMM2 alone against the table's Triton GEMM2): 238.8 / 302.6 / 231.6 us
+against 241.1 / 249.6 / 256.2 at T = 4096 (Qwen3-MoE / OLMoE / Mixtral), 889.4 / 1098.2 /
+1134.9 against 738.3 / 854.6 / 782.9 at T = 16384. Its narrower tiles read more shared memory
+per MMA (as GEMM1's ping-pong); why the overlap repays that at two shapes and not at the
+others is not known yet (no profile of it).
+
+GEMM2's dgrad with the gate's backward in its epilogue runs on the cooperative kernel too
+(``DGRAD``, :func:`dgrad2`, ``configs["dgrad2"]["GLUON"] = 2``, opt-in):
+
+    d_pre[r] = gate'(pre[r], rw[p] * g[r]),  g[r] = bf16(dout[t] @ W2[e])     W2 (E, H, I)
+
+A is dout's sorted copy, W2's tiles come as stored: down_proj (E, H, I) gives [64, 256] tiles
+with N contiguous (four 128-byte TMA boxes, read by the wgmmas N-major), (E, I, H) the
+K-major tiles of GEMM2. g goes through the consumer's shared buffer, rounded to bf16 (the
+split path's g), and the epilogue reads both ``pre`` halves, writes both d_pre halves and
+each row's partial sum of g * gate(pre) for d top_k_weights, 16 bytes a thread, a few rows at
+a time. Correct (its CUDA cases against float64 and the split path) and slower: on the H100
+(2026-12-06, ``bench/moe_launches.py``, T = 4096) 537 / 576 / 554 us against the split path's
+GEMM and gate pass together, 337 / 366 / 374 (Qwen3-MoE / OLMoE / Mixtral): the consumers wait
+through that epilogue, whose ``pre`` loads wait on the previous rows' stores (they may alias).
+Left for a kernel whose epilogue runs under MMAs (ping-pong, or ``pre`` brought in by TMA).
 
 Scope: bf16 rows and weights, gated with gate and up halves concatenated (transformers'
 layout: W (E, 2I, K), K contiguous), no bias, I a multiple of the tile's 64 or 128 gate
@@ -66,11 +86,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from opreg.backends.triton.launch import launch
-# the Triton GEMM1's tile order and gate (Triton functions: Gluon calls them as they are)
+# the Triton GEMM1's tile order and gate, and the gate's backward of the Triton dgrad2's
+# epilogue (Triton functions: Gluon calls them as they are)
 from opreg.backends.triton.moe_experts import _gate, _tile_of
+from opreg.backends.triton.moe_experts_backward import _gate_grad
 
 __all__ = ["COALESCE", "GEMM2_BLOCK_N", "GEMM2_PP_BLOCK_N", "GEMM2_PP_STAGES", "GEMM2_STAGES", "PP_STAGES", "STAGES",
-           "gemm1", "gemm2", "unfit", "unfit2"]
+           "dgrad2", "gemm1", "gemm2", "unfit", "unfit2", "unfit_dgrad2"]
 
 # a partition-wide barrier: gl.thread_barrier in triton 3.6, gl.barrier from 3.7 on
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -87,6 +109,12 @@ STAGES, PP_STAGES = 4, 6
 # buffers (64 KB). 229,376 bytes at most
 GEMM2_BLOCK_N, GEMM2_STAGES = 256, 3
 GEMM2_PP_BLOCK_N, GEMM2_PP_STAGES = 128, 5
+# GEMM2's dgrad (DGRAD): GEMM2's cooperative tile and ring (128 x 256, 3 stages of 48 KB, W's tile
+# [64, 256] where N is contiguous); its epilogue walks a consumer's 64 rows this many at a time
+# (g, both pre halves and both gradients in registers: 16 values each a thread at 8 rows; no
+# spills under CONSUMER_REGS, triton 3.6 and 3.8)
+DGRAD2_BLOCK_N, DGRAD2_STAGES = GEMM2_BLOCK_N, GEMM2_STAGES
+_DGRAD_ROWS = gl.constexpr(8)
 # tiles walk GROUP_M row blocks of one column block, so W's tiles come from L2 (the Triton
 # GEMM1's order)
 GROUP_M = gl.constexpr(8)
@@ -193,12 +221,57 @@ def _routed_epilogue(acc, buf, prow, col, out_ptr, pair_ids_ptr, route_w_ptr, nu
 
 
 @gluon.jit
+def _dgrad_epilogue(acc, buf, row0, pid_n, expert, dpre_ptr, pre_ptr, part_ptr, pair_ids_ptr, shift_ptr, route_w_ptr,
+                    num_pairs, top_k, NI, stride_dpre, stride_pre, stride_part, stride_rt, stride_rk, alpha, limit,
+                    ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, GATE_TIE: gl.constexpr, UP_LO_TIE: gl.constexpr,
+                    UP_HI_TIE: gl.constexpr, WRITE_DPRE: gl.constexpr, ROUTE_GRAD: gl.constexpr):
+    """GEMM2's dgrad epilogue (``DGRAD``): a consumer's accumulator g = dout[t] @ down[e] (its
+    padded rows from ``row0``, the tile's columns ``pid_n`` x BN of I) rounded to bf16 into the
+    consumer's shared buffer ``buf`` (the split path's g: the saved bf16 pre's dtype), then,
+    :data:`_DGRAD_ROWS` rows at a time, 16 bytes a thread: the gate's backward of
+    :func:`.moe_experts_backward._gate_grad_tile` from rw * g and the saved pre-activation's
+    two halves (sorted rows, bf16) into d_pre's (the same layout), and part[pair, pid_n] = the
+    sum over the tile's columns of g * gate(pre) (d top_k_weights' partial sum, one a column
+    tile). A padding row (pair id = the pair count) is neither read nor written."""
+    HM: gl.constexpr = buf.shape[0]
+    BN: gl.constexpr = buf.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BN // 8), BN // 8], [4, 1], [1, 0])
+    _barrier()  # every warp of this consumer has read the buffer's previous tile
+    buf.store(acc.to(gl.bfloat16))
+    _barrier()
+    shift = gl.load(shift_ptr + expert)
+    c = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, layout)), 0)
+    for r0 in gl.static_range(0, HM, _DGRAD_ROWS):
+        prow = row0 + r0 + gl.arange(0, _DGRAD_ROWS, layout=gl.SliceLayout(1, layout))
+        pair = gl.load(pair_ids_ptr + prow)
+        ok = pair < num_pairs
+        p = gl.where(ok, pair, 0)
+        rw = gl.load(route_w_ptr + (p // top_k).to(gl.int64) * stride_rt + (p % top_k) * stride_rk, mask=ok,
+                     other=0.0).to(gl.float32)
+        srows = gl.expand_dims((prow + shift).to(gl.int64), 1)
+        mask = gl.expand_dims(ok, 1) & (c < NI)
+        g = buf.slice(r0, _DGRAD_ROWS, dim=0).load(layout).to(gl.float32)
+        pre_rows = pre_ptr + srows * stride_pre
+        p0 = gl.load(pre_rows + c, mask=mask, other=0.0).to(gl.float32)
+        p1 = gl.load(pre_rows + (c + NI), mask=mask, other=0.0).to(gl.float32)
+        d0, d1, y = _gate_grad(p0, p1, g * gl.expand_dims(rw, 1), alpha, limit, True, ACT, HAS_LIMIT, GATE_TIE,
+                               UP_LO_TIE, UP_HI_TIE)
+        if WRITE_DPRE:
+            d_rows = dpre_ptr + srows * stride_dpre
+            gl.store(d_rows + c, d0.to(gl.bfloat16), mask=mask)
+            gl.store(d_rows + (c + NI), d1.to(gl.bfloat16), mask=mask)
+        if ROUTE_GRAD:
+            part = gl.sum(gl.where(mask, g * y, gl.zeros_like(y)), axis=1)
+            gl.store(part_ptr + p.to(gl.int64) * stride_part + pid_n, part, mask=ok)
+
+
+@gluon.jit
 def _loader(a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid, nprog,
-            n_local, used_m, tiles_n, NI, N1, K, GATED: gl.constexpr):
+            n_local, used_m, tiles_n, NI, N1, K, GATED: gl.constexpr, W_MN: gl.constexpr):
     STAGES: gl.constexpr = a_bufs.shape[0]
     BM: gl.constexpr = a_bufs.shape[1]
     BK: gl.constexpr = a_bufs.shape[2]
-    BN: gl.constexpr = g_bufs.shape[1]
+    BN: gl.constexpr = g_bufs.shape[2] if W_MN else g_bufs.shape[1]
     nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATED else 1) * w_desc.block_type.nbytes
     g = 0  # k-steps issued over all of this program's tiles
     for i in range(n_local):
@@ -213,7 +286,11 @@ def _loader(a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_p
             # rows past the expert's run are the next expert's (or TMA's zeros past S): they
             # feed only their own output rows, which are never stored
             tma.async_copy_global_to_shared(a_desc, [srow0, kb * BK], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(w_desc, [wrow, kb * BK], ready.index(s), g_bufs.index(s))
+            if W_MN:  # W (E * K, N) with N contiguous: the tile's K rows of its expert, its BN columns
+                tma.async_copy_global_to_shared(w_desc, [expert * K + kb * BK, pid_n * BN], ready.index(s),
+                                                g_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(w_desc, [wrow, kb * BK], ready.index(s), g_bufs.index(s))
             if GATED:
                 tma.async_copy_global_to_shared(w_desc, [wrow + NI, kb * BK], ready.index(s), u_bufs.index(s))
             g += 1
@@ -221,16 +298,20 @@ def _loader(a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_p
 
 @gluon.jit
 def _coop_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
-                   shift_ptr, route_w_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, top_k, NI, K, stride_act,
-                   stride_pre, stride_rt, stride_rk, alpha, limit, GATED: gl.constexpr, ACT: gl.constexpr,
-                   HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, COALESCE: gl.constexpr, WHICH: gl.constexpr):
+                   shift_ptr, route_w_ptr, part_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, top_k, NI, K,
+                   stride_act, stride_pre, stride_part, stride_rt, stride_rk, alpha, limit, GATED: gl.constexpr,
+                   ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, COALESCE: gl.constexpr,
+                   DGRAD: gl.constexpr, W_MN: gl.constexpr, GATE_TIE: gl.constexpr, UP_LO_TIE: gl.constexpr,
+                   UP_HI_TIE: gl.constexpr, WRITE_DPRE: gl.constexpr, ROUTE_GRAD: gl.constexpr,
+                   WHICH: gl.constexpr):
     # Consumer c takes rows [64 c, 64 c + 64) of each tile: GATED (GEMM1), two m64n128 wgmma
     # chains on its slice of A's stage, against the gate and the up tiles of W (K-major:
-    # permuted views); else (GEMM2) one m64n256 chain against W's one tile.
+    # permuted views); else (GEMM2, its dgrad) one m64n256 chain against W's one tile (W_MN:
+    # the tile as loaded, N contiguous).
     STAGES: gl.constexpr = a_bufs.shape[0]
     BM: gl.constexpr = a_bufs.shape[1]
     BK: gl.constexpr = a_bufs.shape[2]
-    BN: gl.constexpr = g_bufs.shape[1]
+    BN: gl.constexpr = g_bufs.shape[2] if W_MN else g_bufs.shape[1]
     HM: gl.constexpr = BM // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
@@ -248,7 +329,10 @@ def _coop_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, act_ptr, pre_ptr
             s = g % STAGES
             mbarrier.wait(ready.index(s), (g // STAGES) & 1)
             a_s = a_bufs.index(s).slice(WHICH * HM, HM, dim=0)
-            acc_g = warpgroup_mma(a_s, g_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
+            if W_MN:
+                acc_g = warpgroup_mma(a_s, g_bufs.index(s), acc_g, is_async=True)
+            else:
+                acc_g = warpgroup_mma(a_s, g_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
             # keep this step's MMAs in flight; the previous step's are done: its stage goes back
             if GATED:
                 acc_u = warpgroup_mma(a_s, u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
@@ -266,7 +350,12 @@ def _coop_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, act_ptr, pre_ptr
             mbarrier.arrive(empty.index((g - 1) % STAGES))
 
         # the epilogue: this consumer's 64 rows
-        if GATED:
+        if DGRAD:
+            _dgrad_epilogue(acc_g, o_buf, pid_m * BM + WHICH * HM, pid_n, expert, act_ptr, pre_ptr, part_ptr,
+                            pair_ids_ptr, shift_ptr, route_w_ptr, num_pairs, top_k, NI, stride_act, stride_pre,
+                            stride_part, stride_rt, stride_rk, alpha, limit, ACT, HAS_LIMIT, GATE_TIE, UP_LO_TIE,
+                            UP_HI_TIE, WRITE_DPRE, ROUTE_GRAD)
+        elif GATED:
             _epilogue(acc_g, acc_u, o_buf, pid_m * BM + WHICH * HM + rows, pid_n * BN + cols, expert, act_ptr,
                       pre_ptr, pair_ids_ptr, shift_ptr, num_pairs, NI, stride_act, stride_pre, alpha, limit, ACT,
                       HAS_LIMIT, SAVE_PRE, COALESCE)
@@ -337,21 +426,31 @@ def _pp_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, order, act_ptr, pr
 
 @gluon.jit
 def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr, used_ptr, route_w_ptr,
-                num_pairs, top_k, NI, N1, K, stride_out, stride_pre, stride_rt, stride_rk, alpha, limit,
-                STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                part_ptr, num_pairs, top_k, NI, N1, K, stride_out, stride_pre, stride_part, stride_rt, stride_rk, alpha,
+                limit, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr,
                 SAVE_PRE: gl.constexpr, PINGPONG: gl.constexpr, COALESCE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                LOADER_REGS: gl.constexpr):
+                LOADER_REGS: gl.constexpr, DGRAD: gl.constexpr = False, W_MN: gl.constexpr = False,
+                GATE_TIE: gl.constexpr = False, UP_LO_TIE: gl.constexpr = False, UP_HI_TIE: gl.constexpr = False,
+                WRITE_DPRE: gl.constexpr = False, ROUTE_GRAD: gl.constexpr = False):
     """GATED: GEMM1 and its gate into ``out`` = act's sorted rows (NI = I columns, W's N1 = 2I
     rows an expert); else GEMM2: ``out`` = the pairs' rows, scaled by their
     routing weights (NI = N1 = H). ``route_w_ptr``, ``top_k`` and their strides are GEMM2's;
-    ``pre_ptr``, ``alpha``, ``limit`` and the gate's constexprs GEMM1's."""
+    ``pre_ptr``, ``alpha``, ``limit`` and the gate's constexprs GEMM1's. DGRAD (cooperative,
+    COALESCE): GEMM2's dgrad, g = A @ W (A = dout's sorted rows (S, H), NI = N1 = I columns,
+    K = H; W_MN: W (E * H, I) tiles [BK, BN], else (E * I, H) ones [BN, BK]) with the gate's
+    backward in its epilogue (:func:`_dgrad_epilogue`): ``out`` = d_pre (sorted rows, 2I), ``pre``
+    the saved pre-activation, ``part`` the partial sums of d top_k_weights."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = w_desc.block_type.shape[0]  # the tile's (gate and up) columns
-    gl.static_assert(w_desc.block_type.shape[1] == BK)
+    # the tile's (gate and up) columns; W_MN: W's tile is [BK, BN], N contiguous
+    BN: gl.constexpr = w_desc.block_type.shape[1] if W_MN else w_desc.block_type.shape[0]
+    gl.static_assert(w_desc.block_type.shape[0 if W_MN else 1] == BK)
+    gl.static_assert(not DGRAD or (COALESCE and not PINGPONG and not GATED))
+    gl.static_assert(DGRAD or not W_MN)
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
-    g_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+    g_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, w_desc.block_type.shape[0], w_desc.block_type.shape[1]],
+                                       w_desc.layout)
     if GATED:
         u_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
     else:
@@ -395,20 +494,22 @@ def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr
                             tiles_n, num_pairs, top_k, NI, K, stride_out, stride_pre, stride_rt, stride_rk, alpha,
                             limit, GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 1)),
             (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid,
-                       nprog, n_local, used_m, tiles_n, NI, N1, K, GATED)),
+                       nprog, n_local, used_m, tiles_n, NI, N1, K, GATED, W_MN)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_coop_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(0), ready, empty, out_ptr, pre_ptr, pair_ids_ptr,
-                              block_expert_ptr, shift_ptr, route_w_ptr, pid, nprog, n_local, used_m, tiles_n,
-                              num_pairs, top_k, NI, K, stride_out, stride_pre, stride_rt, stride_rk, alpha, limit,
-                              GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 0)),
+                              block_expert_ptr, shift_ptr, route_w_ptr, part_ptr, pid, nprog, n_local, used_m,
+                              tiles_n, num_pairs, top_k, NI, K, stride_out, stride_pre, stride_part, stride_rt,
+                              stride_rk, alpha, limit, GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, DGRAD, W_MN,
+                              GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE, ROUTE_GRAD, 0)),
             (_coop_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(1), ready, empty, out_ptr, pre_ptr, pair_ids_ptr,
-                              block_expert_ptr, shift_ptr, route_w_ptr, pid, nprog, n_local, used_m, tiles_n,
-                              num_pairs, top_k, NI, K, stride_out, stride_pre, stride_rt, stride_rk, alpha, limit,
-                              GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 1)),
+                              block_expert_ptr, shift_ptr, route_w_ptr, part_ptr, pid, nprog, n_local, used_m,
+                              tiles_n, num_pairs, top_k, NI, K, stride_out, stride_pre, stride_part, stride_rt,
+                              stride_rk, alpha, limit, GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, DGRAD, W_MN,
+                              GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE, ROUTE_GRAD, 1)),
             (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid,
-                       nprog, n_local, used_m, tiles_n, NI, N1, K, GATED)),
+                       nprog, n_local, used_m, tiles_n, NI, N1, K, GATED, W_MN)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -468,14 +569,20 @@ def unfit(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, gated: bool, interleav
 
 
 def _operands(a: torch.Tensor, w_nk: torch.Tensor, block_expert: torch.Tensor, n: int, bn: int,
-              programs: int | None) -> tuple[TensorDescriptor, TensorDescriptor, tuple[int]]:
-    """A's and W's tensor descriptors ([128, 64] and [bn, 64] boxes) and the persistent grid:
-    one program per SM (or ``programs``), no more than the worst case's tiles (every padded
-    block x the ``n // bn`` column tiles)."""
+              programs: int | None, w_mn: bool = False) -> tuple[TensorDescriptor, TensorDescriptor, tuple[int]]:
+    """A's and W's tensor descriptors ([128, 64] and [bn, 64] boxes; ``w_mn``: W (E, N, K) is
+    (E, K, N) contiguous underneath, its box [64, bn]) and the persistent grid: one program per
+    SM (or ``programs``), no more than the worst case's tiles (every padded block x the
+    ``n // bn`` column tiles)."""
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     a_layout, w_layout = _layouts(bn)
     a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], a_layout)
-    w_desc = TensorDescriptor.from_tensor(w_nk.view(-1, w_nk.shape[2]), [bn, BLOCK_K], w_layout)
+    if w_mn:
+        box = [BLOCK_K, bn]
+        w_desc = TensorDescriptor.from_tensor(w_nk.transpose(1, 2).reshape(-1, n), box,
+                                              gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16))
+    else:
+        w_desc = TensorDescriptor.from_tensor(w_nk.view(-1, w_nk.shape[2]), [bn, BLOCK_K], w_layout)
     tiles = block_expert.shape[0] * (n // bn)
     return a_desc, w_desc, (max(1, min(programs or _device(index)[1], tiles)),)
 
@@ -497,9 +604,9 @@ def gemm1(a: torch.Tensor, w_nk: torch.Tensor, act: torch.Tensor, pre: torch.Ten
     a_desc, w_desc, grid = _operands(a, w_nk, block_expert, i, PP_BLOCK_N if pingpong else BLOCK_N, programs)
     has_limit = math.isfinite(limit)
     p = pre if pre is not None else act  # a valid pointer, never written
-    # act: GEMM2's routing weights' pointer (never read here)
-    launch(gemm_kernel, grid, a_desc, w_desc, act, p, sorted_pair_ids, block_expert, shift, used, act,
-           num_pairs, 1, i, w_nk.shape[1], a.shape[1], act.stride(0), p.stride(0), 0, 0, float(alpha),
+    # act: GEMM2's routing weights' and the dgrad's partial sums' pointer (never read here)
+    launch(gemm_kernel, grid, a_desc, w_desc, act, p, sorted_pair_ids, block_expert, shift, used, act, act,
+           num_pairs, 1, i, w_nk.shape[1], a.shape[1], act.stride(0), p.stride(0), 0, 0, 0, float(alpha),
            float(limit) if has_limit else 0.0,
            spec_key=None if spec is None else (spec, "gluon gemm1", pingpong, coalesce),
            STAGES=PP_STAGES if pingpong else STAGES, GATED=True, ACT=act_id, HAS_LIMIT=has_limit,
@@ -537,10 +644,62 @@ def gemm2(a: torch.Tensor, w_nk: torch.Tensor, out: torch.Tensor, route_w: torch
     h = w_nk.shape[1]
     a_desc, w_desc, grid = _operands(a, w_nk, block_expert, h, GEMM2_PP_BLOCK_N if pingpong else GEMM2_BLOCK_N,
                                      programs)
-    # out: GEMM1's pre-activation pointer (never read here)
-    launch(gemm_kernel, grid, a_desc, w_desc, out, out, sorted_pair_ids, block_expert, shift, used, route_w,
-           num_pairs, top_k, h, h, a.shape[1], out.stride(0), out.stride(0), route_w.stride(0), route_w.stride(1),
+    # out: GEMM1's pre-activation pointer and the dgrad's partial sums' (never read here)
+    launch(gemm_kernel, grid, a_desc, w_desc, out, out, sorted_pair_ids, block_expert, shift, used, route_w, out,
+           num_pairs, top_k, h, h, a.shape[1], out.stride(0), out.stride(0), 0, route_w.stride(0), route_w.stride(1),
            1.0, 0.0, spec_key=None if spec is None else (spec, "gluon gemm2", pingpong, coalesce),
            STAGES=GEMM2_PP_STAGES if pingpong else GEMM2_STAGES, GATED=False, ACT=0, HAS_LIMIT=False,
            SAVE_PRE=False, PINGPONG=pingpong, COALESCE=coalesce, CONSUMER_REGS=CONSUMER_REGS,
            LOADER_REGS=LOADER_REGS, num_warps=4)
+
+
+def unfit_dgrad2(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, gated: bool, interleaved: bool,
+                 pre_dtype: torch.dtype, block_m: int) -> str | None:
+    """Why :func:`dgrad2` can't take dout's sorted rows (of the token rows ``x``'s dtype and
+    device, H columns: a fresh contiguous buffer) and the down projection seen as (E, I, H)
+    ``w_nk`` (either layout: (E, H, I) or (E, I, H) contiguous underneath), or None."""
+    if not gated or interleaved:
+        return "the Gluon dgrad2 needs a gated weight with gate and up halves concatenated"
+    if pre_dtype != torch.bfloat16:
+        return f"the pre-activation is saved in {pre_dtype} (a clamp's): the Gluon dgrad2 rounds g to bf16"
+    w = w_nk if w_nk.stride(2) == 1 else w_nk.transpose(1, 2)
+    why = _unfit_common("GEMM2's dgrad", x, w, "down_proj", "(E, H, I) or (E, I, H)", "down", False, block_m)
+    if why is not None:
+        return why
+    h = x.shape[1]
+    if tuple(w_nk.shape[1:]) != (i, h):
+        return f"down_proj seen as (E, I, H) has shape {tuple(w_nk.shape)}, not (E, {i}, {h})"
+    if i % DGRAD2_BLOCK_N or h % BLOCK_K or not (i and h):
+        return f"I = {i} and H = {h} must be positive multiples of {DGRAD2_BLOCK_N} and {BLOCK_K}"
+    return _not_sm90(x)
+
+
+def dgrad2(a: torch.Tensor, w_nk: torch.Tensor, pre: torch.Tensor, route_w: torch.Tensor, d_pre: torch.Tensor | None,
+           part: torch.Tensor | None, sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, shift: torch.Tensor,
+           used: torch.Tensor, num_pairs: int, top_k: int, act_id: int, alpha: float, limit: float,
+           ties: tuple[bool, bool, bool], programs: int | None = None, spec: object = None) -> None:
+    """GEMM2's dgrad with the gate's backward in its epilogue, on the cooperative kernel: for
+    each pair p at sorted row r of expert e, g = A[r] @ W[e]^T with ``a`` dout's sorted rows (S,
+    H) and ``w_nk`` the down projection seen as (E, I, H), rounded to bf16; then ``d_pre`` (S,
+    2I) from ``route_w``'s weight times g and the saved bf16 ``pre`` (S, 2I) (gate and up
+    halves), and ``part`` (S, I / 256) fp32 = per column tile, the sum of g * gate(pre) (d
+    top_k_weights' partial sums, in column order: :func:`.moe_experts_backward._route_grad_kernel`
+    adds them). ``d_pre`` or ``part`` None: not computed. The routing as :func:`gemm1`'s;
+    ``ties``: :func:`.moe_experts_backward.clamp_ties`. The caller checks :func:`unfit_dgrad2`
+    first."""
+    w_mn = w_nk.stride(2) != 1  # down_proj (E, H, I): its tiles [64, 256], I contiguous
+    i = w_nk.shape[1]
+    a_desc, w_desc, grid = _operands(a, w_nk, block_expert, i, DGRAD2_BLOCK_N, programs, w_mn)
+    has_limit = math.isfinite(limit)
+    out = d_pre if d_pre is not None else pre  # a valid pointer, never written without WRITE_DPRE
+    q = part if part is not None else route_w  # likewise without ROUTE_GRAD
+    if part is not None and part.stride(1) != 1:
+        raise ValueError("dgrad2: part's columns must be contiguous")
+    launch(gemm_kernel, grid, a_desc, w_desc, out, pre, sorted_pair_ids, block_expert, shift, used, route_w, q,
+           num_pairs, top_k, i, i, a.shape[1], out.stride(0), pre.stride(0), q.stride(0), route_w.stride(0),
+           route_w.stride(1), float(alpha), float(limit) if has_limit else 0.0,
+           spec_key=None if spec is None else (spec, "gluon dgrad2", w_mn, d_pre is not None, part is not None),
+           STAGES=DGRAD2_STAGES, GATED=False, ACT=act_id, HAS_LIMIT=has_limit, SAVE_PRE=False, PINGPONG=False,
+           COALESCE=True, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, DGRAD=True, W_MN=w_mn,
+           GATE_TIE=ties[0], UP_LO_TIE=ties[1], UP_HI_TIE=ties[2], WRITE_DPRE=d_pre is not None,
+           ROUTE_GRAD=part is not None, num_warps=4)
