@@ -26,6 +26,12 @@ then GEMM2 on GEMM1's act rows (the table's Triton GEMM2, the cooperative Gluon 
 without ``COALESCE``, the ping-pong one), then the fused forward, no grad and saving for the
 backward, with the table's configs, with each GLUON, with the cooperative kernel's ``COALESCE``
 stores, and with GEMM2 on each Gluon kernel too, in interleaved rounds.
+
+``--dgrad2``: only GEMM2's dgrad with the gate's backward on the Gluon kernel
+(``configs["dgrad2"]["GLUON"] = 2``), taken apart: CUTLASS's g alone, then the kernel with no
+output, each output alone and both, per layout of down_proj (``dgrad2_ab``). On the H100 the
+whole kernel took 537-576 us at T = 4096 against the split default's 337-374 (GEMM and gate
+pass): this says whether its MMA loop or its epilogue holds the difference.
 """
 from __future__ import annotations
 
@@ -256,6 +262,50 @@ def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
             f"{tm.paired_ratio(times[f'{mode}, {label}'], a_us):.3f}" for label in kernels))
 
 
+def dgrad2_ab(name: str, t: int, reps: int) -> None:
+    """GEMM2's dgrad on the Gluon kernel (``configs["dgrad2"]["GLUON"] = 2``) taken apart (the
+    module docstring): CUTLASS's g alone (the split default's GEMM, whose gate pass then reads
+    g), then the Gluon kernel with no output (its MMAs and g's trip through shared memory), with
+    the partial sums of d top_k_weights alone, with d_pre alone, with both, for down_proj as
+    transformers store it ((E, H, I): W's tiles N-contiguous) and as a contiguous (E, I, H)
+    copy (K-contiguous, as GEMM2's)."""
+    from opreg.backends.triton import moe_gemm1_gluon as G1
+    from opreg.backends.triton import moe_experts_backward as B
+
+    e, h, i, k = tune.SHAPES[name]
+    args = tune.inputs(e, h, i, k, t, torch.bfloat16, "cuda")
+    ids, rw, w2 = args[1], args[2], args[5]
+    s = t * k
+    print(f"\n{name} T={t} (E {e}, H {h}, I {i}, k {k}): GEMM2's dgrad, {2 * s * h * i / 1e9:.0f} GFLOP")
+    spi, be, tables = F.routing_tables(ids, e, G1.BLOCK_M)
+    flat = tables.reshape(-1)
+    dout = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
+    a2 = F.sorted_rows(dout, rw, spi, be, tables, k, False)
+    pre = torch.randn(s, 2 * i, dtype=torch.bfloat16, device="cuda")
+    f = 2 * s * h * i
+    timed("CUTLASS g = dout @ down (the split default's GEMM)",
+          lambda: torch._grouped_mm(a2, w2, offs=tables[0]), f, reps)
+    print()
+    routing = (spi, be, flat[4 * e:], flat[4 * e - 1:4 * e], s, k, 0, 1.0, float("inf"), B.clamp_ties())
+    outs = {}
+    for layout, w_nk in (("down (E, H, I)", w2.transpose(1, 2)),
+                         ("down (E, I, H) copy", w2.transpose(1, 2).contiguous())):
+        for label, want_dpre, want_part in (("no output", False, False), ("part", False, True),
+                                            ("d_pre", True, False), ("d_pre + part", True, True)):
+            d_pre = torch.full((s, 2 * i), float("nan"), dtype=torch.bfloat16, device="cuda") if want_dpre else None
+            part = torch.full((s, i // G1.DGRAD2_BLOCK_N), float("nan"), device="cuda") if want_part else None
+            timed(f"Gluon dgrad2, {layout}, {label}",
+                  lambda d=d_pre, q=part, w=w_nk: G1.dgrad2(a2, w, pre, rw, d, q, *routing), f, reps)
+            print()
+            if want_dpre and want_part:
+                outs[layout] = (d_pre, part)
+    (d0, q0), (d1, q1) = outs.values()
+    real = slice(0, int(tables[0, -1]))
+    same = all(bool(((a == b) | (a.isnan() & b.isnan())).all()) for a, b in ((d0[real], d1[real]), (q0, q1)))
+    print(f"  the two layouts' d_pre and part: bit-identical {same}, NaN rows in d_pre "
+          f"{int(d0[real].isnan().any(1).sum())}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="*", default=list(tune.SHAPES), choices=list(tune.SHAPES))
@@ -263,13 +313,17 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--half-tail", action="store_true", help="only the HALF_TAIL A/B (the module docstring)")
     p.add_argument("--gluon", action="store_true", help="only the Gluon GEMM1 A/B (the module docstring)")
+    p.add_argument("--dgrad2", action="store_true", help="only GEMM2's dgrad on the Gluon kernel, taken apart "
+                   "(the module docstring)")
     p.add_argument("--rounds", type=int, default=9, help="with --half-tail or --gluon: interleaved rounds")
     a = p.parse_args()
     if not torch.cuda.is_available() or F.interpreting():
         p.error("needs a CUDA GPU (the interpreter's times mean nothing)")
     for name in a.configs:
         for t in (int(v) for v in a.tokens.split(",")):
-            if a.gluon:
+            if a.dgrad2:
+                dgrad2_ab(name, t, a.reps)
+            elif a.gluon:
                 gluon_ab(name, t, a.rounds, a.reps)
             elif a.half_tail:
                 half_tail(name, t, a.rounds)
