@@ -85,14 +85,14 @@ def _gluon_module() -> Any:
                          [(a, s, pp) for pp in (True, False) for a in (0, 1, 2, 3, 4, 5, 6)
                           for s in (None, "bf16", "fp32") if s is None or a in (0, 6)]
                          + [("gemm2", w, pp) for w in ("fp32 weights", None) for pp in (True, False)]
-                         + [("dgrad2", w, False) for w in ("down (E, H, I)", "down (E, I, H)")])
+                         + [("dgrad2", w, pp) for w in ("down (E, H, I)", "down (E, I, H)") for pp in (True, False)])
 def test_gluon_gemm1_compiles_for_sm90(act: int | str, save: str | None, pingpong: bool) -> None:
     """Both kernels compiled for sm90 (no GPU needed): wgmma and setmaxnreg in its PTX, shared
     memory within the H100's 232,448 bytes a block, for each gate, with the
     pre-activation saved in bf16 or fp32 and without; GEMM2 (``act`` "gemm2", both
-    kernels), its routing weights fp32 or bf16; and GEMM2's dgrad (``act`` "dgrad2", the
-    cooperative kernel), W's tiles N-contiguous (down_proj (E, H, I): four TMA boxes a tile) or
-    K-contiguous."""
+    kernels), its routing weights fp32 or bf16; and GEMM2's dgrad (``act`` "dgrad2", both
+    kernels), W's tiles N-contiguous (down_proj (E, H, I): 128-byte-wide TMA boxes, four or two
+    a tile) or K-contiguous."""
     G = pytest.importorskip("opreg.backends.triton.moe_gemm1_gluon")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -101,6 +101,8 @@ def test_gluon_gemm1_compiles_for_sm90(act: int | str, save: str | None, pingpon
     gated, dgrad = act not in ("gemm2", "dgrad2"), act == "dgrad2"
     w_mn = dgrad and save == "down (E, H, I)"
     bn = (G.PP_BLOCK_N if pingpong else G.BLOCK_N) if gated else (G.GEMM2_PP_BLOCK_N if pingpong else G.GEMM2_BLOCK_N)
+    if dgrad:
+        bn = G.DGRAD2_PP_BLOCK_N if pingpong else G.DGRAD2_BLOCK_N
     a_layout, w_layout = G._layouts(bn)
     w_box = [G.BLOCK_K, bn] if w_mn else [bn, G.BLOCK_K]
     if w_mn:
@@ -113,6 +115,8 @@ def test_gluon_gemm1_compiles_for_sm90(act: int | str, save: str | None, pingpon
            "top_k": "i32", "NI": "i32", "N1": "i32", "K": "i32", "stride_out": "i32", "stride_pre": "i32",
            "stride_part": "i32", "stride_rt": "i32", "stride_rk": "i32", "alpha": "fp32", "limit": "fp32"}
     stages = (G.PP_STAGES if pingpong else G.STAGES) if gated else (G.GEMM2_PP_STAGES if pingpong else G.GEMM2_STAGES)
+    if dgrad:
+        stages = G.DGRAD2_PP_STAGES if pingpong else G.DGRAD2_STAGES
     consts = {"STAGES": stages, "GATED": gated,
               "ACT": act if gated else 0, "HAS_LIMIT": act == 6, "SAVE_PRE": gated and save is not None,
               "PINGPONG": pingpong, "COALESCE": G.COALESCE or dgrad, "CONSUMER_REGS": G.CONSUMER_REGS,
@@ -187,8 +191,8 @@ def test_gluon_dgrad2_refuses_what_it_cannot_take() -> None:
     c2 = {"GLUON": 2, "BLOCK_M": 128}
     why = TB._gluon_dgrad2_unfit(c2, {}, x, w2, 256, True, False, False, torch.bfloat16)
     assert why is not None and "not bf16 on CUDA" in why, why
-    assert "GLUON must be 0 (off) or 2" in TB._gluon_dgrad2_unfit({**c2, "GLUON": 1}, {}, x, w2, 256, True, False,
-                                                                   False, torch.bfloat16)
+    assert "GLUON must be 0 (off), 1 (ping-pong) or 2" in TB._gluon_dgrad2_unfit({**c2, "GLUON": 3}, {}, x, w2, 256,
+                                                                                  True, False, False, torch.bfloat16)
     for given in ({"SPLIT": 1}, {"GROUPED_MM": 1}, {"HALF_TAIL": 1}, {"SUBTILE": 2}, {"PREGATHER": 0}):
         why = TB._gluon_dgrad2_unfit(c2, {**given, "GLUON": 2}, x, w2, 256, True, False, False, torch.bfloat16)
         assert why is not None and next(iter(given)) in why and "give GLUON alone" in why, why
@@ -205,6 +209,8 @@ def test_gluon_dgrad2_refuses_what_it_cannot_take() -> None:
             assert "multiples of 256" in G.unfit_dgrad2(xc, layout.to("cuda", torch.bfloat16), 384, **common)
         for layout in (w_nk, w_nk.contiguous()):  # down (E, H, I) or (E, I, H) underneath
             assert G.unfit_dgrad2(xc, layout.cuda(), 256, **common) is None
+        i384 = torch.zeros(4, 256, 384, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+        assert G.unfit_dgrad2(xc, i384, 384, **common, pingpong=True) is None  # 128-column tiles
 
 
 # GEMM2's dgrad cases: (T, k, H, I, E), make() options; I a multiple of the 256-column tile
@@ -226,10 +232,11 @@ DGRAD2_CASES = {
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("gluon2", [1, 2], ids=["pingpong", "coop"])
 @pytest.mark.parametrize("case", list(DGRAD2_CASES))
-def test_cuda_gluon_dgrad2_training(case: str) -> None:
-    """bf16 forward + backward with GEMM2's dgrad and the gate's backward on the Gluon kernel
-    (``configs["dgrad2"]["GLUON"] = 2``) and on the table's Triton kernels: each matches
+def test_cuda_gluon_dgrad2_training(case: str, gluon2: int) -> None:
+    """bf16 forward + backward with GEMM2's dgrad and the gate's backward on a Gluon kernel
+    (``configs["dgrad2"]["GLUON"]``: 1 ping-pong, 2 cooperative) and on the table's Triton kernels: each matches
     float64 (every buffer NaN-filled, sentinel slots' weights NaN), the gradients that go
     through d_pre and d top_k_weights match each other, the others are the same bits, two
     runs are bit-identical; and with only d top_k_weights, or only the others, asked for."""
@@ -240,7 +247,7 @@ def test_cuda_gluon_dgrad2_training(case: str) -> None:
     backward = {**_gemm1_config(args, 0), "wgrad": {"GROUPED_MM": 1, "GLUON": 0}, "dgrad1": {"GROUPED_MM": 0}}
 
     def configs_of(gluon: int) -> dict[str, dict[str, int]]:
-        return {**backward, "dgrad2": {"GLUON": 2} if gluon else {"GROUPED_MM": 0}}
+        return {**backward, "dgrad2": {"GLUON": gluon2} if gluon else {"GROUPED_MM": 0}}
 
     _two_paths(args, configs_of, lambda g: 2, ["hidden_states", "top_k_weights", "gate_up_proj", "gate_up_bias"],
                "dgrad2 GLUON")

@@ -31,14 +31,17 @@ row r of expert e holding pair p = t*k + j (rw = top_k_weights[t, j]):
    split default on the three configs (H200, T = 4096, thirty-second session:
    bench/RESULTS.md). Split, the op's forward + backward took 2400 / 2689 / 2792 us
    against 2564 / 2795 / 2980 fused (Mixtral / Qwen3-MoE / OLMoE, T = 4096, 2026-12-02),
-   g's extra write and read included. **On the Gluon cooperative kernel**
-   (``configs["dgrad2"]["GLUON"] = 2``, :func:`.moe_gemm1_gluon.dgrad2`; opt-in, bf16 ``pre``
-   on sm90, I a multiple of 256): g over dout's sorted copy with down_proj's tiles read as
-   stored (N-contiguous for (E, H, I)), rounded to bf16 in shared memory, and the gate's
-   backward in the same kernel's epilogue. Slower than the split default on the H100
-   (2026-12-06, ``bench/moe_launches.py``): 537 / 576 / 554 us against the split's GEMM +
-   gate pass 252 + 85 / 252 + 114 / 244 + 130 (Qwen3-MoE / OLMoE / Mixtral, T = 4096): the
-   cooperative consumers wait through an epilogue that reads ``pre`` a few rows at a time.
+   g's extra write and read included. **On the Gluon kernels**
+   (``configs["dgrad2"]["GLUON"]`` 2 cooperative, 1 ping-pong, :func:`.moe_gemm1_gluon.dgrad2`;
+   opt-in, bf16 ``pre`` on sm90, I a multiple of 256 or 128): g over dout's sorted copy with
+   down_proj's tiles read as stored (N-contiguous for (E, H, I)), rounded to bf16 in shared
+   memory, and the gate's backward in the same kernel's epilogue. The cooperative one is
+   slower than the split default on the H100 (2026-12-06, ``bench/moe_launches.py``): 537 /
+   576 / 554 us against the split's GEMM + gate pass 252 + 85 / 252 + 114 / 244 + 130
+   (Qwen3-MoE / OLMoE / Mixtral, T = 4096). Its MMA loop alone beats CUTLASS's g (H200, 189
+   against 225 us at Qwen3-MoE); its epilogue, which its consumers wait through, costs the
+   rest (``bench/moe_gemms.py --dgrad2``). The ping-pong one runs that epilogue under the
+   other consumer's MMAs (not yet run on a GPU).
 2. **d top_k_weights** (:func:`_route_grad_kernel`): each valid slot's partials summed in
    block order, plus dout[t] . down_bias[e]; 0 at a slot whose id is outside [0, E).
 3. **dgrad of GEMM1** (the forward's ``_moe_gemm``, ROUTED without the routing weight):
@@ -557,11 +560,11 @@ def gluon_wgrad_default(rows_per_expert: float, h: int, n1: int, i: int) -> int:
 def _gluon_dgrad2_unfit(c2: dict[str, Any], given: dict[str, Any], x: torch.Tensor, w2: torch.Tensor, i: int,
                         gated: bool, transposed: bool, interleaved: bool, pre_dtype: torch.dtype) -> str | None:
     """Why GEMM2's dgrad can't run on the Gluon kernel ``configs["dgrad2"]["GLUON"]`` asks for
-    (2: :func:`.moe_gemm1_gluon.dgrad2`, the cooperative kernel with the gate's backward in its
-    epilogue) here, or None. ``given``: the caller's own dgrad2 config (a flag of another
+    (:func:`.moe_gemm1_gluon.dgrad2` with the gate's backward in its epilogue: 2 the cooperative
+    kernel, 1 the ping-pong one) here, or None. ``given``: the caller's own dgrad2 config (a flag of another
     kernel there would do nothing)."""
-    if c2["GLUON"] != 2:
-        return f"GLUON must be 0 (off) or 2 (cooperative), got {c2['GLUON']!r}"
+    if c2["GLUON"] not in (1, 2):
+        return f"GLUON must be 0 (off), 1 (ping-pong) or 2 (cooperative), got {c2['GLUON']!r}"
     # its A is always dout's sorted copy, its tile and ring its own
     other = [key for key in ("SPLIT", "GROUPED_MM", "PERSISTENT", "HALF_TAIL") if given.get(key, 0)]
     other += [key for key, off in (("SUBTILE", 1), ("PREGATHER", 1)) if given.get(key, off) != off]
@@ -571,7 +574,7 @@ def _gluon_dgrad2_unfit(c2: dict[str, Any], given: dict[str, Any], x: torch.Tens
     if isinstance(module, str):
         return module
     return module.unfit_dgrad2(x, F._nk_view(w2, not transposed), i, gated=gated, interleaved=interleaved,
-                               pre_dtype=pre_dtype, block_m=c2["BLOCK_M"])
+                               pre_dtype=pre_dtype, block_m=c2["BLOCK_M"], pingpong=c2["GLUON"] == 1)
 
 
 # GEMM2's split dgrad on torch._grouped_mm by default from this many rows per expert on
@@ -675,9 +678,9 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     :func:`grouped_mm_wgrad_default`; 1 where :func:`grouped_mm_unfit` says why not raises
     ValueError), ``configs["wgrad"]["GLUON"]`` 0 / 1 / 2 those on CUTLASS or the Gluon ping-pong
     or cooperative kernel (default: :func:`gluon_wgrad_default`), ``configs["dgrad1"]["GROUPED_MM"]``
-    GEMM1's dgrad (default: :func:`grouped_mm_dgrad1_default`), ``configs["dgrad2"]["GLUON"]`` 2
-    GEMM2's dgrad and the gate's backward on the Gluon kernel (off by default; where it can't
-    run, a ValueError says why). ``fwd_spec``: :func:`F.spec_of` the op's arguments, if the
+    GEMM1's dgrad (default: :func:`grouped_mm_dgrad1_default`), ``configs["dgrad2"]["GLUON"]`` 2 / 1
+    GEMM2's dgrad and the gate's backward on the cooperative / ping-pong Gluon kernel (off by
+    default; where it can't run, a ValueError says why). ``fwd_spec``: :func:`F.spec_of` the op's arguments, if the
     caller has it."""
     x, ids, rw, w1, b1, w2, b2 = hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, \
         down_proj, down_bias
@@ -813,13 +816,14 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             # GEMM2's dgrad and the gate's backward in one Gluon kernel over dout's sorted rows
             # (_gluon_dgrad2_unfit has checked it can): one partial sum a 256-column tile
             d_pre = F._new_buffer((s, n1), x.dtype, dev) if need_dpre else None
-            nnb = i // F._gluon_gemm1().DGRAD2_BLOCK_N
+            G1, pp2 = F._gluon_gemm1(), cfg["dgrad2"]["GLUON"] == 1
+            nnb = i // (G1.DGRAD2_PP_BLOCK_N if pp2 else G1.DGRAD2_BLOCK_N)
             part = F._new_buffer((s, nnb), torch.float32, dev) if need_rw else None
             a2 = F.sorted_rows(dout, rw, sorted_pair_ids, block_expert, tables, k, False, key("dout rows"))
             ties = clamp_ties()
-            F._gluon_gemm1().dgrad2(a2, F._nk_view(w2, not transposed), saved.pre, rw, d_pre, part, sorted_pair_ids,
-                                    block_expert, tables[4], used, s, k, F.ACT_IDS[activation], alpha, limit, ties,
-                                    spec=key("dgrad2"))
+            G1.dgrad2(a2, F._nk_view(w2, not transposed), saved.pre, rw, d_pre, part, sorted_pair_ids, block_expert,
+                      tables[4], used, s, k, F.ACT_IDS[activation], alpha, limit, ties, pingpong=pp2,
+                      spec=key("dgrad2"))
         elif need_dpre or need_rw:
             c = cfg["dgrad2"]
             split = bool(c.get("SPLIT", 0))

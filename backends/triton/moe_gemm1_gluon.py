@@ -49,7 +49,7 @@ per MMA (as GEMM1's ping-pong); why the overlap repays that at two shapes and no
 others is not known yet (no profile of it).
 
 GEMM2's dgrad with the gate's backward in its epilogue runs on the cooperative kernel too
-(``DGRAD``, :func:`dgrad2`, ``configs["dgrad2"]["GLUON"] = 2``, opt-in):
+(``DGRAD``, :func:`dgrad2`, ``configs["dgrad2"]["GLUON"] = 2``, opt-in; ping-pong ``1``):
 
     d_pre[r] = gate'(pre[r], rw[p] * g[r]),  g[r] = bf16(dout[t] @ W2[e])     W2 (E, H, I)
 
@@ -60,9 +60,16 @@ split path's g), and the epilogue reads both ``pre`` halves, writes both d_pre h
 each row's partial sum of g * gate(pre) for d top_k_weights, 16 bytes a thread, a few rows at
 a time. Correct (its CUDA cases against float64 and the split path) and slower: on the H100
 (2026-12-06, ``bench/moe_launches.py``, T = 4096) 537 / 576 / 554 us against the split path's
-GEMM and gate pass together, 337 / 366 / 374 (Qwen3-MoE / OLMoE / Mixtral): the consumers wait
-through that epilogue, whose ``pre`` loads wait on the previous rows' stores (they may alias).
-Left for a kernel whose epilogue runs under MMAs (ping-pong, or ``pre`` brought in by TMA).
+GEMM and gate pass together, 337 / 366 / 374 (Qwen3-MoE / OLMoE / Mixtral). Taken apart on the
+H200 (``bench/moe_gemms.py --dgrad2``): its MMA loop alone 189 / 194 us at Qwen3-MoE / Mixtral,
+ahead of CUTLASS's g (225 / 215), the same with either layout of down_proj; the epilogue adds
+100-110 us with the partial sums alone, 210-245 with d_pre alone, 275-315 with both. The
+cooperative consumers wait through it, and its ``pre`` loads wait on the previous rows' stores
+(they may alias). Running each tile's epilogue under the next tile's first K steps instead
+(a chunk a step, loads a step ahead) ran slower still on the H100 (575 / 620 / 590 us; not
+kept). So the ping-pong kernel takes it too (``pingpong=True``, ``GLUON = 1``: a consumer's
+128 x 128 tile, 5 stages of 32 KB, the epilogue under the other consumer's MMAs; compiled for
+sm90, not yet run on a GPU).
 
 Scope: bf16 rows and weights, gated with gate and up halves concatenated (transformers'
 layout: W (E, 2I, K), K contiguous), no bias, I a multiple of the tile's 64 or 128 gate
@@ -114,6 +121,10 @@ GEMM2_PP_BLOCK_N, GEMM2_PP_STAGES = 128, 5
 # (g, both pre halves and both gradients in registers: 16 values each a thread at 8 rows; no
 # spills under CONSUMER_REGS, triton 3.6 and 3.8)
 DGRAD2_BLOCK_N, DGRAD2_STAGES = GEMM2_BLOCK_N, GEMM2_STAGES
+# ping-pong: GEMM2's ping-pong tile and ring (a consumer's 128 x 128 tile, 5 stages of 32 KB, two
+# 128 x 128 epilogue buffers: 229,664 bytes of shared memory), the epilogue under the other
+# consumer's MMAs
+DGRAD2_PP_BLOCK_N, DGRAD2_PP_STAGES = GEMM2_PP_BLOCK_N, GEMM2_PP_STAGES
 _DGRAD_ROWS = gl.constexpr(8)
 # tiles walk GROUP_M row blocks of one column block, so W's tiles come from L2 (the Triton
 # GEMM1's order)
@@ -366,16 +377,18 @@ def _coop_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, act_ptr, pre_ptr
 
 @gluon.jit
 def _pp_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, order, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
-                 shift_ptr, route_w_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, top_k, NI, K, stride_act,
-                 stride_pre, stride_rt, stride_rk, alpha, limit, GATED: gl.constexpr, ACT: gl.constexpr,
-                 HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, COALESCE: gl.constexpr, WHICH: gl.constexpr):
+                 shift_ptr, route_w_ptr, part_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, top_k, NI, K,
+                 stride_act, stride_pre, stride_part, stride_rt, stride_rk, alpha, limit, GATED: gl.constexpr,
+                 ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, COALESCE: gl.constexpr,
+                 DGRAD: gl.constexpr, W_MN: gl.constexpr, GATE_TIE: gl.constexpr, UP_LO_TIE: gl.constexpr,
+                 UP_HI_TIE: gl.constexpr, WRITE_DPRE: gl.constexpr, ROUTE_GRAD: gl.constexpr, WHICH: gl.constexpr):
     # Consumer c takes the program's tiles i = c mod 2, all 128 rows: GATED (GEMM1), two m64n64
-    # wgmma chains (gate, up) a 64-row half, on the whole of A's stage; else (GEMM2) one m64n128
-    # chain a 64-row half.
+    # wgmma chains (gate, up) a 64-row half, on the whole of A's stage; else (GEMM2, its dgrad)
+    # one m64n128 chain a 64-row half (W_MN: W's tile as loaded, N contiguous).
     STAGES: gl.constexpr = a_bufs.shape[0]
     BM: gl.constexpr = a_bufs.shape[1]
     BK: gl.constexpr = a_bufs.shape[2]
-    BN: gl.constexpr = g_bufs.shape[1]
+    BN: gl.constexpr = g_bufs.shape[2] if W_MN else g_bufs.shape[1]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
     out_layout: gl.constexpr = _out_layout(acc_layout, BN, COALESCE)
@@ -398,7 +411,10 @@ def _pp_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, order, act_ptr, pr
                 s = (g + kb) % STAGES
                 mbarrier.wait(ready.index(s), ((g + kb) // STAGES) & 1)
                 a_s = a_bufs.index(s)
-                acc_g = warpgroup_mma(a_s, g_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
+                if W_MN:
+                    acc_g = warpgroup_mma(a_s, g_bufs.index(s), acc_g, is_async=True)
+                else:
+                    acc_g = warpgroup_mma(a_s, g_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
                 if GATED:
                     acc_u = warpgroup_mma(a_s, u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
                     acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
@@ -415,7 +431,12 @@ def _pp_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, order, act_ptr, pr
                 acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
             if ksteps > 0:
                 mbarrier.arrive(empty.index((g + ksteps - 1) % STAGES))
-            if GATED:
+            if DGRAD:  # under the other consumer's MMAs
+                _dgrad_epilogue(acc_g, o_buf, pid_m * BM, pid_n, expert, act_ptr, pre_ptr, part_ptr, pair_ids_ptr,
+                                shift_ptr, route_w_ptr, num_pairs, top_k, NI, stride_act, stride_pre, stride_part,
+                                stride_rt, stride_rk, alpha, limit, ACT, HAS_LIMIT, GATE_TIE, UP_LO_TIE, UP_HI_TIE,
+                                WRITE_DPRE, ROUTE_GRAD)
+            elif GATED:
                 _epilogue(acc_g, acc_u, o_buf, pid_m * BM + rows, pid_n * BN + cols, expert, act_ptr, pre_ptr,
                           pair_ids_ptr, shift_ptr, num_pairs, NI, stride_act, stride_pre, alpha, limit, ACT,
                           HAS_LIMIT, SAVE_PRE, COALESCE)
@@ -435,8 +456,8 @@ def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr
     """GATED: GEMM1 and its gate into ``out`` = act's sorted rows (NI = I columns, W's N1 = 2I
     rows an expert); else GEMM2: ``out`` = the pairs' rows, scaled by their
     routing weights (NI = N1 = H). ``route_w_ptr``, ``top_k`` and their strides are GEMM2's;
-    ``pre_ptr``, ``alpha``, ``limit`` and the gate's constexprs GEMM1's. DGRAD (cooperative,
-    COALESCE): GEMM2's dgrad, g = A @ W (A = dout's sorted rows (S, H), NI = N1 = I columns,
+    ``pre_ptr``, ``alpha``, ``limit`` and the gate's constexprs GEMM1's. DGRAD (COALESCE):
+    GEMM2's dgrad, g = A @ W (A = dout's sorted rows (S, H), NI = N1 = I columns,
     K = H; W_MN: W (E * H, I) tiles [BK, BN], else (E * I, H) ones [BN, BK]) with the gate's
     backward in its epilogue (:func:`_dgrad_epilogue`): ``out`` = d_pre (sorted rows, 2I), ``pre``
     the saved pre-activation, ``part`` the partial sums of d top_k_weights."""
@@ -445,7 +466,7 @@ def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr
     # the tile's (gate and up) columns; W_MN: W's tile is [BK, BN], N contiguous
     BN: gl.constexpr = w_desc.block_type.shape[1] if W_MN else w_desc.block_type.shape[0]
     gl.static_assert(w_desc.block_type.shape[0 if W_MN else 1] == BK)
-    gl.static_assert(not DGRAD or (COALESCE and not PINGPONG and not GATED))
+    gl.static_assert(not DGRAD or (COALESCE and not GATED))
     gl.static_assert(DGRAD or not W_MN)
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
@@ -486,13 +507,15 @@ def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr
     if PINGPONG:
         gl.warp_specialize([
             (_pp_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(0), ready, empty, order, out_ptr, pre_ptr,
-                            pair_ids_ptr, block_expert_ptr, shift_ptr, route_w_ptr, pid, nprog, n_local, used_m,
-                            tiles_n, num_pairs, top_k, NI, K, stride_out, stride_pre, stride_rt, stride_rk, alpha,
-                            limit, GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 0)),
+                            pair_ids_ptr, block_expert_ptr, shift_ptr, route_w_ptr, part_ptr, pid, nprog, n_local,
+                            used_m, tiles_n, num_pairs, top_k, NI, K, stride_out, stride_pre, stride_part, stride_rt,
+                            stride_rk, alpha, limit, GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, DGRAD, W_MN,
+                            GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE, ROUTE_GRAD, 0)),
             (_pp_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(1), ready, empty, order, out_ptr, pre_ptr,
-                            pair_ids_ptr, block_expert_ptr, shift_ptr, route_w_ptr, pid, nprog, n_local, used_m,
-                            tiles_n, num_pairs, top_k, NI, K, stride_out, stride_pre, stride_rt, stride_rk, alpha,
-                            limit, GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, 1)),
+                            pair_ids_ptr, block_expert_ptr, shift_ptr, route_w_ptr, part_ptr, pid, nprog, n_local,
+                            used_m, tiles_n, num_pairs, top_k, NI, K, stride_out, stride_pre, stride_part, stride_rt,
+                            stride_rk, alpha, limit, GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, DGRAD, W_MN,
+                            GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE, ROUTE_GRAD, 1)),
             (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid,
                        nprog, n_local, used_m, tiles_n, NI, N1, K, GATED, W_MN)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -654,10 +677,11 @@ def gemm2(a: torch.Tensor, w_nk: torch.Tensor, out: torch.Tensor, route_w: torch
 
 
 def unfit_dgrad2(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, gated: bool, interleaved: bool,
-                 pre_dtype: torch.dtype, block_m: int) -> str | None:
+                 pre_dtype: torch.dtype, block_m: int, pingpong: bool = False) -> str | None:
     """Why :func:`dgrad2` can't take dout's sorted rows (of the token rows ``x``'s dtype and
     device, H columns: a fresh contiguous buffer) and the down projection seen as (E, I, H)
-    ``w_nk`` (either layout: (E, H, I) or (E, I, H) contiguous underneath), or None."""
+    ``w_nk`` (either layout: (E, H, I) or (E, I, H) contiguous underneath), or None.
+    ``pingpong``: which kernel."""
     if not gated or interleaved:
         return "the Gluon dgrad2 needs a gated weight with gate and up halves concatenated"
     if pre_dtype != torch.bfloat16:
@@ -669,16 +693,19 @@ def unfit_dgrad2(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, gated: bool, in
     h = x.shape[1]
     if tuple(w_nk.shape[1:]) != (i, h):
         return f"down_proj seen as (E, I, H) has shape {tuple(w_nk.shape)}, not (E, {i}, {h})"
-    if i % DGRAD2_BLOCK_N or h % BLOCK_K or not (i and h):
-        return f"I = {i} and H = {h} must be positive multiples of {DGRAD2_BLOCK_N} and {BLOCK_K}"
+    bn = DGRAD2_PP_BLOCK_N if pingpong else DGRAD2_BLOCK_N
+    if i % bn or h % BLOCK_K or not (i and h):
+        return f"I = {i} and H = {h} must be positive multiples of {bn} and {BLOCK_K}"
     return _not_sm90(x)
 
 
 def dgrad2(a: torch.Tensor, w_nk: torch.Tensor, pre: torch.Tensor, route_w: torch.Tensor, d_pre: torch.Tensor | None,
            part: torch.Tensor | None, sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, shift: torch.Tensor,
            used: torch.Tensor, num_pairs: int, top_k: int, act_id: int, alpha: float, limit: float,
-           ties: tuple[bool, bool, bool], programs: int | None = None, spec: object = None) -> None:
-    """GEMM2's dgrad with the gate's backward in its epilogue, on the cooperative kernel: for
+           ties: tuple[bool, bool, bool], programs: int | None = None, pingpong: bool = False,
+           spec: object = None) -> None:
+    """GEMM2's dgrad with the gate's backward in its epilogue, on the cooperative kernel (or
+    the ping-pong one: ``pingpong``; the partial sums then one a 128-column tile): for
     each pair p at sorted row r of expert e, g = A[r] @ W[e]^T with ``a`` dout's sorted rows (S,
     H) and ``w_nk`` the down projection seen as (E, I, H), rounded to bf16; then ``d_pre`` (S,
     2I) from ``route_w``'s weight times g and the saved bf16 ``pre`` (S, 2I) (gate and up
@@ -687,9 +714,10 @@ def dgrad2(a: torch.Tensor, w_nk: torch.Tensor, pre: torch.Tensor, route_w: torc
     adds them). ``d_pre`` or ``part`` None: not computed. The routing as :func:`gemm1`'s;
     ``ties``: :func:`.moe_experts_backward.clamp_ties`. The caller checks :func:`unfit_dgrad2`
     first."""
-    w_mn = w_nk.stride(2) != 1  # down_proj (E, H, I): its tiles [64, 256], I contiguous
+    w_mn = w_nk.stride(2) != 1  # down_proj (E, H, I): its tiles [64, 256] (or 128), I contiguous
     i = w_nk.shape[1]
-    a_desc, w_desc, grid = _operands(a, w_nk, block_expert, i, DGRAD2_BLOCK_N, programs, w_mn)
+    a_desc, w_desc, grid = _operands(a, w_nk, block_expert, i, DGRAD2_PP_BLOCK_N if pingpong else DGRAD2_BLOCK_N,
+                                     programs, w_mn)
     has_limit = math.isfinite(limit)
     out = d_pre if d_pre is not None else pre  # a valid pointer, never written without WRITE_DPRE
     q = part if part is not None else route_w  # likewise without ROUTE_GRAD
@@ -698,8 +726,10 @@ def dgrad2(a: torch.Tensor, w_nk: torch.Tensor, pre: torch.Tensor, route_w: torc
     launch(gemm_kernel, grid, a_desc, w_desc, out, pre, sorted_pair_ids, block_expert, shift, used, route_w, q,
            num_pairs, top_k, i, i, a.shape[1], out.stride(0), pre.stride(0), q.stride(0), route_w.stride(0),
            route_w.stride(1), float(alpha), float(limit) if has_limit else 0.0,
-           spec_key=None if spec is None else (spec, "gluon dgrad2", w_mn, d_pre is not None, part is not None),
-           STAGES=DGRAD2_STAGES, GATED=False, ACT=act_id, HAS_LIMIT=has_limit, SAVE_PRE=False, PINGPONG=False,
+           spec_key=None if spec is None else (spec, "gluon dgrad2", pingpong, w_mn, d_pre is not None,
+                                               part is not None),
+           STAGES=DGRAD2_PP_STAGES if pingpong else DGRAD2_STAGES, GATED=False, ACT=act_id, HAS_LIMIT=has_limit,
+           SAVE_PRE=False, PINGPONG=pingpong,
            COALESCE=True, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, DGRAD=True, W_MN=w_mn,
            GATE_TIE=ties[0], UP_LO_TIE=ties[1], UP_HI_TIE=ties[2], WRITE_DPRE=d_pre is not None,
            ROUTE_GRAD=part is not None, num_warps=4)
