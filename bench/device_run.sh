@@ -68,7 +68,9 @@
 #                                          (tests/test_moe_gemm1_gluon.py), then its A/B against the table's
 #                                          Triton GEMM1 (bench/moe_gemms.py --gluon) on GLUON1_CONFIGS at
 #                                          TOKENS_GLUON1 (default 4096); <= 8 min; GLUON1_STEP=1: also the
-#                                          training step with it (moe_launches.py --variant; a call of its own)
+#                                          training step with it (moe_launches.py --variant; a call of its own);
+#                                          GLUON1_DGRAD2=1: GEMM2's dgrad on them taken apart (moe_gemms.py
+#                                          --dgrad2; GLUON1_TEST_S=1 GLUON1_AB_S=1 to run it alone)
 #   STAGE=ab bash bench/device_run.sh      one command timed against two versions of one source:
 #                                          AB_CMD (bash; it may write "$AB_JSON") with AB_FILE as the tree
 #                                          has it (A), then with AB_ALT built in its place (B; a file in the
@@ -328,16 +330,23 @@ if [ "$STAGE" = gluon1 ]; then
     --tokens "${TOKENS_GLUON1:-4096}" --rounds ${GLUON1_ROUNDS:-7} > "$OUT/gluon1_ab.log" 2>&1
   echo "A/B rc $?"; grep -vE "[Ww]arn" "$OUT/gluon1_ab.log" | tail -45
   # GLUON1_STEP=1 (a call of its own: ~2-3 min): the training step with GEMM1 on it (the default's
-  # kernel, given), and with GEMM2 on each Gluon kernel too, beside the table's configs given the
-  # same way (moe_launches.py --variant: keys over the table's), 5 rounds, then each kernel
+  # kernel, given), with GEMM2 on the cooperative Gluon kernel too, and with GEMM2's dgrad on the
+  # ping-pong one, beside the table's configs given the same way (moe_launches.py --variant: keys
+  # over the table's), 5 rounds, then each kernel
   if [ "${GLUON1_STEP:-0}" = 1 ]; then
     (cd bench && timeout ${GLUON1_STEP_S:-240} python3 moe_launches.py --configs ${GLUON1_CONFIGS:-qwen3_moe olmoe mixtral} \
       --tokens "${TOKENS_GLUON1:-4096}" --rounds 5 \
       --variant 'gluon_coop={"gemm1": {"GLUON": 2, "BLOCK_M": 128, "HALF_TAIL": 0, "PERSISTENT": 0}}' \
       --variant 'gemm2_coop={"gemm1": {"GLUON": 2, "BLOCK_M": 128, "HALF_TAIL": 0, "PERSISTENT": 0}, "gemm2": {"GLUON": 2, "HALF_TAIL": 0, "PERSISTENT": 0}}' \
-      --variant 'gemm2_pp={"gemm1": {"GLUON": 2, "BLOCK_M": 128, "HALF_TAIL": 0, "PERSISTENT": 0}, "gemm2": {"GLUON": 1, "HALF_TAIL": 0, "PERSISTENT": 0}}' \
+      --variant 'dgrad2_pp={"gemm1": {"GLUON": 2, "BLOCK_M": 128, "HALF_TAIL": 0, "PERSISTENT": 0}, "dgrad2": {"GLUON": 1}}' \
       > "$OUT/gluon1_step.log" 2>&1)
-    echo "step rc $?"; grep -E "T=[0-9]+ |rounds;|gluon_coop:|gemm2_coop:|gemm2_pp:|table's configs, given:" "$OUT/gluon1_step.log"
+    echo "step rc $?"; grep -E "T=[0-9]+ |rounds;|gluon_coop:|gemm2_coop:|dgrad2_pp:|table's configs, given:" "$OUT/gluon1_step.log"
+  fi
+  # GLUON1_DGRAD2=1: GEMM2's dgrad on the Gluon kernels taken apart (moe_gemms.py --dgrad2, ~1 min)
+  if [ "${GLUON1_DGRAD2:-0}" = 1 ]; then
+    timeout ${GLUON1_DGRAD2_S:-150} python3 bench/moe_gemms.py --dgrad2 --configs ${GLUON1_CONFIGS:-qwen3_moe olmoe mixtral} \
+      --tokens "${TOKENS_GLUON1:-4096}" --reps 20 > "$OUT/gluon1_dgrad2.log" 2>&1
+    echo "dgrad2 rc $?"; grep -vE "[Ww]arn" "$OUT/gluon1_dgrad2.log" | grep -E "T=|us|bit-identical"
   fi
 fi
 

@@ -27,9 +27,10 @@ without ``COALESCE``, the ping-pong one), then the fused forward, no grad and sa
 backward, with the table's configs, with each GLUON, with the cooperative kernel's ``COALESCE``
 stores, and with GEMM2 on each Gluon kernel too, in interleaved rounds.
 
-``--dgrad2``: only GEMM2's dgrad with the gate's backward on the Gluon kernel
-(``configs["dgrad2"]["GLUON"] = 2``), taken apart: CUTLASS's g alone, then the kernel with no
-output, each output alone and both, per layout of down_proj (``dgrad2_ab``). On the H100 the
+``--dgrad2``: only GEMM2's dgrad with the gate's backward on the Gluon kernels
+(``configs["dgrad2"]["GLUON"]`` 2 cooperative, 1 ping-pong), taken apart: CUTLASS's g alone, then
+each kernel with no output, each output alone and both (the cooperative one per layout of
+down_proj) (``dgrad2_ab``). On the H100 the
 whole kernel took 537-576 us at T = 4096 against the split default's 337-374 (GEMM and gate
 pass): this says whether its MMA loop or its epilogue holds the difference.
 """
@@ -263,12 +264,12 @@ def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
 
 
 def dgrad2_ab(name: str, t: int, reps: int) -> None:
-    """GEMM2's dgrad on the Gluon kernel (``configs["dgrad2"]["GLUON"] = 2``) taken apart (the
+    """GEMM2's dgrad on the Gluon kernels (``configs["dgrad2"]["GLUON"]``) taken apart (the
     module docstring): CUTLASS's g alone (the split default's GEMM, whose gate pass then reads
-    g), then the Gluon kernel with no output (its MMAs and g's trip through shared memory), with
-    the partial sums of d top_k_weights alone, with d_pre alone, with both, for down_proj as
-    transformers store it ((E, H, I): W's tiles N-contiguous) and as a contiguous (E, I, H)
-    copy (K-contiguous, as GEMM2's)."""
+    g), then each Gluon kernel with no output (its MMAs and g's trip through shared memory), with
+    the partial sums of d top_k_weights alone, with d_pre alone, with both: the cooperative one
+    for down_proj as transformers store it ((E, H, I): W's tiles N-contiguous) and as a
+    contiguous (E, I, H) copy (K-contiguous, as GEMM2's), the ping-pong one for the first."""
     from opreg.backends.triton import moe_gemm1_gluon as G1
     from opreg.backends.triton import moe_experts_backward as B
 
@@ -288,22 +289,28 @@ def dgrad2_ab(name: str, t: int, reps: int) -> None:
     print()
     routing = (spi, be, flat[4 * e:], flat[4 * e - 1:4 * e], s, k, 0, 1.0, float("inf"), B.clamp_ties())
     outs = {}
-    for layout, w_nk in (("down (E, H, I)", w2.transpose(1, 2)),
-                         ("down (E, I, H) copy", w2.transpose(1, 2).contiguous())):
+    for kernel, pp, layout, w_nk in (("coop", False, "down (E, H, I)", w2.transpose(1, 2)),
+                                     ("coop", False, "down (E, I, H) copy", w2.transpose(1, 2).contiguous()),
+                                     ("pingpong", True, "down (E, H, I)", w2.transpose(1, 2))):
+        bn = G1.DGRAD2_PP_BLOCK_N if pp else G1.DGRAD2_BLOCK_N
         for label, want_dpre, want_part in (("no output", False, False), ("part", False, True),
                                             ("d_pre", True, False), ("d_pre + part", True, True)):
             d_pre = torch.full((s, 2 * i), float("nan"), dtype=torch.bfloat16, device="cuda") if want_dpre else None
-            part = torch.full((s, i // G1.DGRAD2_BLOCK_N), float("nan"), device="cuda") if want_part else None
-            timed(f"Gluon dgrad2, {layout}, {label}",
-                  lambda d=d_pre, q=part, w=w_nk: G1.dgrad2(a2, w, pre, rw, d, q, *routing), f, reps)
+            part = torch.full((s, i // bn), float("nan"), device="cuda") if want_part else None
+            timed(f"Gluon dgrad2 {kernel}, {layout}, {label}",
+                  lambda d=d_pre, q=part, w=w_nk, pp=pp: G1.dgrad2(a2, w, pre, rw, d, q, *routing, pingpong=pp), f,
+                  reps)
             print()
             if want_dpre and want_part:
-                outs[layout] = (d_pre, part)
-    (d0, q0), (d1, q1) = outs.values()
+                outs[kernel, layout] = (d_pre, part)
     real = slice(0, int(tables[0, -1]))
-    same = all(bool(((a == b) | (a.isnan() & b.isnan())).all()) for a, b in ((d0[real], d1[real]), (q0, q1)))
-    print(f"  the two layouts' d_pre and part: bit-identical {same}, NaN rows in d_pre "
-          f"{int(d0[real].isnan().any(1).sum())}")
+    d0, q0 = outs["coop", "down (E, H, I)"]
+    for key, (d1, q1) in outs.items():
+        same = all(bool(((a == b) | (a.isnan() & b.isnan())).all()) for a, b in ((d0[real], d1[real]),))
+        # the partial sums: one a 256-column tile (coop) or a 128-column one (ping-pong), added in order
+        sums = (q1[:, 0::2] + q1[:, 1::2]) if q1.shape[1] != q0.shape[1] else q1
+        print(f"  {key}: d_pre bit-identical to coop's {same}, NaN rows {int(d1[real].isnan().any(1).sum())}; "
+              f"partial sums' max |diff| {float((sums.sum(1) - q0.sum(1)).abs().max()):.3g}")
 
 
 def main() -> None:
