@@ -203,6 +203,17 @@ def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
             ref = base[save is not None]  # Triton's act in the same save mode
             print(f"   max |diff| vs Triton {float((act[real].float() - ref[real].float()).abs().max()):.3g}, "
                   f"NaN rows {int(act[real].isnan().any(1).sum())}")
+    # the cooperative kernel gathering the token rows itself (PREGATHER 0): no sorted copy, whose
+    # own time is the next row
+    act = torch.full((s, i), float("nan"), dtype=x.dtype, device="cuda")
+    timed("gemm1 Gluon coop, COALESCE, gathered (no sorted copy)",
+          lambda: G1.gemm1(x, w1, act, None, spi, be, flat[4 * e:], flat[4 * e - 1:4 * e], s, i, 0, coalesce=True,
+                           gather=True, top_k=k), f1, reps)
+    print(f"   max |diff| vs Triton {float((act[real].float() - base[False][real].float()).abs().max()):.3g}, "
+          f"NaN rows {int(act[real].isnan().any(1).sum())}")
+    timed("the rows' sorted copy (PREGATHER's, which the gathered kernel saves)",
+          lambda: F.sorted_rows(x, rw, spi, be, tables, k, False), 0.0, reps)
+    print()
     timed("torch._grouped_mm gemm1 (no gate)", lambda: torch._grouped_mm(xs, w1.transpose(1, 2), offs=tables[0]),
           f1, reps)
     print()
@@ -235,6 +246,10 @@ def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
                            "gemm2": g2}
     variants["coop+coalesce"] = variants["coop"]
     kernels["coop+coalesce"] = 2
+    # GEMM1 on the cooperative kernel gathering its rows (no grad: the saving forward here keeps
+    # the rows' sorted copy for the backward, so it pregathers)
+    variants["gathered+coalesce"] = {"gemm1": {**variants["coop"]["gemm1"], "PREGATHER": 0}, "gemm2": g2}
+    kernels["gathered+coalesce"] = 2
     # and GEMM2 on a Gluon kernel too (GEMM1 on the cooperative one): cooperative, ping-pong
     for label, gluon2 in (("both+coalesce", 2), ("gemm2 pp+coalesce", 1)):
         variants[label] = {"gemm1": variants["coop"]["gemm1"],

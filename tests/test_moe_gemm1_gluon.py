@@ -85,7 +85,8 @@ def _gluon_module() -> Any:
                          [(a, s, pp) for pp in (True, False) for a in (0, 1, 2, 3, 4, 5, 6)
                           for s in (None, "bf16", "fp32") if s is None or a in (0, 6)]
                          + [("gemm2", w, pp) for w in ("fp32 weights", None) for pp in (True, False)]
-                         + [("dgrad2", w, pp) for w in ("down (E, H, I)", "down (E, I, H)") for pp in (True, False)])
+                         + [("dgrad2", w, pp) for w in ("down (E, H, I)", "down (E, I, H)") for pp in (True, False)]
+                         + [(a, f"gathered{', bf16' * (a == 0)}", False) for a in (0, 2)])
 def test_gluon_gemm1_compiles_for_sm90(act: int | str, save: str | None, pingpong: bool) -> None:
     """Both kernels compiled for sm90 (no GPU needed): wgmma and setmaxnreg in its PTX, shared
     memory within the H100's 232,448 bytes a block, for each gate, with the
@@ -99,6 +100,9 @@ def test_gluon_gemm1_compiles_for_sm90(act: int | str, save: str | None, pingpon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     gated, dgrad = act not in ("gemm2", "dgrad2"), act == "dgrad2"
+    gather = isinstance(save, str) and save.startswith("gathered")  # GEMM1's rows through the pair ids
+    if gather:
+        save = "bf16" if save.endswith("bf16") else None
     w_mn = dgrad and save == "down (E, H, I)"
     bn = (G.PP_BLOCK_N if pingpong else G.BLOCK_N) if gated else (G.GEMM2_PP_BLOCK_N if pingpong else G.GEMM2_BLOCK_N)
     if dgrad:
@@ -111,24 +115,30 @@ def test_gluon_gemm1_compiles_for_sm90(act: int | str, save: str | None, pingpon
            "w_desc": f"tensordesc<bf16[{w_box[0]}, {w_box[1]}],{w_layout!r}>",
            "out_ptr": "*bf16", "pre_ptr": f"*{save if gated and save else 'bf16'}", "pair_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "shift_ptr": "*i32", "used_ptr": "*i32",
-           "route_w_ptr": "*fp32" if save == "fp32 weights" else "*bf16", "part_ptr": "*fp32", "num_pairs": "i32",
-           "top_k": "i32", "NI": "i32", "N1": "i32", "K": "i32", "stride_out": "i32", "stride_pre": "i32",
-           "stride_part": "i32", "stride_rt": "i32", "stride_rk": "i32", "alpha": "fp32", "limit": "fp32"}
+           "route_w_ptr": "*fp32" if save == "fp32 weights" else "*bf16", "part_ptr": "*fp32", "x_ptr": "*bf16",
+           "num_pairs": "i32", "top_k": "i32", "NI": "i32", "N1": "i32", "K": "i32", "stride_out": "i32",
+           "stride_pre": "i32", "stride_part": "i32", "stride_rt": "i32", "stride_rk": "i32", "stride_x": "i32",
+           "alpha": "fp32", "limit": "fp32"}
     stages = (G.PP_STAGES if pingpong else G.STAGES) if gated else (G.GEMM2_PP_STAGES if pingpong else G.GEMM2_STAGES)
     if dgrad:
         stages = G.DGRAD2_PP_STAGES if pingpong else G.DGRAD2_STAGES
     consts = {"STAGES": stages, "GATED": gated,
               "ACT": act if gated else 0, "HAS_LIMIT": act == 6, "SAVE_PRE": gated and save is not None,
               "PINGPONG": pingpong, "COALESCE": G.COALESCE or dgrad, "CONSUMER_REGS": G.CONSUMER_REGS,
-              "LOADER_REGS": G.LOADER_REGS, "DGRAD": dgrad, "W_MN": w_mn, "GATE_TIE": False, "UP_LO_TIE": False,
-              "UP_HI_TIE": False, "WRITE_DPRE": dgrad, "ROUTE_GRAD": dgrad}
+              "LOADER_REGS": G.GATHER_LOADER_REGS if gather else G.LOADER_REGS, "DGRAD": dgrad, "W_MN": w_mn,
+              "GATE_TIE": False, "UP_LO_TIE": False, "UP_HI_TIE": False, "WRITE_DPRE": dgrad, "ROUTE_GRAD": dgrad,
+              "GATHER": gather}
     sig.update({name: "constexpr" for name in consts})
+    # the pointers and K, the rows' stride: 16-aligned, as launches specialise them (K % 64 == 0)
     src = GluonASTSource(G.gemm_kernel, signature=sig, constexprs=consts,
-                         attrs={(j,): [["tt.divisibility", 16]] for j in (2, 3, 4, 5, 6, 7, 8, 9)})
+                         attrs={(j,): [["tt.divisibility", 16]] for j in (2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 21)})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = kernel.asm["ptx"]
     assert "wgmma" in ptx and "setmaxnreg" in ptx
     assert kernel.metadata.shared <= 232448, kernel.metadata.shared
+    if gather:  # A's rows by cp.async, their arrival on the ready barrier, a proxy fence before the wgmmas
+        assert "cp.async.cg" in ptx or "cp.async.ca" in ptx
+        assert "cp.async.mbarrier.arrive" in ptx and "fence.proxy.async" in ptx
     if w_mn:  # the [64, 256] tile of W as four 128-byte-wide TMA boxes, B read N-major (tnspB = 1)
         assert kernel.metadata.tensordesc_meta[1]["block_size"] == [G.BLOCK_K, 64]
         assert all(line.rstrip(";").endswith("1, 1, 0, 1") for line in ptx.splitlines() if "wgmma.mma_async" in line)
@@ -148,6 +158,10 @@ def test_gluon_gemm1_refuses_what_it_cannot_take() -> None:
     half["gemm1"]["HALF_TAIL"] = 1
     with pytest.raises(ValueError, match="HALF_TAIL"):
         TM.fused_experts_forward(*args, configs=half)
+    gather_pp = _gemm1_config(args, 1)
+    gather_pp["gemm1"]["PREGATHER"] = 0
+    with pytest.raises(ValueError, match="only the cooperative Gluon GEMM1 gathers"):
+        TM.fused_experts_forward(*args, configs=gather_pp)
     both = _gemm1_config(args, 1)
     both["gemm1"]["GROUPED_MM"] = 1
     with pytest.raises(ValueError, match="GROUPED_MM"):
@@ -170,6 +184,7 @@ def test_gluon_gemm1_refuses_what_it_cannot_take() -> None:
     assert "bias" in G.unfit(x, w, 128, **{**common, "has_bias": True})
     assert "BLOCK_M" in G.unfit(x, w, 128, **{**common, "block_m": 64})
     assert "CUDA" in G.unfit(x, w, 128, **common)
+    assert "contiguous" in G.unfit(torch.cat([x, x], 1)[:, ::2], w, 128, **common, gather=True)
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
         xc, w192 = x.cuda(), torch.zeros(4, 384, 128, dtype=torch.bfloat16, device="cuda")
         assert G.unfit(xc, w192, 192, **common, pingpong=True) is None
@@ -295,6 +310,42 @@ def test_cuda_gluon_gemm1_forward(gate: str, shape: str, gluon: int, coalesce: b
     assert_matches(got, triton_path.double(), torch.bfloat16)
     assert torch.equal(got, again), "two runs differ"
     _replays(args, _gemm1_config(args, gluon))
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("save", [False, True], ids=["no grad", "saving pre"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("gate", ["silu", "gelu_tanh", "gpt_oss", "clamped silu"])
+def test_cuda_gluon_gemm1_gathered(gate: str, shape: str, save: bool) -> None:
+    """bf16: the cooperative Gluon GEMM1 reading the token rows through the pair ids
+    (``PREGATHER = 0``: cp.async, no sorted copy) against float64 and against the same kernel
+    on the sorted copy (the same bits: the same rows, tiles and order), the pre-activation
+    saved or not; NaN-filled buffers, sentinel slots with NaN weights and a negative id, the
+    same bits twice, a CUDA graph replayed on new values."""
+    _gluon_module()
+    args, ref_args = _forward_special(make(*SHAPES[shape], torch.bfloat16, "cuda", **{**GATES[gate], "sentinels": 3}),
+                                     "nan")
+    want = M.reference(*tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                              for a in ref_args))
+    gathered = _gemm1_config(args, 2)
+    gathered["gemm1"]["PREGATHER"] = 0
+    old = TM._new_buffer
+    TM._new_buffer = _nan_buffer
+    try:
+        got = TM.fused_experts_forward(*args, configs=gathered, save=save)
+        again = TM.fused_experts_forward(*args, configs=gathered, save=save)
+        sorted_copy = TM.fused_experts_forward(*args, configs=_gemm1_config(args, 2), save=save)
+    finally:
+        TM._new_buffer = old
+    if save:
+        (got, saved), (again, _), (sorted_copy, saved_copy) = got, again, sorted_copy
+        assert saved.pre is not None and torch.equal(saved.pre[:saved_copy.pre.shape[0]], saved_copy.pre)
+    assert_matches(got, want, torch.bfloat16)
+    assert torch.equal(got, sorted_copy), "gathered rows give other bits than the sorted copy"
+    assert torch.equal(got, again), "two runs differ"
+    if not save:
+        _replays(args, gathered)
 
 
 @pytest.mark.cuda

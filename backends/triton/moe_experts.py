@@ -1782,7 +1782,8 @@ def _gluon_gemm1_unfit(c1: dict[str, int], x: torch.Tensor, w1: torch.Tensor, bi
     if pre_dt is not None and pre_dt not in (torch.bfloat16, torch.float32):
         return f"the saved pre-activation's dtype {pre_dt} is neither bf16 nor fp32"
     return module.unfit(x, _nk_view(w1, transposed), i, gated=gated, interleaved=interleaved,
-                        has_bias=bias is not None, block_m=c1["BLOCK_M"], pingpong=c1["GLUON"] == 1)
+                        has_bias=bias is not None, block_m=c1["BLOCK_M"], pingpong=c1["GLUON"] == 1,
+                        gather=not c1.get("PREGATHER", 1))
 
 
 def _gluon_gemm2_unfit(c1: dict[str, int], c2: dict[str, int], x: torch.Tensor, w2: torch.Tensor,
@@ -1865,7 +1866,8 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
             if picked[0].get("GROUPED_MM", 0):
                 raise ValueError("fused_experts_forward: configs['gemm1'] asks for GEMM1 on both the Gluon kernel "
                                  "(GLUON) and torch._grouped_mm (GROUPED_MM): give one")
-            picked = ({**picked[0], "PREGATHER": 1},) + picked[1:]
+            # PREGATHER 0: the cooperative kernel gathers the rows on its load (no sorted copy)
+            picked = ({"PREGATHER": 1, **picked[0]},) + picked[1:]
             if (why := _gluon_gemm1_unfit(picked[0], x, w1, gate_up_bias, i, gated, transposed, interleaved,
                                           pre_dt)) is not None:
                 raise ValueError(f"fused_experts_forward: configs['gemm1']['GLUON'] = {picked[0]['GLUON']!r}, "
@@ -1911,7 +1913,8 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         elif c1.get("GLUON", 0):
             _gluon_gemm1().gemm1(a1, _nk_view(w1, transposed), act, pre, sorted_pair_ids, block_expert,
                                  routing["shift"], routing["used"], s, i, ACT_IDS[activation], alpha, limit,
-                                 pingpong=c1["GLUON"] == 1, spec=spec and (spec, "gemm1"))
+                                 pingpong=c1["GLUON"] == 1, gather=not pregather, top_k=k,
+                                 spec=spec and (spec, "gemm1"))
         else:
             launch_gemm(c1, a=a1, w_nk=_nk_view(w1, transposed), bias=gate_up_bias, out=act, pre=pre,
                         n=i, k=h, gather=not pregather, routed=False, gated=gated, interleaved=interleaved,

@@ -26,6 +26,15 @@ consumers take them in one of two ways (as the weight gradients' kernels,
   loader fills the next tile's stages under this tile's epilogue, but the tensor cores wait
   for it; 4 stages of 48 KB.
 
+The cooperative kernel can also read the token rows themselves (``gemm1(gather=True)``,
+``GATHER``; ``configs["gemm1"]["PREGATHER"] = 0`` with ``GLUON = 2``): its loader warp
+(:func:`_gather_loader`) copies each stage's 128 rows from x through the tile's pair ids with
+cp.async, 16 bytes a lane, and counts their arrival on the stage's barrier beside W's TMA bytes,
+so the sorted copy of the rows (``sorted_rows``: a write of S x K, 8 x the tokens' rows at
+Qwen3-MoE's and OLMoE's k = 8) is never made: what the issue asked of GEMM1, for the no-grad
+forward (the training forward keeps the copy for the weight gradients). Compiled for sm90 (no
+spills, the loader at 96 registers), not yet run on a GPU; not a default.
+
 GEMM2 runs on the same kernels (``gemm_kernel`` with ``GATED`` off, :func:`gemm2`,
 ``configs["gemm2"]["GLUON"]`` 2 cooperative, 1 ping-pong):
 
@@ -88,6 +97,7 @@ import math
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -132,6 +142,9 @@ GROUP_M = gl.constexpr(8)
 # registers a thread: the loader warp 40, the second consumer 216 (Triton raises the default
 # partition, the first consumer, to 256: 4 x 32 x (256 + 216) + 32 x 40 <= 65,536)
 CONSUMER_REGS, LOADER_REGS = 216, 40
+# the gathering loader (_gather_loader) holds its tile's 128 token ids and a round's 32 x 64
+# pointers: 96 registers (4 x 32 x (256 + 216) + 32 x 96 = 63,488 <= 65,536)
+GATHER_LOADER_REGS = 96
 # the epilogue's bf16 tiles stored through a shared buffer, 16 bytes a thread (:func:`_epilogue`),
 # not from the accumulators' layout (2 columns a thread: a warp's 4-byte stores touch 8 rows).
 # H100, T = 4096, the cooperative kernel (bench/moe_gemms.py --gluon, 2026-12-06): GEMM1 saving
@@ -308,13 +321,67 @@ def _loader(a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_p
 
 
 @gluon.jit
+def _gather_loader(x_ptr, stride_x, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, pair_ids_ptr, block_expert_ptr,
+                   num_pairs, top_k, pid, nprog, n_local, used_m, tiles_n, NI, N1, K):
+    """GEMM1's loader with A gathered (GATHER): each stage's 128 rows read from the token rows
+    ``x`` (T, K) through the tile's pair ids (token = pair // top_k; row 0 for a padding row,
+    whose output is never stored) with cp.async, 32 rows a round, 16 bytes a lane, their
+    arrival on the stage's ready barrier counted (cp.async.mbarrier.arrive, before the TMA's
+    expect-arrive, so the phase can't complete without them); W's gate and up tiles through
+    TMA, as :func:`_loader`'s. No sorted copy of the rows is made."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BM: gl.constexpr = a_bufs.shape[1]
+    BK: gl.constexpr = a_bufs.shape[2]
+    BN: gl.constexpr = g_bufs.shape[1]
+    R: gl.constexpr = 32
+    gl.static_assert(BM == 4 * R)
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [1, 1], [1, 0])
+    cols = gl.expand_dims(gl.arange(0, BK, layout=gl.SliceLayout(0, layout)), 0)
+    rr = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+    nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes
+    g = 0  # k-steps issued over all of this program's tiles
+    for i in range(n_local):
+        pid_m, pid_n, expert = _tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, GROUP_M)
+        wrow = expert * N1 + pid_n * BN
+        # the tile's token rows, a round of 32 rows each (int32: kept, the pointers made per round)
+        r0 = pid_m * BM + rr
+        q0 = gl.load(pair_ids_ptr + r0)
+        q1 = gl.load(pair_ids_ptr + r0 + R)
+        q2 = gl.load(pair_ids_ptr + r0 + 2 * R)
+        q3 = gl.load(pair_ids_ptr + r0 + 3 * R)
+        t0 = gl.where(q0 < num_pairs, q0 // top_k, 0)
+        t1 = gl.where(q1 < num_pairs, q1 // top_k, 0)
+        t2 = gl.where(q2 < num_pairs, q2 // top_k, 0)
+        t3 = gl.where(q3 < num_pairs, q3 // top_k, 0)
+        for kb in range(K // BK):
+            s = g % STAGES
+            # a fresh mbarrier counts as having completed the phase before phase 0
+            mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
+            buf = a_bufs.index(s)
+            base = x_ptr + kb * BK + cols
+            async_copy.async_copy_global_to_shared(buf.slice(0, R, dim=0),
+                                                   base + gl.expand_dims(t0.to(gl.int64) * stride_x, 1))
+            async_copy.async_copy_global_to_shared(buf.slice(R, R, dim=0),
+                                                   base + gl.expand_dims(t1.to(gl.int64) * stride_x, 1))
+            async_copy.async_copy_global_to_shared(buf.slice(2 * R, R, dim=0),
+                                                   base + gl.expand_dims(t2.to(gl.int64) * stride_x, 1))
+            async_copy.async_copy_global_to_shared(buf.slice(3 * R, R, dim=0),
+                                                   base + gl.expand_dims(t3.to(gl.int64) * stride_x, 1))
+            async_copy.mbarrier_arrive(ready.index(s))
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(w_desc, [wrow, kb * BK], ready.index(s), g_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [wrow + NI, kb * BK], ready.index(s), u_bufs.index(s))
+            g += 1
+
+
+@gluon.jit
 def _coop_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
                    shift_ptr, route_w_ptr, part_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, top_k, NI, K,
                    stride_act, stride_pre, stride_part, stride_rt, stride_rk, alpha, limit, GATED: gl.constexpr,
                    ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, COALESCE: gl.constexpr,
                    DGRAD: gl.constexpr, W_MN: gl.constexpr, GATE_TIE: gl.constexpr, UP_LO_TIE: gl.constexpr,
                    UP_HI_TIE: gl.constexpr, WRITE_DPRE: gl.constexpr, ROUTE_GRAD: gl.constexpr,
-                   WHICH: gl.constexpr):
+                   GATHER: gl.constexpr, WHICH: gl.constexpr):
     # Consumer c takes rows [64 c, 64 c + 64) of each tile: GATED (GEMM1), two m64n128 wgmma
     # chains on its slice of A's stage, against the gate and the up tiles of W (K-major:
     # permuted views); else (GEMM2, its dgrad) one m64n256 chain against W's one tile (W_MN:
@@ -339,6 +406,8 @@ def _coop_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, act_ptr, pre_ptr
         for kb in range(ksteps):
             s = g % STAGES
             mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+            if GATHER:  # A came by cp.async (the generic proxy); the wgmmas read it through the async one
+                fence_async_shared()
             a_s = a_bufs.index(s).slice(WHICH * HM, HM, dim=0)
             if W_MN:
                 acc_g = warpgroup_mma(a_s, g_bufs.index(s), acc_g, is_async=True)
@@ -447,12 +516,13 @@ def _pp_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, order, act_ptr, pr
 
 @gluon.jit
 def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr, used_ptr, route_w_ptr,
-                part_ptr, num_pairs, top_k, NI, N1, K, stride_out, stride_pre, stride_part, stride_rt, stride_rk, alpha,
-                limit, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                SAVE_PRE: gl.constexpr, PINGPONG: gl.constexpr, COALESCE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                LOADER_REGS: gl.constexpr, DGRAD: gl.constexpr = False, W_MN: gl.constexpr = False,
-                GATE_TIE: gl.constexpr = False, UP_LO_TIE: gl.constexpr = False, UP_HI_TIE: gl.constexpr = False,
-                WRITE_DPRE: gl.constexpr = False, ROUTE_GRAD: gl.constexpr = False):
+                part_ptr, x_ptr, num_pairs, top_k, NI, N1, K, stride_out, stride_pre, stride_part, stride_rt, stride_rk,
+                stride_x, alpha, limit, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
+                HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, PINGPONG: gl.constexpr, COALESCE: gl.constexpr,
+                CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, DGRAD: gl.constexpr = False,
+                W_MN: gl.constexpr = False, GATE_TIE: gl.constexpr = False, UP_LO_TIE: gl.constexpr = False,
+                UP_HI_TIE: gl.constexpr = False, WRITE_DPRE: gl.constexpr = False, ROUTE_GRAD: gl.constexpr = False,
+                GATHER: gl.constexpr = False):
     """GATED: GEMM1 and its gate into ``out`` = act's sorted rows (NI = I columns, W's N1 = 2I
     rows an expert); else GEMM2: ``out`` = the pairs' rows, scaled by their
     routing weights (NI = N1 = H). ``route_w_ptr``, ``top_k`` and their strides are GEMM2's;
@@ -460,7 +530,10 @@ def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr
     GEMM2's dgrad, g = A @ W (A = dout's sorted rows (S, H), NI = N1 = I columns,
     K = H; W_MN: W (E * H, I) tiles [BK, BN], else (E * I, H) ones [BN, BK]) with the gate's
     backward in its epilogue (:func:`_dgrad_epilogue`): ``out`` = d_pre (sorted rows, 2I), ``pre``
-    the saved pre-activation, ``part`` the partial sums of d top_k_weights."""
+    the saved pre-activation, ``part`` the partial sums of d top_k_weights. GATHER (GEMM1,
+    cooperative): A's rows gathered from the token rows ``x_ptr`` (T, K; row stride ``stride_x``)
+    through the pair ids (:func:`_gather_loader`; ``top_k`` then GEMM1's too), ``a_desc`` only
+    its box and layout."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     # the tile's (gate and up) columns; W_MN: W's tile is [BK, BN], N contiguous
@@ -468,6 +541,7 @@ def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr
     gl.static_assert(w_desc.block_type.shape[0 if W_MN else 1] == BK)
     gl.static_assert(not DGRAD or (COALESCE and not GATED))
     gl.static_assert(DGRAD or not W_MN)
+    gl.static_assert(not GATHER or (GATED and not PINGPONG))
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     g_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, w_desc.block_type.shape[0], w_desc.block_type.shape[1]],
@@ -519,18 +593,33 @@ def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr
             (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid,
                        nprog, n_local, used_m, tiles_n, NI, N1, K, GATED, W_MN)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    elif GATHER:
+        gl.warp_specialize([
+            (_coop_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(0), ready, empty, out_ptr, pre_ptr, pair_ids_ptr,
+                              block_expert_ptr, shift_ptr, route_w_ptr, part_ptr, pid, nprog, n_local, used_m,
+                              tiles_n, num_pairs, top_k, NI, K, stride_out, stride_pre, stride_part, stride_rt,
+                              stride_rk, alpha, limit, GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, DGRAD, W_MN,
+                              GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE, ROUTE_GRAD, GATHER, 0)),
+            (_coop_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(1), ready, empty, out_ptr, pre_ptr, pair_ids_ptr,
+                              block_expert_ptr, shift_ptr, route_w_ptr, part_ptr, pid, nprog, n_local, used_m,
+                              tiles_n, num_pairs, top_k, NI, K, stride_out, stride_pre, stride_part, stride_rt,
+                              stride_rk, alpha, limit, GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, DGRAD, W_MN,
+                              GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE, ROUTE_GRAD, GATHER, 1)),
+            (_gather_loader, (x_ptr, stride_x, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, pair_ids_ptr,
+                              block_expert_ptr, num_pairs, top_k, pid, nprog, n_local, used_m, tiles_n, NI, N1, K)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_coop_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(0), ready, empty, out_ptr, pre_ptr, pair_ids_ptr,
                               block_expert_ptr, shift_ptr, route_w_ptr, part_ptr, pid, nprog, n_local, used_m,
                               tiles_n, num_pairs, top_k, NI, K, stride_out, stride_pre, stride_part, stride_rt,
                               stride_rk, alpha, limit, GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, DGRAD, W_MN,
-                              GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE, ROUTE_GRAD, 0)),
+                              GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE, ROUTE_GRAD, GATHER, 0)),
             (_coop_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(1), ready, empty, out_ptr, pre_ptr, pair_ids_ptr,
                               block_expert_ptr, shift_ptr, route_w_ptr, part_ptr, pid, nprog, n_local, used_m,
                               tiles_n, num_pairs, top_k, NI, K, stride_out, stride_pre, stride_part, stride_rt,
                               stride_rk, alpha, limit, GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, DGRAD, W_MN,
-                              GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE, ROUTE_GRAD, 1)),
+                              GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE, ROUTE_GRAD, GATHER, 1)),
             (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid,
                        nprog, n_local, used_m, tiles_n, NI, N1, K, GATED, W_MN)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -573,10 +662,15 @@ def _not_sm90(x: torch.Tensor) -> str | None:
 
 
 def unfit(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, gated: bool, interleaved: bool, has_bias: bool,
-          block_m: int, pingpong: bool = False) -> str | None:
+          block_m: int, pingpong: bool = False, gather: bool = False) -> str | None:
     """Why :func:`gemm1` can't take the token rows ``x`` (T, K) (their sorted copy, a fresh
-    contiguous buffer, is its A) and the weight seen as (E, N1, K) ``w_nk`` (I = ``i`` output
-    columns), or None. ``block_m``: the routing's block; ``pingpong``: which kernel."""
+    contiguous buffer, is its A; ``gather``: x itself) and the weight seen as (E, N1, K) ``w_nk``
+    (I = ``i`` output columns), or None. ``block_m``: the routing's block; ``pingpong``: which
+    kernel."""
+    if gather and pingpong:
+        return "only the cooperative Gluon GEMM1 gathers its rows (PREGATHER = 0)"
+    if gather and (x.dim() != 2 or not x.is_contiguous() or x.data_ptr() % 16):
+        return "hidden_states must be contiguous and 16-byte aligned to be gathered (PREGATHER = 0)"
     if not gated or interleaved:
         return "the Gluon GEMM1 needs a gated weight with gate and up halves concatenated"
     why = _unfit_common("GEMM1", x, w_nk, "gate_up_proj", "(E, 2I, K)", "gate_up", has_bias, block_m)
@@ -614,27 +708,30 @@ def gemm1(a: torch.Tensor, w_nk: torch.Tensor, act: torch.Tensor, pre: torch.Ten
           sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, shift: torch.Tensor, used: torch.Tensor,
           num_pairs: int, i: int, act_id: int, alpha: float = 1.0, limit: float = math.inf,
           programs: int | None = None, pingpong: bool = False, coalesce: bool | None = None,
-          spec: object = None) -> None:
+          gather: bool = False, top_k: int = 1, spec: object = None) -> None:
     """GEMM1 with the gate into ``act`` (S, I) (and the pre-activation into ``pre`` (S, 2I)
     where given), over the routing's padded pair list (``sorted_pair_ids``, ``block_expert``,
     ``shift``: sorted row = padded row + shift[e], ``used``: a 1-element view of its last
-    padded end); ``pre`` bf16 or fp32. The caller checks :func:`unfit` first (with the same
-    ``pingpong``: the ping-pong kernel, else the cooperative one). ``programs``: how many
-    persistent programs (default one per SM). ``coalesce``: the epilogue's bf16 tiles stored 16
-    bytes a thread (default :data:`COALESCE`). ``spec``: a key that determines every argument's
-    metadata."""
+    padded end); ``pre`` bf16 or fp32. ``a``: the rows' sorted copy (S, K), or with ``gather``
+    (the cooperative kernel) the token rows themselves (T, K, contiguous), read through the
+    pair ids (token = pair // ``top_k``). The caller checks :func:`unfit` first (with the same
+    ``pingpong`` and ``gather``: the ping-pong kernel, else the cooperative one). ``programs``:
+    how many persistent programs (default one per SM). ``coalesce``: the epilogue's bf16 tiles
+    stored 16 bytes a thread (default :data:`COALESCE`). ``spec``: a key that determines every
+    argument's metadata."""
     coalesce = COALESCE if coalesce is None else coalesce
     a_desc, w_desc, grid = _operands(a, w_nk, block_expert, i, PP_BLOCK_N if pingpong else BLOCK_N, programs)
     has_limit = math.isfinite(limit)
     p = pre if pre is not None else act  # a valid pointer, never written
-    # act: GEMM2's routing weights' and the dgrad's partial sums' pointer (never read here)
-    launch(gemm_kernel, grid, a_desc, w_desc, act, p, sorted_pair_ids, block_expert, shift, used, act, act,
-           num_pairs, 1, i, w_nk.shape[1], a.shape[1], act.stride(0), p.stride(0), 0, 0, 0, float(alpha),
-           float(limit) if has_limit else 0.0,
-           spec_key=None if spec is None else (spec, "gluon gemm1", pingpong, coalesce),
+    # act: GEMM2's routing weights' and the dgrad's partial sums' pointer (never read here); the
+    # token rows' pointer and top_k read only where gathered (else 1 and 0, as before GATHER)
+    launch(gemm_kernel, grid, a_desc, w_desc, act, p, sorted_pair_ids, block_expert, shift, used, act, act, a,
+           num_pairs, top_k if gather else 1, i, w_nk.shape[1], a.shape[1], act.stride(0), p.stride(0), 0, 0, 0,
+           a.stride(0) if gather else 0, float(alpha), float(limit) if has_limit else 0.0,
+           spec_key=None if spec is None else (spec, "gluon gemm1", pingpong, coalesce, gather),
            STAGES=PP_STAGES if pingpong else STAGES, GATED=True, ACT=act_id, HAS_LIMIT=has_limit,
            SAVE_PRE=pre is not None, PINGPONG=pingpong, COALESCE=coalesce, CONSUMER_REGS=CONSUMER_REGS,
-           LOADER_REGS=LOADER_REGS, num_warps=4)
+           LOADER_REGS=GATHER_LOADER_REGS if gather else LOADER_REGS, GATHER=gather, num_warps=4)
 
 
 def unfit2(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, has_bias: bool, block_m: int,
@@ -668,9 +765,9 @@ def gemm2(a: torch.Tensor, w_nk: torch.Tensor, out: torch.Tensor, route_w: torch
     a_desc, w_desc, grid = _operands(a, w_nk, block_expert, h, GEMM2_PP_BLOCK_N if pingpong else GEMM2_BLOCK_N,
                                      programs)
     # out: GEMM1's pre-activation pointer and the dgrad's partial sums' (never read here)
-    launch(gemm_kernel, grid, a_desc, w_desc, out, out, sorted_pair_ids, block_expert, shift, used, route_w, out,
+    launch(gemm_kernel, grid, a_desc, w_desc, out, out, sorted_pair_ids, block_expert, shift, used, route_w, out, a,
            num_pairs, top_k, h, h, a.shape[1], out.stride(0), out.stride(0), 0, route_w.stride(0), route_w.stride(1),
-           1.0, 0.0, spec_key=None if spec is None else (spec, "gluon gemm2", pingpong, coalesce),
+           a.stride(0), 1.0, 0.0, spec_key=None if spec is None else (spec, "gluon gemm2", pingpong, coalesce),
            STAGES=GEMM2_PP_STAGES if pingpong else GEMM2_STAGES, GATED=False, ACT=0, HAS_LIMIT=False,
            SAVE_PRE=False, PINGPONG=pingpong, COALESCE=coalesce, CONSUMER_REGS=CONSUMER_REGS,
            LOADER_REGS=LOADER_REGS, num_warps=4)
@@ -723,9 +820,9 @@ def dgrad2(a: torch.Tensor, w_nk: torch.Tensor, pre: torch.Tensor, route_w: torc
     q = part if part is not None else route_w  # likewise without ROUTE_GRAD
     if part is not None and part.stride(1) != 1:
         raise ValueError("dgrad2: part's columns must be contiguous")
-    launch(gemm_kernel, grid, a_desc, w_desc, out, pre, sorted_pair_ids, block_expert, shift, used, route_w, q,
+    launch(gemm_kernel, grid, a_desc, w_desc, out, pre, sorted_pair_ids, block_expert, shift, used, route_w, q, a,
            num_pairs, top_k, i, i, a.shape[1], out.stride(0), pre.stride(0), q.stride(0), route_w.stride(0),
-           route_w.stride(1), float(alpha), float(limit) if has_limit else 0.0,
+           route_w.stride(1), a.stride(0), float(alpha), float(limit) if has_limit else 0.0,
            spec_key=None if spec is None else (spec, "gluon dgrad2", pingpong, w_mn, d_pre is not None,
                                                part is not None),
            STAGES=DGRAD2_PP_STAGES if pingpong else DGRAD2_STAGES, GATED=False, ACT=act_id, HAS_LIMIT=has_limit,
