@@ -561,8 +561,8 @@ def _gluon_dgrad2_unfit(c2: dict[str, Any], given: dict[str, Any], x: torch.Tens
                         gated: bool, transposed: bool, interleaved: bool, pre_dtype: torch.dtype) -> str | None:
     """Why GEMM2's dgrad can't run on the Gluon kernel ``configs["dgrad2"]["GLUON"]`` asks for
     (:func:`.moe_gemm1_gluon.dgrad2` with the gate's backward in its epilogue: 2 the cooperative
-    kernel, 1 the ping-pong one) here, or None. ``given``: the caller's own dgrad2 config (a flag of another
-    kernel there would do nothing)."""
+    kernel, 1 the ping-pong one) here, or None. ``given``: the caller's own dgrad2 config (a
+    flag of another kernel there would do nothing)."""
     if c2["GLUON"] not in (1, 2):
         return f"GLUON must be 0 (off), 1 (ping-pong) or 2 (cooperative), got {c2['GLUON']!r}"
     # its A is always dout's sorted copy, its tile and ring its own
@@ -680,8 +680,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     or cooperative kernel (default: :func:`gluon_wgrad_default`), ``configs["dgrad1"]["GROUPED_MM"]``
     GEMM1's dgrad (default: :func:`grouped_mm_dgrad1_default`), ``configs["dgrad2"]["GLUON"]`` 2 / 1
     GEMM2's dgrad and the gate's backward on the cooperative / ping-pong Gluon kernel (off by
-    default; where it can't run, a ValueError says why). ``fwd_spec``: :func:`F.spec_of` the op's arguments, if the
-    caller has it."""
+    default; where it can't run, a ValueError says why). ``fwd_spec``: :func:`F.spec_of` the op's
+    arguments, if the caller has it."""
     x, ids, rw, w1, b1, w2, b2 = hidden_states, top_k_index, top_k_weights, gate_up_proj, gate_up_bias, \
         down_proj, down_bias
     inputs = (x, rw, w1, b1, w2, b2)
@@ -814,7 +814,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     with F._device_ctx(x):
         if (need_dpre or need_rw) and cfg["dgrad2"].get("GLUON", 0):
             # GEMM2's dgrad and the gate's backward in one Gluon kernel over dout's sorted rows
-            # (_gluon_dgrad2_unfit has checked it can): one partial sum a 256-column tile
+            # (_gluon_dgrad2_unfit has checked it can): one partial sum a column tile (256 wide
+            # on the cooperative kernel, 128 on the ping-pong one)
             d_pre = F._new_buffer((s, n1), x.dtype, dev) if need_dpre else None
             G1, pp2 = F._gluon_gemm1(), cfg["dgrad2"]["GLUON"] == 1
             nnb = i // (G1.DGRAD2_PP_BLOCK_N if pp2 else G1.DGRAD2_BLOCK_N)
