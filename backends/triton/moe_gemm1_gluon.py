@@ -291,7 +291,19 @@ def _dgrad_epilogue(acc, buf, row0, pid_n, expert, dpre_ptr, pre_ptr, part_ptr, 
 
 @gluon.jit
 def _loader(a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid, nprog,
-            n_local, used_m, tiles_n, NI, N1, K, GATED: gl.constexpr, W_MN: gl.constexpr):
+            n_local, used_m, tiles_n, NI, N1, K, GATED: gl.constexpr, W_MN: gl.constexpr, GATHER: gl.constexpr,
+            x_ptr, stride_x, pair_ids_ptr, num_pairs, top_k):
+    if GATHER:  # A's rows from the token rows themselves (GEMM1, cooperative)
+        _gather_loader(x_ptr, stride_x, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, pair_ids_ptr,
+                       block_expert_ptr, num_pairs, top_k, pid, nprog, n_local, used_m, tiles_n, NI, N1, K)
+    else:
+        _tma_loader(a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid, nprog,
+                    n_local, used_m, tiles_n, NI, N1, K, GATED, W_MN)
+
+
+@gluon.jit
+def _tma_loader(a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid, nprog,
+                n_local, used_m, tiles_n, NI, N1, K, GATED: gl.constexpr, W_MN: gl.constexpr):
     STAGES: gl.constexpr = a_bufs.shape[0]
     BM: gl.constexpr = a_bufs.shape[1]
     BK: gl.constexpr = a_bufs.shape[2]
@@ -591,22 +603,8 @@ def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr
                             stride_rk, alpha, limit, GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, DGRAD, W_MN,
                             GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE, ROUTE_GRAD, 1)),
             (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid,
-                       nprog, n_local, used_m, tiles_n, NI, N1, K, GATED, W_MN)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-    elif GATHER:
-        gl.warp_specialize([
-            (_coop_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(0), ready, empty, out_ptr, pre_ptr, pair_ids_ptr,
-                              block_expert_ptr, shift_ptr, route_w_ptr, part_ptr, pid, nprog, n_local, used_m,
-                              tiles_n, num_pairs, top_k, NI, K, stride_out, stride_pre, stride_part, stride_rt,
-                              stride_rk, alpha, limit, GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, DGRAD, W_MN,
-                              GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE, ROUTE_GRAD, GATHER, 0)),
-            (_coop_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(1), ready, empty, out_ptr, pre_ptr, pair_ids_ptr,
-                              block_expert_ptr, shift_ptr, route_w_ptr, part_ptr, pid, nprog, n_local, used_m,
-                              tiles_n, num_pairs, top_k, NI, K, stride_out, stride_pre, stride_part, stride_rt,
-                              stride_rk, alpha, limit, GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, DGRAD, W_MN,
-                              GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE, ROUTE_GRAD, GATHER, 1)),
-            (_gather_loader, (x_ptr, stride_x, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, pair_ids_ptr,
-                              block_expert_ptr, num_pairs, top_k, pid, nprog, n_local, used_m, tiles_n, NI, N1, K)),
+                       nprog, n_local, used_m, tiles_n, NI, N1, K, GATED, W_MN, GATHER, x_ptr, stride_x,
+                       pair_ids_ptr, num_pairs, top_k)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
@@ -621,7 +619,8 @@ def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr
                               stride_rk, alpha, limit, GATED, ACT, HAS_LIMIT, SAVE_PRE, COALESCE, DGRAD, W_MN,
                               GATE_TIE, UP_LO_TIE, UP_HI_TIE, WRITE_DPRE, ROUTE_GRAD, GATHER, 1)),
             (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid,
-                       nprog, n_local, used_m, tiles_n, NI, N1, K, GATED, W_MN)),
+                       nprog, n_local, used_m, tiles_n, NI, N1, K, GATED, W_MN, GATHER, x_ptr, stride_x,
+                       pair_ids_ptr, num_pairs, top_k)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
