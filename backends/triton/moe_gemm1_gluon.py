@@ -387,6 +387,17 @@ def _gather_loader(x_ptr, stride_x, w_desc, a_bufs, g_bufs, u_bufs, ready, empty
 
 
 @gluon.jit
+def _b_operand(w_bufs, s, W_MN: gl.constexpr):
+    """W's stage ``s`` as the wgmmas' B operand [BK, BN]: as loaded where N is contiguous
+    (W_MN), else the K-major tile's transposed view."""
+    if W_MN:
+        b = w_bufs.index(s)
+    else:
+        b = w_bufs.index(s).permute((1, 0))
+    return b
+
+
+@gluon.jit
 def _coop_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, act_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr,
                    shift_ptr, route_w_ptr, part_ptr, pid, nprog, n_local, used_m, tiles_n, num_pairs, top_k, NI, K,
                    stride_act, stride_pre, stride_part, stride_rt, stride_rk, alpha, limit, GATED: gl.constexpr,
@@ -421,10 +432,7 @@ def _coop_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, act_ptr, pre_ptr
             if GATHER:  # A came by cp.async (the generic proxy); the wgmmas read it through the async one
                 fence_async_shared()
             a_s = a_bufs.index(s).slice(WHICH * HM, HM, dim=0)
-            if W_MN:
-                acc_g = warpgroup_mma(a_s, g_bufs.index(s), acc_g, is_async=True)
-            else:
-                acc_g = warpgroup_mma(a_s, g_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
+            acc_g = warpgroup_mma(a_s, _b_operand(g_bufs, s, W_MN), acc_g, is_async=True)
             # keep this step's MMAs in flight; the previous step's are done: its stage goes back
             if GATED:
                 acc_u = warpgroup_mma(a_s, u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
@@ -492,10 +500,7 @@ def _pp_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, order, act_ptr, pr
                 s = (g + kb) % STAGES
                 mbarrier.wait(ready.index(s), ((g + kb) // STAGES) & 1)
                 a_s = a_bufs.index(s)
-                if W_MN:
-                    acc_g = warpgroup_mma(a_s, g_bufs.index(s), acc_g, is_async=True)
-                else:
-                    acc_g = warpgroup_mma(a_s, g_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
+                acc_g = warpgroup_mma(a_s, _b_operand(g_bufs, s, W_MN), acc_g, is_async=True)
                 if GATED:
                     acc_u = warpgroup_mma(a_s, u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
                     acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
