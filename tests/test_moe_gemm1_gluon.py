@@ -1,7 +1,7 @@
 """moe_experts' GEMM1 on the Gluon kernels (backends/triton/moe_gemm1_gluon.py), asked for with
-``configs["gemm1"]["GLUON"]``: 1 ping-pong, 2 cooperative; and GEMM2 on the cooperative one
-(``configs["gemm2"]["GLUON"] = 2``), and GEMM2's dgrad with the gate's backward in its epilogue
-(``configs["dgrad2"]["GLUON"] = 2``).
+``configs["gemm1"]["GLUON"]``: 1 ping-pong, 2 cooperative (``PREGATHER`` 0: the cooperative one
+gathering the token rows itself); GEMM2 on them (``configs["gemm2"]["GLUON"]``), and GEMM2's
+dgrad with the gate's backward in their epilogue (``configs["dgrad2"]["GLUON"]``).
 
 Gluon has no interpreter: on the CPU the kernel is compiled for sm90 (every gate, with and
 without the saved pre-activation) and the wrapper's refusals are checked; on an sm90 GPU it runs
