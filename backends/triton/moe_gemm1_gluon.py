@@ -129,7 +129,7 @@ GEMM2_PP_BLOCK_N, GEMM2_PP_STAGES = 128, 5
 # GEMM2's dgrad (DGRAD): GEMM2's cooperative tile and ring (128 x 256, 3 stages of 48 KB, W's tile
 # [64, 256] where N is contiguous); its epilogue walks a consumer's 64 rows this many at a time
 # (g, both pre halves and both gradients in registers: 16 values each a thread at 8 rows; no
-# spills under CONSUMER_REGS, triton 3.6 and 3.8)
+# spills under CONSUMER_REGS, triton 3.6 for sm90)
 DGRAD2_BLOCK_N, DGRAD2_STAGES = GEMM2_BLOCK_N, GEMM2_STAGES
 # ping-pong: GEMM2's ping-pong tile and ring (a consumer's 128 x 128 tile, 5 stages of 32 KB, two
 # 128 x 128 epilogue buffers: 229,664 bytes of shared memory), the epilogue under the other
