@@ -125,7 +125,8 @@ def test_gluon_gemm1_compiles_for_sm90(act: int | str, save: str | None, pingpon
     consts = {"STAGES": stages, "GATED": gated,
               "ACT": act if gated else 0, "HAS_LIMIT": act == 6, "SAVE_PRE": gated and save is not None,
               "PINGPONG": pingpong, "COALESCE": G.COALESCE or dgrad, "CONSUMER_REGS": G.CONSUMER_REGS,
-              "LOADER_REGS": G.GATHER_LOADER_REGS if gather else G.LOADER_REGS, "DGRAD": dgrad, "W_MN": w_mn,
+              "LOADER_REGS": G.GATHER_LOADER_REGS if gather else G.LOADER_REGS,
+              "LOADER_WARPS": G.GATHER_LOADER_WARPS if gather else 1, "DGRAD": dgrad, "W_MN": w_mn,
               "GATE_TIE": False, "UP_LO_TIE": False, "UP_HI_TIE": False, "WRITE_DPRE": dgrad, "ROUTE_GRAD": dgrad,
               "GATHER": gather}
     sig.update({name: "constexpr" for name in consts})
@@ -340,7 +341,10 @@ def test_cuda_gluon_gemm1_gathered(gate: str, shape: str, save: bool) -> None:
         TM._new_buffer = old
     if save:
         (got, saved), (again, _), (sorted_copy, saved_copy) = got, again, sorted_copy
-        assert saved.pre is not None and torch.equal(saved.pre[:saved_copy.pre.shape[0]], saved_copy.pre)
+        # bit for bit, the NaN-filled rows no pair writes too (torch.equal takes NaN != NaN)
+        bits = {2: torch.int16, 4: torch.int32}[saved_copy.pre.element_size()]
+        assert saved.pre is not None and torch.equal(saved.pre[:saved_copy.pre.shape[0]].view(bits),
+                                                     saved_copy.pre.view(bits))
     assert_matches(got, want, torch.bfloat16)
     assert torch.equal(got, sorted_copy), "gathered rows give other bits than the sorted copy"
     assert torch.equal(got, again), "two runs differ"
@@ -425,32 +429,55 @@ def test_describe_configs_names_gemm1s_kernel() -> None:
         assert line.startswith(f"GEMM1 on {kernel}") and "'BLOCK_N': 64" in line and "BLOCK_H" in line, line
 
 
+def test_gluon_gemm2_default_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GEMM2's default asks for the ping-pong kernel where GEMM1's asks for Gluon, on a CUDA
+    device named in GLUON_GEMM2_DEVICES only (the device's name read, not its kernels run)."""
+    rows = TM.GLUON_GEMM1_MIN_ROWS
+    monkeypatch.setattr(TM, "_device_name", lambda index: "NVIDIA H200")
+    cuda = torch.device("cuda", 0)
+    assert TM.gluon_gemm2_default(rows, cuda) == 1
+    assert TM.gluon_gemm2_default(rows - 1, cuda) == 0
+    assert TM.gluon_gemm2_default(rows, torch.device("cpu")) == 0
+    monkeypatch.setattr(TM, "_device_name", lambda index: "NVIDIA H100 80GB HBM3")
+    assert TM.gluon_gemm2_default(rows, cuda) == 0
+
+
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("gemm2_device", [False, True], ids=["GEMM2 on Triton", "GEMM2's device"])
 @pytest.mark.parametrize("save", [False, True], ids=["no grad", "training forward"])
-def test_cuda_gluon_gemm1_default(save: bool, monkeypatch: pytest.MonkeyPatch,
+def test_cuda_gluon_gemm1_default(save: bool, gemm2_device: bool, monkeypatch: pytest.MonkeyPatch,
                                   caplog: pytest.LogCaptureFixture) -> None:
     """On sm90 the op's forward with no configs, saving for the backward or not, runs GEMM1 on
     the cooperative kernel from GLUON_GEMM1_MIN_ROWS rows per expert on (and the Triton GEMM1
-    below), matching float64 and the Triton GEMM1's forward, every buffer NaN-filled; the
-    ``opreg`` logger says which at DEBUG."""
+    below), and GEMM2 beside it on the ping-pong kernel where the device is one of
+    GLUON_GEMM2_DEVICES (``gemm2_device``: every device's name matches ""), matching float64
+    and the Triton GEMMs' forward, every buffer NaN-filled; the ``opreg`` logger says which at
+    DEBUG."""
     caplog.set_level("DEBUG", logger="opreg")
     G = _gluon_module()
     calls: list[bool] = []
-    real = G.gemm1
+    calls2: list[bool] = []
+    real, real2 = G.gemm1, G.gemm2
     monkeypatch.setattr(G, "gemm1", lambda *a, **kw: (calls.append(kw.get("pingpong", False)), real(*a, **kw))[1])
+    monkeypatch.setattr(G, "gemm2", lambda *a, **kw: (calls2.append(kw.get("pingpong", False)), real2(*a, **kw))[1])
     monkeypatch.setattr(TM, "_new_buffer", _nan_buffer)
+    monkeypatch.setattr(TM, "GLUON_GEMM2_DEVICES", ("",) if gemm2_device else ("no such device",))
+    monkeypatch.setattr(TM, "_CONFIGS", {})  # picked afresh under this rule
     rows = TM.GLUON_GEMM1_MIN_ROWS
     for t, on in ((2 * rows + 40, True), (2 * rows - 80, False)):  # 4 of 8 experts' rows a token
         args = make(t, 4, 256, 256, 8, torch.bfloat16, "cuda")
         want = M.reference(*tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                                   for a in args))
         calls.clear()
+        calls2.clear()
         got = TM.fused_experts_forward(*args, save=save)
         got = got[0] if save else got
         assert calls == ([False] if on else []), (t, calls)
+        assert calls2 == ([True] if on and gemm2_device else []), (t, calls2)
         said = [r.getMessage() for r in caplog.records if "moe_experts/triton forward, T %d," % t in r.getMessage()]
         assert len(said) == 1 and ("GEMM1 on Gluon cooperative" in said[0]) == on, said
+        assert ("GEMM2 on Gluon ping-pong" in said[0]) == (on and gemm2_device), said
         assert_matches(got, want, torch.bfloat16)
         triton_path = TM.fused_experts_forward(*args, configs=_gemm1_config(args, 0))
         assert_matches(got, triton_path.double(), torch.bfloat16)

@@ -1759,6 +1759,40 @@ def gluon_gemm1_default(rows_per_expert: float) -> int:
     return 2 if rows_per_expert >= GLUON_GEMM1_MIN_ROWS else 0
 
 
+# GEMM2 runs on the ping-pong Gluon kernel by default beside GEMM1's Gluon default on the devices
+# whose name holds one of these (gluon_gemm2_default says why)
+GLUON_GEMM2_DEVICES = ("H200",)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def gluon_gemm2_default(rows_per_expert: float, device: torch.device) -> int:
+    """``configs["gemm2"]["GLUON"]`` by default: 1 (GEMM2 on the ping-pong Gluon kernel of
+    :mod:`.moe_gemm1_gluon`, where :func:`_gluon_gemm2_unfit` allows it) where GEMM1 takes its
+    Gluon default (:func:`gluon_gemm1_default`) on a device named in
+    :data:`GLUON_GEMM2_DEVICES`, else 0 (the table's Triton GEMM2).
+
+    The model: GEMM2's K loop is short (I = 768-4096) and each 128 x 256 tile ends in an
+    epilogue (the routing weight, a 64 KB store) that the cooperative and Triton kernels wait
+    through; the ping-pong kernel runs one consumer's epilogue under the other's MMAs, for
+    narrower tiles (more shared-memory reads an MMA). Which side wins is the device's, so it is
+    the sweep's (``bench/moe_gemms.py --gluon``: the fused forward, interleaved rounds, GEMM1 on
+    the cooperative kernel with COALESCE, GEMM2 on the table's Triton kernel or on ping-pong).
+    H200 (2026-12-06): at T = 4096 no grad 0.949 -> 0.934 / 0.947 -> 0.924 / 0.935 -> 0.911
+    of the table's Triton pair (Qwen3-MoE / OLMoE / Mixtral), saving 0.994 -> 0.972 / 0.965 ->
+    0.931 / 0.942 -> 0.908; at T = 16384 0.964 -> 0.928 / 0.940 -> 0.919 / 0.937 -> 0.907, saving
+    0.937 -> 0.910 / 0.927 -> 0.922 / 0.942 -> 0.920. H100 (the same day, T = 4096): no grad
+    0.965 -> 0.975 / 0.945 -> 0.967 / 0.955 -> 0.921, saving 0.994 -> 0.991 / 0.963 -> 0.977 /
+    0.914 -> 0.914: a loss at two of three, so not there."""
+    if rows_per_expert < GLUON_GEMM1_MIN_ROWS or device.type != "cuda":
+        return 0
+    name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
+    return 1 if any(d in name for d in GLUON_GEMM2_DEVICES) else 0
+
+
 def _gluon_for(c: dict[str, int]) -> Any:
     """:mod:`.moe_gemm1_gluon` for a GEMM config that asks for it, or why it can't take the
     config (no Gluon; the Triton kernels' HALF_TAIL or PERSISTENT asked for too)."""
@@ -1862,6 +1896,10 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
             fit = {**picked[0], "GLUON": 2, "PREGATHER": 1, "HALF_TAIL": 0, "PERSISTENT": 0}
             if _gluon_gemm1_unfit(fit, x, w1, gate_up_bias, i, gated, transposed, interleaved, pre_dt) is None:
                 picked = (fit,) + picked[1:]
+                if not (configs or {}).get("gemm2") and (g2 := gluon_gemm2_default(s / e, x.device)):
+                    fit2 = {**picked[1], "GLUON": g2, "HALF_TAIL": 0, "PERSISTENT": 0}
+                    if _gluon_gemm2_unfit(fit, fit2, x, w2, down_bias, i, transposed) is None:
+                        picked = (fit, fit2, picked[2])
         if picked[0].get("GLUON", 0):  # asked for: runs, or says why not
             if picked[0].get("GROUPED_MM", 0):
                 raise ValueError("fused_experts_forward: configs['gemm1'] asks for GEMM1 on both the Gluon kernel "

@@ -27,13 +27,17 @@ consumers take them in one of two ways (as the weight gradients' kernels,
   for it; 4 stages of 48 KB.
 
 The cooperative kernel can also read the token rows themselves (``gemm1(gather=True)``,
-``GATHER``; ``configs["gemm1"]["PREGATHER"] = 0`` with ``GLUON = 2``): its loader warp
-(:func:`_gather_loader`) copies each stage's 128 rows from x through the tile's pair ids with
-cp.async, 16 bytes a lane, and counts their arrival on the stage's barrier beside W's TMA bytes,
-so the sorted copy of the rows (``sorted_rows``: a write of S x K, 8 x the tokens' rows at
-Qwen3-MoE's and OLMoE's k = 8) is never made: what the issue asked of GEMM1, for the no-grad
-forward (the training forward keeps the copy for the weight gradients). Compiled for sm90 (no
-spills, the loader at 96 registers), not yet run on a GPU; not a default.
+``GATHER``; ``configs["gemm1"]["PREGATHER"] = 0`` with ``GLUON = 2``): its loader warps
+(:func:`_gather_loader`, :data:`GATHER_LOADER_WARPS`) copy each stage's 128 rows from x through
+the tile's pair ids with cp.async, 16 bytes a lane, and count their arrival on the stage's
+barrier beside W's TMA bytes, so the sorted copy of the rows (``sorted_rows``: a write of S x K,
+8 x the tokens' rows at Qwen3-MoE's and OLMoE's k = 8) is never made: what the issue asked of
+GEMM1, for the no-grad forward (the training forward keeps the copy for the weight gradients).
+Correct (the same bits as on the sorted copy) and not a default: the cp.asyncs cost what the
+copy saves. H200, 2026-12-06 (``bench/moe_gemms.py --gluon``, T = 4096, the fused forward with
+no grad against the table's, 7 interleaved rounds): 0.987 / 0.967 / 0.963 gathered against
+0.949 / 0.947 / 0.935 on the sorted copy (Qwen3-MoE / OLMoE / Mixtral); at T = 16384 0.939 /
+0.934 / 0.966 against 0.964 / 0.940 / 0.937.
 
 GEMM2 runs on the same kernels (``gemm_kernel`` with ``GATED`` off, :func:`gemm2`,
 ``configs["gemm2"]["GLUON"]`` 2 cooperative, 1 ping-pong):
@@ -50,12 +54,17 @@ forward with both GEMMs on Gluon was no faster than with GEMM1 alone on it (no g
 0.946 / 0.924 against 0.935 / 0.935 / 0.922 of the table's). The cooperative consumers wait
 through each tile's epilogue, a larger share of GEMM2's short K loop (I = 768-4096): so the
 ping-pong kernel too (128 x 128 tiles a consumer, one m64n128 chain a 64-row half, 5 stages of
-32 KB), whose epilogue runs under the other consumer's MMAs. Correct, and not a default either
-(H100, 2026-12-06, GEMM2 alone against the table's Triton GEMM2): 238.8 / 302.6 / 231.6 us
-against 241.1 / 249.6 / 256.2 at T = 4096 (Qwen3-MoE / OLMoE / Mixtral), 889.4 / 1098.2 /
-1134.9 against 738.3 / 854.6 / 782.9 at T = 16384. Its narrower tiles read more shared memory
-per MMA (as GEMM1's ping-pong); why the overlap repays that at two shapes and not at the
-others is not known yet (no profile of it).
+32 KB), whose epilogue runs under the other consumer's MMAs. GEMM2's default on the H200,
+beside GEMM1's Gluon default (:func:`.moe_experts.gluon_gemm2_default`, which has the figures:
+the fused forward 1.5-3.6 % faster there at T = 4096 and 16384 on all three configs, in
+interleaved rounds), and not on the H100, where it lost at two of three (GEMM2 alone against
+the table's Triton GEMM2, 2026-12-06: 238.8 / 302.6 / 231.6 us against 241.1 / 249.6 / 256.2
+at T = 4096, Qwen3-MoE / OLMoE / Mixtral; 889.4 / 1098.2 / 1134.9 against 738.3 / 854.6 /
+782.9 at T = 16384). Its narrower tiles read more shared memory per MMA (as GEMM1's
+ping-pong); why the overlap repays that on one device and not the other is not known yet (no
+profile of it). GEMM2 alone, timed one kernel after another, does not show the H200's gain
+(222 / 246 / 223 against Triton's 220 / 242 / 260 at T = 4096; 743 / 909 / 1062 against 778 /
+842 / 819 at T = 16384), which the fused forward's interleaved rounds do.
 
 GEMM2's dgrad with the gate's backward in its epilogue runs on the cooperative kernel too
 (``DGRAD``, :func:`dgrad2`, ``configs["dgrad2"]["GLUON"] = 2``, opt-in; ping-pong ``1``):
@@ -77,15 +86,20 @@ cooperative consumers wait through it, and its ``pre`` loads wait on the previou
 (they may alias). Running each tile's epilogue under the next tile's first K steps instead
 (a chunk a step, loads a step ahead) ran slower still on the H100 (575 / 620 / 590 us; not
 kept). So the ping-pong kernel takes it too (``pingpong=True``, ``GLUON = 1``: a consumer's
-128 x 128 tile, 5 stages of 32 KB, the epilogue under the other consumer's MMAs; compiled for
-sm90, not yet run on a GPU).
+128 x 128 tile, 5 stages of 32 KB, the epilogue under the other consumer's MMAs). Correct (the
+cooperative kernel's d_pre bit for bit) and slower still than the split path: on the H100
+(2026-12-06, ``bench/moe_gemms.py --dgrad2``, T = 4096) 206 / 234 / 195 us with no output, 464
+/ 525 / 485 with both (Qwen3-MoE / OLMoE / Mixtral), against CUTLASS's g alone 242 / 252 / 222
+and the cooperative kernel's 525 / 565 / 542: the overlap hides 40-60 us of an epilogue of
+~260-290.
 
 Scope: bf16 rows and weights, gated with gate and up halves concatenated (transformers'
 layout: W (E, 2I, K), K contiguous), no bias, I a multiple of the tile's 64 or 128 gate
 columns and K of 64, sm90 (GEMM2: W2 (E, H, I) contiguous, H a multiple of 256, I of 64, no
 bias): :func:`unfit` and :func:`unfit2` say which is missing; the caller
 (:func:`.moe_experts.fused_experts_forward`, ``configs["gemm1"]["GLUON"]``, whose default is
-:func:`.moe_experts.gluon_gemm1_default`, and ``configs["gemm2"]["GLUON"]``) checks them first.
+:func:`.moe_experts.gluon_gemm1_default`, and ``configs["gemm2"]["GLUON"]``, whose default is
+:func:`.moe_experts.gluon_gemm2_default`) checks them first.
 Gluon has no interpreter: the kernel runs on the GPU only (``tests/test_moe_gemm1_gluon.py``'s
 CUDA cases; its CPU case compiles it for sm90).
 """
@@ -142,9 +156,15 @@ GROUP_M = gl.constexpr(8)
 # registers a thread: the loader warp 40, the second consumer 216 (Triton raises the default
 # partition, the first consumer, to 256: 4 x 32 x (256 + 216) + 32 x 40 <= 65,536)
 CONSUMER_REGS, LOADER_REGS = 216, 40
-# the gathering loader (_gather_loader) holds its tile's 128 token ids and a round's 32 x 64
-# pointers: 96 registers (4 x 32 x (256 + 216) + 32 x 96 = 63,488 <= 65,536)
-GATHER_LOADER_REGS = 96
+# the gathering loader (_gather_loader): 4 warps at 40 registers (4 x 32 x (256 + 216 + 40) =
+# 65,536; compiled for sm90 with no spills), each warp's cp.asyncs a quarter of each round's 32
+# rows. Its cp.asyncs, not the gathered rows' addresses, are what cost: on the H100 (2026-12-06,
+# T = 4096, GEMM1 alone, no save) the kernel gathering the token rows with one loader warp ran
+# 524 / 575 / 506 us (Qwen3-MoE / OLMoE / Mixtral) and the same loader reading the sorted copy
+# through identity ids 529 / 580 / 500, against 415 / 441 / 401 for TMA on the sorted copy; 4
+# warps: 514 / 548 / 470. H200: one warp 489 / 544 / 483, 4 warps 452-457 / 487-492 / 427-438,
+# 8 warps (24 registers) 455 / 522 / 451, TMA 383-386 / 441 / 398-410 (and the copy 46-58 us)
+GATHER_LOADER_WARPS, GATHER_LOADER_REGS = 4, 40
 # the epilogue's bf16 tiles stored through a shared buffer, 16 bytes a thread (:func:`_epilogue`),
 # not from the accumulators' layout (2 columns a thread: a warp's 4-byte stores touch 8 rows).
 # H100, T = 4096, the cooperative kernel (bench/moe_gemms.py --gluon, 2026-12-06): GEMM1 saving
@@ -337,17 +357,18 @@ def _gather_loader(x_ptr, stride_x, w_desc, a_bufs, g_bufs, u_bufs, ready, empty
                    num_pairs, top_k, pid, nprog, n_local, used_m, tiles_n, NI, N1, K):
     """GEMM1's loader with A gathered (GATHER): each stage's 128 rows read from the token rows
     ``x`` (T, K) through the tile's pair ids (token = pair // top_k; row 0 for a padding row,
-    whose output is never stored) with cp.async, 32 rows a round, 16 bytes a lane, their
-    arrival on the stage's ready barrier counted (cp.async.mbarrier.arrive, before the TMA's
-    expect-arrive, so the phase can't complete without them); W's gate and up tiles through
-    TMA, as :func:`_loader`'s. No sorted copy of the rows is made."""
+    whose output is never stored) with cp.async, 32 rows a round over the partition's warps,
+    16 bytes a lane, their arrival on the stage's ready barrier counted (every thread's
+    cp.async.mbarrier.arrive, before the TMA's expect-arrive, so the phase can't complete
+    without them); W's gate and up tiles through TMA, as :func:`_loader`'s. No sorted copy of
+    the rows is made."""
     STAGES: gl.constexpr = a_bufs.shape[0]
     BM: gl.constexpr = a_bufs.shape[1]
     BK: gl.constexpr = a_bufs.shape[2]
     BN: gl.constexpr = g_bufs.shape[1]
     R: gl.constexpr = 32
     gl.static_assert(BM == 4 * R)
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [1, 1], [1, 0])
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [gl.num_warps(), 1], [1, 0])
     cols = gl.expand_dims(gl.arange(0, BK, layout=gl.SliceLayout(0, layout)), 0)
     rr = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
     nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes
@@ -536,7 +557,8 @@ def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr
                 part_ptr, x_ptr, num_pairs, top_k, NI, N1, K, stride_out, stride_pre, stride_part, stride_rt, stride_rk,
                 stride_x, alpha, limit, STAGES: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
                 HAS_LIMIT: gl.constexpr, SAVE_PRE: gl.constexpr, PINGPONG: gl.constexpr, COALESCE: gl.constexpr,
-                CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, DGRAD: gl.constexpr = False,
+                CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr = 1,
+                DGRAD: gl.constexpr = False,
                 W_MN: gl.constexpr = False, GATE_TIE: gl.constexpr = False, UP_LO_TIE: gl.constexpr = False,
                 UP_HI_TIE: gl.constexpr = False, WRITE_DPRE: gl.constexpr = False, ROUTE_GRAD: gl.constexpr = False,
                 GATHER: gl.constexpr = False):
@@ -610,7 +632,7 @@ def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr
             (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid,
                        nprog, n_local, used_m, tiles_n, NI, N1, K, GATED, W_MN, GATHER, x_ptr, stride_x,
                        pair_ids_ptr, num_pairs, top_k)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_coop_consumer, (a_bufs, g_bufs, u_bufs, o_bufs.index(0), ready, empty, out_ptr, pre_ptr, pair_ids_ptr,
@@ -626,7 +648,7 @@ def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr
             (_loader, (a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expert_ptr, shift_ptr, pid,
                        nprog, n_local, used_m, tiles_n, NI, N1, K, GATED, W_MN, GATHER, x_ptr, stride_x,
                        pair_ids_ptr, num_pairs, top_k)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
 @functools.cache
@@ -735,7 +757,8 @@ def gemm1(a: torch.Tensor, w_nk: torch.Tensor, act: torch.Tensor, pre: torch.Ten
            spec_key=None if spec is None else (spec, "gluon gemm1", pingpong, coalesce, gather),
            STAGES=PP_STAGES if pingpong else STAGES, GATED=True, ACT=act_id, HAS_LIMIT=has_limit,
            SAVE_PRE=pre is not None, PINGPONG=pingpong, COALESCE=coalesce, CONSUMER_REGS=CONSUMER_REGS,
-           LOADER_REGS=GATHER_LOADER_REGS if gather else LOADER_REGS, GATHER=gather, num_warps=4)
+           LOADER_REGS=GATHER_LOADER_REGS if gather else LOADER_REGS, GATHER=gather,
+           LOADER_WARPS=GATHER_LOADER_WARPS if gather else 1, num_warps=4)
 
 
 def unfit2(x: torch.Tensor, w_nk: torch.Tensor, i: int, *, has_bias: bool, block_m: int,
