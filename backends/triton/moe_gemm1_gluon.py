@@ -163,7 +163,8 @@ CONSUMER_REGS, LOADER_REGS = 216, 40
 # 524 / 575 / 506 us (Qwen3-MoE / OLMoE / Mixtral) and the same loader reading the sorted copy
 # through identity ids 529 / 580 / 500, against 415 / 441 / 401 for TMA on the sorted copy; 4
 # warps: 514 / 548 / 470. H200: one warp 489 / 544 / 483, 4 warps 452-457 / 487-492 / 427-438,
-# 8 warps (24 registers) 455 / 522 / 451, TMA 383-386 / 441 / 398-410 (the copy 43-111 us)
+# 8 warps (24 registers) 455 / 522 / 451, TMA 383-386 / 441 / 398-410 (the copy's kernel 51 /
+# 47 / 15 us: ROWS_TILE's figures in moe_experts)
 GATHER_LOADER_WARPS, GATHER_LOADER_REGS = 4, 40
 # the epilogue's bf16 tiles stored through a shared buffer, 16 bytes a thread (:func:`_epilogue`),
 # not from the accumulators' layout (2 columns a thread: a warp's 4-byte stores touch 8 rows).
