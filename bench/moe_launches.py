@@ -20,6 +20,9 @@ Per config (bf16, uniform routing, transformers' layout), in one process:
   same rounds, beside the table's configs passed the same way (the control: a call given
   configs skips the launch memo, so its host path differs from the default's), then each
   variant's kernels profiled once;
+* with ``--forward``, instead of all the above: the no-grad forward (the default path, as a
+  block's inference runs it), its CUDA-events time beside one profiled call's kernels in
+  launch order and their sum (the difference: the GPU's idle gaps between them);
 * the six GEMMs of a MoE training step on ``torch._grouped_mm`` (CUTLASS: what HF's
   ``grouped_mm`` runs) over the same rows sorted by expert, each timed alone (CUDA events,
   median): forward GEMM1 and GEMM2, the two dgrads, the two weight gradients; with TF/s.
@@ -52,6 +55,23 @@ def launches(run) -> list[tuple[str, float]]:
     evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     evs.sort(key=lambda e: e.time_range.start)
     return [(e.name, e.time_range.elapsed_us()) for e in evs]
+
+
+def forward_kernels(name: str, args: list, t: int, reps: int) -> None:
+    """The no-grad forward's time (CUDA events, back-to-back calls) and one profiled call's
+    kernels in launch order: what the block's forward spends where."""
+    plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+
+    def fwd() -> None:  # the op's no-grad path: nothing saved for a backward
+        fused.fused_experts_forward(*plain)
+
+    us = median_us(fwd, reps, True)
+    ks = launches(fwd)
+    total = sum(k_us for _, k_us in ks)
+    print(f"\n{name} T={t}: no-grad forward {us:.1f} us (CUDA events, median of {reps}); its kernels:")
+    for kname, k_us in ks:
+        print(f"  {k_us:8.1f} us  {kname[:90]}")
+    print(f"  {total:8.1f} us  sum of kernels; {us - total:.1f} us of the call without one")
 
 
 def cutlass_gemms(e: int, h: int, i: int, k: int, t: int, reps: int) -> list[tuple[str, float, float]]:
@@ -107,6 +127,8 @@ def main() -> None:
     p.add_argument("--block-m", type=int, nargs="*", default=[],
                    help="also profile the step's kernels with the forward's BLOCK_M at these values (the "
                         "padding of each expert's rows, which the weight gradients reduce over)")
+    p.add_argument("--forward", action="store_true",
+                   help="only the no-grad forward: its time and its kernels, in launch order")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                    help="also time the step with these configs (JSON: {gemm: {key: value}}) beside the table's "
                         "given the same way, in the same rounds, and profile its kernels")
@@ -126,6 +148,10 @@ def main() -> None:
 
         def run() -> None:
             torch.autograd.grad(B.FusedExperts.apply(*args), leaves, cot)
+
+        if a.forward:
+            forward_kernels(name, args, t, a.reps)
+            continue
 
         step = median_us(run, a.reps, True)
         print(f"\n{name} T={t} (E {e}, H {h}, I {i}, k {k}): fused fwd+bwd {step:.0f} us (CUDA events)")
