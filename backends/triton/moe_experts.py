@@ -39,6 +39,11 @@ the copy's bytes against GEMM1's faster loads; on for Mixtral's shape in the shi
 table). A training forward whose backward would make that copy for dW1 anyway
 (``keep_rows``) always pregathers and keeps the copy for it.
 
+On sm90 from :data:`GLUON_GEMM1_MIN_ROWS` rows per expert, bf16, GEMM1 runs on the
+cooperative Gluon kernel of :mod:`.moe_gemm1_gluon` over the sorted copy
+(:func:`gluon_gemm1_default`), and on the H200 GEMM2 on its ping-pong kernel beside it
+(:func:`gluon_gemm2_default`); each says why with its measurements.
+
 Block sizes come from ``moe_experts_configs.json`` (:func:`pick_config`), keyed by GEMM,
 rows-per-expert bucket, N, K and dtype, so a tuning run can rewrite the data alone.
 
