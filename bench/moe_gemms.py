@@ -45,7 +45,7 @@ import torch
 
 from opreg.backends.triton import moe_experts as F
 from opreg.backends.triton import tune
-from opreg.testing.timing import median_us
+from opreg.testing.timing import graph_us, median_us
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _timing as tm  # noqa: E402
@@ -211,9 +211,11 @@ def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
                            gather=True, top_k=k), f1, reps)
     print(f"   max |diff| vs Triton {float((act[real].float() - base[False][real].float()).abs().max()):.3g}, "
           f"NaN rows {int(act[real].isnan().any(1).sum())}")
-    timed("the rows' sorted copy (PREGATHER's, which the gathered kernel saves)",
-          lambda: F.sorted_rows(x, rw, spi, be, tables, k, False), 0.0, reps)
-    print()
+    # in a CUDA graph: one Python call of it takes longer on the host than the kernel on the
+    # GPU (Mixtral: ~45 us against 15), which CUDA events around each call would time instead
+    copy_us = graph_us(lambda: F.sorted_rows(x, rw, spi, be, tables, k, False), reps)
+    print(f"  the rows' sorted copy (PREGATHER's, which the gathered kernel saves), in a CUDA graph: "
+          f"{copy_us:8.1f} us")
     timed("torch._grouped_mm gemm1 (no gate)", lambda: torch._grouped_mm(xs, w1.transpose(1, 2), offs=tables[0]),
           f1, reps)
     print()
