@@ -56,7 +56,7 @@ through each tile's epilogue, a larger share of GEMM2's short K loop (I = 768-40
 ping-pong kernel too (128 x 128 tiles a consumer, one m64n128 chain a 64-row half, 5 stages of
 32 KB), whose epilogue runs under the other consumer's MMAs. GEMM2's default on the H200,
 beside GEMM1's Gluon default (:func:`.moe_experts.gluon_gemm2_default`, which has the figures:
-the fused forward 1.5-3.6 % faster there at T = 4096 and 16384 on all three configs, in
+the fused forward 0.5-3.7 % faster there at T = 4096 and 16384 on all three configs, in
 interleaved rounds), and not on the H100, where it lost at two of three (GEMM2 alone against
 the table's Triton GEMM2, 2026-12-06: 238.8 / 302.6 / 231.6 us against 241.1 / 249.6 / 256.2
 at T = 4096, Qwen3-MoE / OLMoE / Mixtral; 889.4 / 1098.2 / 1134.9 against 738.3 / 854.6 /
@@ -573,7 +573,8 @@ def gemm_kernel(a_desc, w_desc, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr
     the saved pre-activation, ``part`` the partial sums of d top_k_weights. GATHER (GEMM1,
     cooperative): A's rows gathered from the token rows ``x_ptr`` (T, K; row stride ``stride_x``)
     through the pair ids (:func:`_gather_loader`; ``top_k`` then GEMM1's too), ``a_desc`` only
-    its box and layout."""
+    its box and layout. LOADER_WARPS: the loader partition's warps (LOADER_REGS registers
+    each; :data:`GATHER_LOADER_WARPS` where gathered, else 1)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     # the tile's (gate and up) columns; W_MN: W's tile is [BK, BN], N contiguous
