@@ -438,8 +438,9 @@ def test_gluon_gemm2_default_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert TM.gluon_gemm2_default(rows, cuda) == 1
     assert TM.gluon_gemm2_default(rows - 1, cuda) == 0
     assert TM.gluon_gemm2_default(rows, torch.device("cpu")) == 0
-    monkeypatch.setattr(TM, "_device_name", lambda index: "NVIDIA H100 80GB HBM3")
-    assert TM.gluon_gemm2_default(rows, cuda) == 0
+    for other in ("NVIDIA H100 80GB HBM3", "NVIDIA GH200 480GB"):  # the latter unmeasured
+        monkeypatch.setattr(TM, "_device_name", lambda index, other=other: other)
+        assert TM.gluon_gemm2_default(rows, cuda) == 0, other
 
 
 @pytest.mark.cuda
@@ -451,7 +452,7 @@ def test_cuda_gluon_gemm1_default(save: bool, gemm2_device: bool, monkeypatch: p
     """On sm90 the op's forward with no configs, saving for the backward or not, runs GEMM1 on
     the cooperative kernel from GLUON_GEMM1_MIN_ROWS rows per expert on (and the Triton GEMM1
     below), and GEMM2 beside it on the ping-pong kernel where the device is one of
-    GLUON_GEMM2_DEVICES (``gemm2_device``: every device's name matches ""), matching float64
+    GLUON_GEMM2_DEVICES (``gemm2_device``: every device's name starts with ""), matching float64
     and the Triton GEMMs' forward, every buffer NaN-filled; the ``opreg`` logger says which at
     DEBUG."""
     caplog.set_level("DEBUG", logger="opreg")

@@ -1765,8 +1765,8 @@ def gluon_gemm1_default(rows_per_expert: float) -> int:
 
 
 # GEMM2 runs on the ping-pong Gluon kernel by default beside GEMM1's Gluon default on the devices
-# whose name holds one of these (gluon_gemm2_default says why)
-GLUON_GEMM2_DEVICES = ("H200",)
+# whose name starts with one of these (gluon_gemm2_default says why; not a GH200, not measured)
+GLUON_GEMM2_DEVICES = ("NVIDIA H200",)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1777,7 +1777,7 @@ def _device_name(index: int) -> str:
 def gluon_gemm2_default(rows_per_expert: float, device: torch.device) -> int:
     """``configs["gemm2"]["GLUON"]`` by default: 1 (GEMM2 on the ping-pong Gluon kernel of
     :mod:`.moe_gemm1_gluon`, where :func:`_gluon_gemm2_unfit` allows it) where GEMM1 takes its
-    Gluon default (:func:`gluon_gemm1_default`) on a device named in
+    Gluon default (:func:`gluon_gemm1_default`) on a device whose name starts with one of
     :data:`GLUON_GEMM2_DEVICES`, else 0 (the table's Triton GEMM2).
 
     The model: GEMM2's K loop is short (I = 768-4096) and each 128 x 256 tile ends in an
@@ -1795,7 +1795,7 @@ def gluon_gemm2_default(rows_per_expert: float, device: torch.device) -> int:
     if rows_per_expert < GLUON_GEMM1_MIN_ROWS or device.type != "cuda":
         return 0
     name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
-    return 1 if any(d in name for d in GLUON_GEMM2_DEVICES) else 0
+    return 1 if name.startswith(GLUON_GEMM2_DEVICES) else 0
 
 
 def _gluon_for(c: dict[str, int]) -> Any:
