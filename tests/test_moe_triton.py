@@ -785,9 +785,68 @@ def test_cuda_graphs(dtype: torch.dtype) -> None:
     suite.check_cuda_graphs(dtype)
 
 
+# (tokens, top-k, experts, family): decode kernels per pair (T = 2) and grouped (T = 16), the
+# GEMM path on Triton (past DECODE_MAX_TOKENS = 64; biases, transposed weights) and, on sm90,
+# on the Gluon GEMMs (256 rows an expert, GLUON_GEMM1_MIN_ROWS)
+REPLAYED = {"decode per pair": (2, 4, 8, "mixtral silu"), "decode grouped": (16, 4, 8, "gpt_oss biases"),
+            "gemm": (128, 2, 8, "gpt_oss biases"), "gemm transposed": (256, 4, 8, "relu2 ungated"),
+            "gluon gemms": (512, 4, 8, "mixtral silu")}
+
+
 @pytest.mark.cuda
 @needs_cuda
-def test_cuda_launch_cache() -> None:
+@pytest.mark.parametrize("case", list(REPLAYED))
+def test_cuda_replay(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A no-grad forward's launches replayed (``TM.REPLAY``, backends/triton/replay.py) give
+    the Python path's bits on new inputs every call (new addresses, routing and values; NaN-
+    filled buffers; sentinel slots), through the op too; on triton 3.6 a plan is made and
+    replayed (under OPREG_CHECK_SPEC each replay first checks the Python path still launches
+    what it does); a CUDA graph captures a replayed call and replays it on new values."""
+    import triton
+
+    from opreg.backends.triton import replay
+    assert TM.DECODE_MAX_TOKENS < REPLAYED["gemm"][0]
+    monkeypatch.setattr(TM, "_new_buffer", _nan_buffer)
+    t, k, e, family = REPLAYED[case]
+    kw = {**FAMILIES[family][1], "sentinels": 1, "transposed": case == "gemm transposed"}
+
+    def fresh_args() -> tuple:
+        return make(t, k, 256, 128, e, torch.bfloat16, "cuda", **kw)
+
+    def python_path(args: tuple) -> torch.Tensor:
+        monkeypatch.setattr(TM, "REPLAY", False)
+        try:
+            return TM.fused_experts_forward(*args)
+        finally:
+            monkeypatch.setattr(TM, "REPLAY", True)
+
+    for n in range(4):
+        args = fresh_args()
+        want = python_path(args)
+        got = TM.fused_experts_forward(*args) if n % 2 else torch.ops.opreg.moe_experts(*args)
+        assert torch.equal(got, want), f"call {n}: the replay differs from the Python path"
+    plan = TM._PLANS.memo.get((TM.spec_of(*args), False, False, None))
+    if triton.__version__.startswith("3.6."):
+        assert type(plan) is replay.Plan, f"no plan: {plan}"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        TM.fused_experts_forward(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = TM.fused_experts_forward(*args)
+    new = fresh_args()
+    for a, b in zip(args[:3], new[:3]):
+        a.copy_(b)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, python_path(args)), "the graph's replay differs from the Python path"
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_launch_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """The cached launch path (backends/triton/launch.py) runs what Triton's own would:
     repeated calls hit it (the compiled kernel called directly), and an argument that
     changes Triton's specialisation (hidden states 2 bytes off 16-byte alignment, a row
@@ -799,6 +858,7 @@ def test_cuda_launch_cache() -> None:
     import triton
 
     from opreg.backends.triton import launch as L
+    monkeypatch.setattr(TM, "REPLAY", False)  # every call through the launch cache (test_cuda_replay: replays)
     TM._moe_gemm._opreg_launch_cache = {}  # this test's entries only (a JITFunction's attribute)
     # past the decode bound: the GEMM path (64 tokens, until the grouped decode kernels took them)
     args = make(2 * TM.DECODE_MAX_TOKENS, 2, 256, 128, 8, torch.bfloat16, "cuda")

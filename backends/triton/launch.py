@@ -65,6 +65,8 @@ _CACHE_LIMIT = 4096  # entries per kernel
 # what the spec key saves (~35 us a launch of the MoE GEMM on the 2-core box).
 CHECK_SPEC = os.environ.get("OPREG_CHECK_SPEC", "") == "1"
 _direct_ok: bool | None = None  # None: not tried yet; False: this Triton's kernel call differs
+# a replay.Recording while one records (backends/triton/replay.py: it reads and sets this)
+_recorder: Any = None
 # the kernels launch() caches: Triton's, and Gluon's (a JITFunction whose source is Gluon)
 _CACHED = ("JITFunction", "GluonJITFunction")
 _GLUON_DESCRIPTORS = "triton.experimental.gluon.nvidia.hopper"  # the module of Gluon's host descriptors
@@ -130,6 +132,9 @@ def launch_args(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], spec_key:
         return
     cache = getattr(fn, "_opreg_launch_cache", None)
     if cache is None or _direct_ok is False or _hooks():
+        if _recorder is not None:
+            _recorder.fail("a launch through Triton's own path",  # for good: uncached kernels, the old call
+                           final=_direct_ok is False or (cache is None and type(fn).__name__ not in _CACHED))
         if cache is None and type(fn).__name__ in _CACHED:
             fn._opreg_launch_cache = {}
         fn[grid](*_built(args), **kwargs)
@@ -142,6 +147,8 @@ def launch_args(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], spec_key:
         key = (device, tuple(map(_arg_key, args)), tuple(kwargs.items()))
     hit = cache.get(key)
     if hit is None:
+        if _recorder is not None:
+            _recorder.fail("a kernel compiled in the call")
         args = _built(args)
         kernel = fn[grid](*args, **kwargs)
         if len(cache) >= _CACHE_LIMIT:  # spec keys are per input shape: serving sees many
@@ -157,8 +164,11 @@ def launch_args(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], spec_key:
     g2 = grid[2] if len(grid) > 2 else 1
     stream = torch._C._cuda_getCurrentRawStream(device)
     if raw is not None:
-        raw(grid[0], g1, g2, stream, args, tail)
+        if _recorder is None or not _recorder.launch(raw, (grid[0], g1, g2), args, tail):
+            raw(grid[0], g1, g2, stream, args, tail)
         return
+    if _recorder is not None:
+        _recorder.fail("a kernel without Triton 3.6's C launcher", final=True)
     args = _built(args)
     if _direct_ok:
         kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None,

@@ -79,6 +79,7 @@ from opreg.ops import moe_experts as M
 from opreg.ops import moe_experts_grouped as G
 
 from .launch import DESCRIPTORS, LazyDescriptor, _dynamo_tracing, descriptor, launch, launch_args
+from .replay import Plans, make
 
 try:
     import triton
@@ -961,7 +962,7 @@ def _route_flat(top_k_index: torch.Tensor, num_experts: int, block_m: int, spec:
             torch.empty((n,), dtype=torch.int32, device=dev) for n in (cap, nb, TABLES * num_experts,
                                                                          length - t0 - TABLES * num_experts))
     else:
-        buf = torch.empty((length,), dtype=torch.int32, device=dev)
+        buf = make(_int_buffer, (length,), torch.int32, dev)
         sorted_pair_ids, block_expert, tables = buf[:cap], buf[cap:t0], buf[t0:t0 + TABLES * num_experts]
         counts = buf[t0 + TABLES * num_experts:]  # per (expert, chunk); one program's scratch (E entries)
     st, sk = top_k_index.stride()
@@ -1082,6 +1083,16 @@ def _pick(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.dtype,
 def _new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every float buffer the launcher fills (tests replace this with a NaN-filled one, so
     an element a kernel forgets to write shows up)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """:func:`_new_buffer`'s buffer, noted where a call is recorded (:func:`.replay.make`)."""
+    return make(_new_buffer, shape, dtype, device)
+
+
+def _int_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The routing's buffer (int32: every element the routing kernels read, they write first)."""
     return torch.empty(shape, dtype=dtype, device=device)
 
 
@@ -1393,7 +1404,7 @@ def sorted_rows(src: torch.Tensor, rw: torch.Tensor, sorted_pair_ids: torch.Tens
     :data:`ROWS_TILE` (``bench/sorted_rows.py`` times others)."""
     r, c = sorted_pair_ids.shape[0], src.shape[1]
     s = rw.shape[0] * top_k
-    out = _new_buffer((s, c), src.dtype, src.device)
+    out = _buffer((s, c), src.dtype, src.device)
     br, bc, warps = tile or ROWS_TILE
     bc = min(bc, next_pow2(c))
     used = tables[3, -1:]  # the last expert's padded end: the padded rows in use
@@ -1525,8 +1536,8 @@ def decode_forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: tor
     w1v, w2v = _nk_view(w1, transposed), _nk_view(w2, transposed)
     bias1, bias2 = b1 if b1 is not None else w1v, b2 if b2 is not None else w2v
     lim = float(limit) if opts1["HAS_LIMIT"] else 0.0
-    act = _new_buffer(act_shape, x.dtype, x.device)
-    out = _new_buffer(tuple(x.shape), x.dtype, x.device)
+    act = _buffer(act_shape, x.dtype, x.device)
+    out = _buffer(tuple(x.shape), x.dtype, x.device)
     with _device_ctx(x):
         if combined is None:
             launch_args(_decode_up_kernel, g1, (x, ids, w1v, bias1, act, *head1, float(alpha), lim, *tail1),
@@ -1535,7 +1546,7 @@ def decode_forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: tor
                         spec and (spec, "decode down"), opts2)
             return out
         pairs_shape, gc, argc, optc = combined
-        pairs = _new_buffer(pairs_shape, x.dtype, x.device)
+        pairs = _buffer(pairs_shape, x.dtype, x.device)
         launch_args(_decode_grouped_kernel, g1, (x, ids, rw, w1v, bias1, act, *head1, float(alpha), lim, *tail1),
                     spec and (spec, "decode up"), opts1)
         launch_args(_decode_grouped_kernel, g2, (act, ids, rw, w2v, bias2, pairs, *head2, 0.0, 0.0, *tail2),
@@ -1690,6 +1701,20 @@ _SPEC_COUNTER = itertools.count(1)
 
 _CONFIGS: dict[Any, tuple[dict[str, int], dict[str, int], dict[str, int]]] = {}
 _MEMO_LIMIT = 4096  # entries per memo (one per distinct input metadata: serving sees many T)
+
+# A no-grad forward's launches replayed per spec (:mod:`.replay`): the experts call's host
+# time on an H100 host, T = 4096, 2026-12-06: ~290 us, of which ~225 in this forward
+# (bench/RESULTS.md, sixty-first session). False: every call runs the Python path.
+REPLAY = True
+_PLANS = Plans(_MEMO_LIMIT)
+
+
+def _plan_state() -> tuple[Any, ...]:
+    """The module state a forward's launches follow from besides its spec: a plan recorded
+    under other values is not replayed (a test or benchmark that rebinds one records anew)."""
+    return (DECODE_MAX_TOKENS, PER_PAIR_MAX_TOKENS, pick_config, _CONFIGS, _DECODE_STATIC, _GEMM_STATIC,
+            _new_buffer, GLUON_GEMM1_MIN_ROWS, GLUON_GEMM2_DEVICES, gluon_gemm1_default, gluon_gemm2_default,
+            _device_name, ROWS_TILE, ROUTE_CHUNK, ROUTE_ONE_PROGRAM_CHUNKS, PRE_BF16)
 
 
 def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
@@ -1859,12 +1884,7 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     ``spec``: :func:`spec_of` these arguments, if the caller has it."""
     x, ids, rw, w1, w2 = hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj
     t, h = x.shape
-    k = ids.shape[1]
-    e = w1.shape[0]
-    n1 = w1.shape[2] if transposed else w1.shape[1]
-    i = n1 // 2 if gated else n1
-    s = t * k
-    if s == 0 or h == 0:
+    if t * ids.shape[1] == 0 or h == 0:
         out0 = x.new_zeros((t, h))  # no slot: an empty sum
         return (out0, None) if save else out0
     # The launches' specialisation follows from the inputs' metadata (and ``save``, with the
@@ -1878,6 +1898,26 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     else:
         spec = (spec or spec_of(x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed,
                                 interleaved, alpha, limit), save, keep_rows, pre_dt)
+    args = (x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed, interleaved, alpha, limit)
+    if spec is not None and not save and REPLAY:  # a no-grad forward: its launches replayed (.replay)
+        return _PLANS.call(spec, _plan_state(), args[:7], functools.partial(_forward, *args, None, False, False,
+                                                                             None, spec))
+    return _forward(*args, configs, save, keep_rows, pre_dt, spec)
+
+
+def _forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: torch.Tensor,
+             gate_up_bias: Optional[torch.Tensor], w2: torch.Tensor, down_bias: Optional[torch.Tensor],
+             activation: str, gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float,
+             configs: Optional[dict[str, dict[str, int]]], save: bool, keep_rows: bool,
+             pre_dt: Optional[torch.dtype], spec: Any) -> Any:
+    """:func:`fused_experts_forward` past its key (``spec``, None: unkeyed) and the saved
+    pre-activation's dtype ``pre_dt`` (None: no ``save``)."""
+    t, h = x.shape
+    k = ids.shape[1]
+    e = w1.shape[0]
+    n1 = w1.shape[2] if transposed else w1.shape[1]
+    i = n1 // 2 if gated else n1
+    s = t * k
     if decodes(t, save, configs, s, e):
         return decode_forward(x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed,
                               interleaved, alpha, limit, configs["decode"] if configs is not None else None, spec)
@@ -1932,10 +1972,10 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         route_buf, sorted_pair_ids, block_expert, tables = _route_flat(ids, e, bm, spec and (spec, "routing"))
         # GEMM1's output and pre-activation (and the sorted copies) hold the real pairs' rows
         # alone, unpadded: S rows (routing_tables)
-        act = _new_buffer((s, i), x.dtype, x.device)
-        pre = _new_buffer((s, n1), pre_dt, x.device) if save and not grouped1 else None
-        pairs = _new_buffer((s, h), x.dtype, x.device)
-        out = _new_buffer((t, h), x.dtype, x.device)
+        act = _buffer((s, i), x.dtype, x.device)
+        pre = _buffer((s, n1), pre_dt, x.device) if save and not grouped1 else None
+        pairs = _buffer((s, h), x.dtype, x.device)
+        out = _buffer((t, h), x.dtype, x.device)
         # tables: one (5 E,) view; its last padded end tables[3, E - 1], its shifts tables[4]
         # (the (5, E) view only where read: a view is ~3 us of host on the 2-core box)
         routing = dict(rw=rw, sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, top_k=k,

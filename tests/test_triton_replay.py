@@ -1,0 +1,241 @@
+"""Replaying a call's raw launches (backends/triton/replay.py), without a GPU.
+
+Stand-in kernels of triton 3.6's launcher layout (``test_triton_launch``'s) log each C
+launch. A call recorded once is replayed on other tensors of the same metadata: every C
+launch gets what the call's own Python path would give it on those tensors (pointers into
+this call's inputs and new buffers, descriptors encoded for their new addresses); a call
+that does other tensor work, reads a tensor it was not given, or changes under the same key
+gets no plan or raises under OPREG_CHECK_SPEC.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from opreg.backends.triton import launch as L  # noqa: E402
+from opreg.backends.triton import replay as R  # noqa: E402
+from test_triton_launch import _kernel  # noqa: E402
+
+SIGNATURE = {"x": "*fp32", "w_desc": "tensordesc<fp32[8, 8]>", "out": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+METAS = [{"swizzle": 32}]
+
+
+class JITFunction:  # the class name launch_args caches for
+    def __init__(self) -> None:
+        self.__name__ = "toy_kernel"
+        self.signature = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                            for n in SIGNATURE])
+        self.compiled = 0
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        def compile_and_run(*args: Any, **kwargs: Any) -> Any:
+            self.compiled += 1
+            return _kernel(SIGNATURE, METAS, "{}".format, [])  # Triton's own first launch: not logged
+        return compile_and_run
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """Every C launch's arguments, the stand-ins cached as triton 3.6's kernels would be."""
+    log: list[tuple[Any, ...]] = []
+    raw_launcher = L._raw_launcher
+
+    def logged(kernel: Any) -> Any:
+        raw = raw_launcher(kernel)
+        raw.c_launch = lambda *a: log.append(a)
+        return raw
+
+    monkeypatch.setattr(L, "_raw_launcher", logged)
+    monkeypatch.setattr(L, "_direct_ok", True)
+    monkeypatch.setattr(L, "CHECK_SPEC", False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7)
+    return log
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _nan(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)  # tensor work, inside make
+
+
+class Toy:
+    """A call of two launches: its inputs x (N,) and w (16, 8), a scratch buffer read through
+    a view at an offset, w through a lazy descriptor, an output buffer; ``extra``: another
+    tensor launched with (one the call was not given); ``work``: tensor work besides."""
+
+    def __init__(self) -> None:
+        self.fn = JITFunction()
+        self.grid = 4
+        self.extra: torch.Tensor | None = None
+        self.work = False
+        self.made: list[torch.Tensor] = []
+
+    def make(self, fn: Callable[..., torch.Tensor], shape: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
+        return R.make(self.kept[fn], shape, x.dtype, x.device)
+
+    @functools.cached_property
+    def kept(self) -> dict[Any, Callable[..., torch.Tensor]]:
+        """Each maker, keeping what it made (in order) in ``made``."""
+        def keeping(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+            def kept(*a: Any) -> torch.Tensor:
+                t = fn(*a)
+                self.made.append(t)
+                return t
+            return kept
+        return {fn: keeping(fn) for fn in (_empty, _nan)}
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        scratch = self.make(_empty, (2, n), x)
+        out = self.make(_nan, (n,), x)
+        wd = L.LazyDescriptor(w, [8, 8], (w.dtype, tuple(w.shape), w.stride(), (8, 8)))
+        L.launch_args(self.fn, (self.grid,), (x, wd, scratch[1], n), "spec", {"BLOCK": 32})
+        if self.work:
+            x.abs()
+        L.launch_args(self.fn, (2,), (self.extra if self.extra is not None else scratch[1], wd, out, n), "spec2",
+                      {"BLOCK": 32})
+        return out
+
+
+def _normal(entry: tuple[Any, ...], made: list[torch.Tensor]) -> tuple[Any, ...]:
+    """A C launch's arguments with each address inside a made buffer as (buffer, offset)."""
+    def norm(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            v = v.data_ptr()
+        if isinstance(v, tuple) and v and v[0] == "tmap":
+            return ("tmap", norm(v[1])) + v[2:]
+        if isinstance(v, int) and not isinstance(v, bool):
+            for j, b in enumerate(made):
+                if b.data_ptr() <= v < b.data_ptr() + b.numel() * b.element_size():
+                    return ("buffer", j, v - b.data_ptr())
+        return v
+    return tuple(map(norm, entry))
+
+
+def test_a_replay_launches_what_the_call_would(launches: list[tuple[Any, ...]]) -> None:
+    toy, plans = Toy(), R.Plans()
+    w = torch.randn(16, 8)
+    replays = 0
+    for i in range(5):
+        x = torch.randn(64)  # new tensors of the same metadata each call
+        toy.made.clear()
+        before = len(launches)
+        planned = "key" in plans.memo
+        out = plans.call("key", ("state",), (x, w), lambda: toy(x, w))
+        replayed = launches[before:]
+        made = list(toy.made)
+        assert len(made) == 2 and out is made[1] and torch.isnan(out).all(), "buffers made again, with make's fn"
+        if i < 2:  # the first launch (Triton's path), misses per key: compiled, not recorded
+            assert not planned and "key" not in plans.memo and toy.fn.compiled == (2, 3)[i]
+        if not planned:
+            continue
+        replays += 1
+        assert type(plans.memo["key"]) is R.Plan and toy.fn.compiled == 3
+        toy.made.clear()
+        launches_before = len(launches)
+        toy(x, w)  # the Python path on the same inputs: the oracle
+        oracle = launches[launches_before:]
+        assert len(replayed) == len(oracle) == 2
+        assert [_normal(a, made) for a in replayed] == [_normal(a, toy.made) for a in oracle]
+        assert replayed[0][13] == x.data_ptr() and replayed[0][14][1] == w.data_ptr()
+        assert replayed[0][0] == 4 and replayed[0][3] == 7, "grid and the current stream"
+    assert replays == 2
+
+
+def test_descriptors_are_encoded_for_each_new_address(launches: list[tuple[Any, ...]]) -> None:
+    toy, plans = Toy(), R.Plans()
+    x = torch.randn(64)
+    for i in range(5):
+        w = torch.randn(16, 8)  # a weight at another address each call
+        plans.call("key", (), (x, w), lambda: toy(x, w))
+        if i >= 2:  # replayed (the first two calls compile, the third records)
+            assert type(plans.memo["key"]) is R.Plan
+            assert launches[-1][14][1] == w.data_ptr() and launches[-2][14][1] == w.data_ptr()
+
+
+@pytest.mark.parametrize("why", ["tensor work", "a tensor it was not given", "no tensor of its own"])
+def test_calls_that_cannot_be_replayed_get_no_plan(why: str, launches: list[tuple[Any, ...]]) -> None:
+    toy, plans = Toy(), R.Plans()
+    x, w = torch.randn(64), torch.randn(16, 8)
+    toy.work = why == "tensor work"
+    toy.extra = torch.randn(64) if why == "a tensor it was not given" else None
+    body = (lambda: toy(x, w)) if why != "no tensor of its own" else (lambda: (toy(x, w), x)[1])
+    calls = 0
+
+    def counted() -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return body()
+
+    for _ in range(4):
+        plans.call("key", (), (x, w), counted)
+    assert calls == 4, "the Python path ran every call"
+    refused = plans.memo["key"]
+    assert type(refused) is tuple, "refused for good: not recorded again"
+    assert {"tensor work": "aten.abs", "a tensor it was not given": "lies in 0 of the call's tensors",
+            "no tensor of its own": "a tensor it did not make"}[why] in refused[1]
+
+
+def test_another_state_records_anew(launches: list[tuple[Any, ...]]) -> None:
+    toy, plans = Toy(), R.Plans()
+    x, w = torch.randn(64), torch.randn(16, 8)
+    for _ in range(3):
+        plans.call("key", ("a",), (x, w), lambda: toy(x, w))
+    first = plans.memo["key"]
+    toy.grid = 5  # the call's launches change with the state
+    plans.call("key", ("b",), (x, w), lambda: toy(x, w))
+    assert plans.memo["key"] is not first and plans.memo["key"].state == ("b",)
+    plans.call("key", ("b",), (x, w), lambda: toy(x, w))
+    assert launches[-1][0] == 2 and launches[-2][0] == 5
+
+
+def test_check_spec_raises_where_a_key_no_longer_determines_the_launches(
+        launches: list[tuple[Any, ...]], monkeypatch: pytest.MonkeyPatch) -> None:
+    toy, plans = Toy(), R.Plans()
+    x, w = torch.randn(64), torch.randn(16, 8)
+    for _ in range(3):
+        plans.call("key", (), (x, w), lambda: toy(x, w))
+    plan = plans.memo["key"]
+    assert type(plan) is R.Plan
+    monkeypatch.setattr(L, "CHECK_SPEC", True)
+    before = len(launches)
+    plans.call("key", (), (x, w), lambda: toy(x, w))  # checked (a dry run), then replayed
+    assert len(launches) == before + 2 and plans.memo["key"] is plan, "checked, replayed: the dry run launched nothing"
+    toy.fn._opreg_launch_cache.clear()  # its kernels left the launch cache: the plan is dropped
+    out = plans.call("key", (), (x, w), lambda: toy(x, w))
+    assert "key" not in plans.memo and toy.fn.compiled == 5 and torch.isnan(out).all()
+    for _ in range(2):
+        plans.call("key", (), (x, w), lambda: toy(x, w))
+    assert type(plans.memo["key"]) is R.Plan
+    toy.grid = 5  # a change the key and state do not see
+    with pytest.raises(RuntimeError, match="no longer matches"):
+        plans.call("key", (), (x, w), lambda: toy(x, w))
+
+
+def test_other_threads_launches_are_not_recorded(launches: list[tuple[Any, ...]]) -> None:
+    import threading
+
+    toy, other, plans = Toy(), Toy(), R.Plans()
+    x, w = torch.randn(64), torch.randn(16, 8)
+    for _ in range(2):  # compiled and cached
+        other(x, w)
+        toy(x, w)
+
+    def body() -> torch.Tensor:
+        th = threading.Thread(target=lambda: other(x, w))
+        th.start()
+        th.join()
+        return toy(x, w)
+
+    plans.call("key", (), (x, w), body)
+    plan = plans.memo["key"]
+    assert type(plan) is R.Plan and len(plan.launches) == 2
