@@ -26,6 +26,9 @@ encoded; the routing and combine kernels 5.6-8.4 and 4.7-5.9.
 
 Gluon kernels (``gluon.jit``) are cached the same way: their host tensor descriptors (with
 their shared layout) go through the same generated launcher and descriptor encoding.
+
+While :mod:`.replay` records a call in this thread (``_recorder``), each raw launch is noted
+there (and not run, in a dry recording), and any other launch fails the recording.
 """
 from __future__ import annotations
 

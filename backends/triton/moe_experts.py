@@ -56,7 +56,9 @@ included) needs, for the training path (:mod:`.moe_experts_train`).
 Host time: a forward's launches, checks and configs follow from its inputs' metadata
 (:func:`spec_of`), so they are worked out once per spec and reused: the launcher keys
 each launch by the spec instead of by its ~45 arguments, and tensor descriptors are
-copied from a validated one.
+copied from a validated one. A no-grad forward goes further: recorded once per spec, its
+launches are then replayed on each call's tensors (:data:`REPLAY`, :mod:`.replay`), none
+of this Python run.
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU
 tensors: that is how ``tests/test_moe_triton.py`` checks them without a GPU (float32 and

@@ -38,8 +38,10 @@ from . import launch as L
 
 __all__ = ["Plan", "Plans", "Recording", "make", "record"]
 
-# ATen calls a recorded call may make outside make(): tensor metadata only, no GPU work
-_VIEWS = frozenset(torch.ops.aten.__getattr__(n) for n in (
+# ATen calls a recorded call may make outside make(): tensor metadata only, no GPU work. By
+# schema name: looking an op up (torch.ops.aten.__getattr__) can replace its packet, and with
+# it the Python kernels registered on it (aten.slice's: dynamic shapes then broke in Dynamo)
+_VIEWS = frozenset(f"aten::{n}" for n in (
     "empty", "empty_strided", "new_empty", "new_empty_strided", "view", "_unsafe_view", "slice", "select",
     "transpose", "t", "permute", "as_strided", "alias", "unsqueeze", "squeeze", "expand", "detach", "reshape"))
 _DESC_CACHE_LIMIT = 64  # encoded descriptors per descriptor parameter (activations' addresses vary)
@@ -54,7 +56,7 @@ class _Watch(TorchDispatchMode):
         self.rec = rec
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if not self.rec.making and func.overloadpacket not in _VIEWS:
+        if not self.rec.making and func._schema.name not in _VIEWS:
             self.rec.fail(f"{func} ran in the recorded call", final=True)
         return func(*args, **(kwargs or {}))
 
