@@ -221,21 +221,32 @@ def test_check_spec_raises_where_a_key_no_longer_determines_the_launches(
         plans.call("key", (), (x, w), lambda: toy(x, w))
 
 
-def test_other_threads_launches_are_not_recorded(launches: list[tuple[Any, ...]]) -> None:
+def test_threads_record_their_own_launches(launches: list[tuple[Any, ...]]) -> None:
+    """Two threads recording at once (their calls interleaved at a barrier) each get their
+    own call's launches, none of the other's."""
     import threading
 
-    toy, other, plans = Toy(), Toy(), R.Plans()
+    toys, plans = [Toy(), Toy()], [R.Plans(), R.Plans()]
     x, w = torch.randn(64), torch.randn(16, 8)
-    for _ in range(2):  # compiled and cached
-        other(x, w)
-        toy(x, w)
+    for toy in toys:
+        for _ in range(2):  # compiled and cached
+            toy(x, w)
+    meet = threading.Barrier(2)
 
-    def body() -> torch.Tensor:
-        th = threading.Thread(target=lambda: other(x, w))
+    def body(toy: Toy) -> torch.Tensor:
+        meet.wait()  # both recordings open
+        out = toy(x, w)
+        meet.wait()  # both calls launched before either recording closes
+        return out
+
+    threads = [threading.Thread(target=lambda j=j: plans[j].call("key", (), (x, w), lambda: body(toys[j])))
+               for j in range(2)]
+    for th in threads:
         th.start()
+    for th in threads:
         th.join()
-        return toy(x, w)
-
-    plans.call("key", (), (x, w), body)
-    plan = plans.memo["key"]
-    assert type(plan) is R.Plan and len(plan.launches) == 2
+    for toy, p in zip(toys, plans):
+        plan = p.memo["key"]
+        own = {id(entry[2].c_launch) for entry in toy.fn._opreg_launch_cache.values()}  # its kernels' launchers
+        assert type(plan) is R.Plan and len(plan.launches) == 2
+        assert all(id(c) in own for c, *_ in plan.launches), "another thread's launch was recorded"

@@ -27,7 +27,7 @@ encoded; the routing and combine kernels 5.6-8.4 and 4.7-5.9.
 Gluon kernels (``gluon.jit``) are cached the same way: their host tensor descriptors (with
 their shared layout) go through the same generated launcher and descriptor encoding.
 
-While :mod:`.replay` records a call in this thread (``_recorder``), each raw launch is noted
+While :mod:`.replay` records a call in this thread (``_recorders``), each raw launch is noted
 there (and not run, in a dry recording), and any other launch fails the recording.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from typing import Any, Optional
 
 import torch
@@ -68,8 +69,9 @@ _CACHE_LIMIT = 4096  # entries per kernel
 # what the spec key saves (~35 us a launch of the MoE GEMM on the 2-core box).
 CHECK_SPEC = os.environ.get("OPREG_CHECK_SPEC", "") == "1"
 _direct_ok: bool | None = None  # None: not tried yet; False: this Triton's kernel call differs
-# a replay.Recording while one records (backends/triton/replay.py: it reads and sets this)
-_recorder: Any = None
+# thread id -> the replay.Recording recording there (backends/triton/replay.py sets it); a
+# launch looks its thread up only while any thread records (one dict test otherwise)
+_recorders: dict[int, Any] = {}
 # the kernels launch() caches: Triton's, and Gluon's (a JITFunction whose source is Gluon)
 _CACHED = ("JITFunction", "GluonJITFunction")
 _GLUON_DESCRIPTORS = "triton.experimental.gluon.nvidia.hopper"  # the module of Gluon's host descriptors
@@ -133,10 +135,11 @@ def launch_args(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], spec_key:
     if _dynamo_tracing():  # Dynamo traces this call: a node of its graph
         traced_launch(fn, grid, args, kwargs)
         return
+    rec = _recorders.get(threading.get_ident()) if _recorders else None
     cache = getattr(fn, "_opreg_launch_cache", None)
     if cache is None or _direct_ok is False or _hooks():
-        if _recorder is not None:
-            _recorder.fail("a launch through Triton's own path",  # for good: uncached kernels, the old call
+        if rec is not None:
+            rec.fail("a launch through Triton's own path",  # for good: uncached kernels, the old call
                            final=_direct_ok is False or (cache is None and type(fn).__name__ not in _CACHED))
         if cache is None and type(fn).__name__ in _CACHED:
             fn._opreg_launch_cache = {}
@@ -150,8 +153,8 @@ def launch_args(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], spec_key:
         key = (device, tuple(map(_arg_key, args)), tuple(kwargs.items()))
     hit = cache.get(key)
     if hit is None:
-        if _recorder is not None:
-            _recorder.fail("a kernel compiled in the call")
+        if rec is not None:
+            rec.fail("a kernel compiled in the call")
         args = _built(args)
         kernel = fn[grid](*args, **kwargs)
         if len(cache) >= _CACHE_LIMIT:  # spec keys are per input shape: serving sees many
@@ -167,11 +170,11 @@ def launch_args(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], spec_key:
     g2 = grid[2] if len(grid) > 2 else 1
     stream = torch._C._cuda_getCurrentRawStream(device)
     if raw is not None:
-        if _recorder is None or not _recorder.launch(raw, (grid[0], g1, g2), args, tail):
+        if rec is None or not rec.launch(raw, (grid[0], g1, g2), args, tail):
             raw(grid[0], g1, g2, stream, args, tail)
         return
-    if _recorder is not None:
-        _recorder.fail("a kernel without Triton 3.6's C launcher", final=True)
+    if rec is not None:
+        rec.fail("a kernel without Triton 3.6's C launcher", final=True)
     args = _built(args)
     if _direct_ok:
         kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None,

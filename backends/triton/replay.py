@@ -71,23 +71,18 @@ class Recording:
         self.buffers: list[tuple[Callable[..., torch.Tensor], tuple[int, ...], torch.dtype]] = []
         self.launches: list[tuple[Any, tuple[int, int, int], tuple[Any, ...], tuple[Any, ...]]] = []
         self.dry = dry
-        self.thread = threading.get_ident()
         self.making = 0
         self.failed: Optional[str] = None
         self.final = False  # failed for a reason the next call would meet again
         self.result: Optional[torch.Tensor] = None
 
     def fail(self, why: str, final: bool = False) -> None:
-        if threading.get_ident() != self.thread:  # another thread's launch: not this call's
-            return
         if self.failed is None or (final and not self.final):  # the reason that lasts, if any
             self.failed = why
         self.final = self.final or final
 
     def launch(self, raw: Any, grid: tuple[int, int, int], args: tuple[Any, ...], tail: tuple[Any, ...]) -> bool:
-        """Note a raw launch of this thread; True where it must not run (``dry``)."""
-        if threading.get_ident() != self.thread:
-            return False
+        """Note a raw launch; True where it must not run (``dry``)."""
         self.launches.append((raw, grid, args, tail))
         return self.dry
 
@@ -233,8 +228,8 @@ def _extent(t: torch.Tensor) -> int:
 
 
 def _current() -> Optional[Recording]:
-    rec = L._recorder
-    return rec if rec is not None and rec.thread == threading.get_ident() else None
+    """This thread's recording, if one runs."""
+    return L._recorders.get(threading.get_ident()) if L._recorders else None
 
 
 def make(fn: Callable[..., torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
@@ -258,13 +253,17 @@ def make(fn: Callable[..., torch.Tensor], shape: tuple[int, ...], dtype: torch.d
 def record(roots: Sequence[Optional[torch.Tensor]], dry: bool = False) -> Iterator[Recording]:
     """Record the launches of the call run inside (this thread's); ``dry``: without running them."""
     rec = Recording(roots, dry)
-    prev = L._recorder
-    L._recorder = rec
+    me = threading.get_ident()
+    prev = L._recorders.get(me)
+    L._recorders[me] = rec
     try:
         with _Watch(rec):
             yield rec
     finally:
-        L._recorder = prev
+        if prev is None:
+            del L._recorders[me]
+        else:
+            L._recorders[me] = prev
 
 
 class Plans:
