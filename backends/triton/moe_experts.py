@@ -1908,6 +1908,16 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     return _forward(*args, configs, save, keep_rows, pre_dt, spec)
 
 
+def sizes(x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, gated: bool,
+          transposed: bool) -> tuple[int, int, int, int, int, int, int]:
+    """(T, H, k, E, N1, I, S) of the op's hidden states (T, H), ids (T, k) and gate_up_proj:
+    N1 GEMM1's columns, I the activation's, S = T*k pairs."""
+    t, h = x.shape
+    k = ids.shape[1]
+    n1 = w1.shape[2] if transposed else w1.shape[1]
+    return t, h, k, w1.shape[0], n1, n1 // 2 if gated else n1, t * k
+
+
 def _forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: torch.Tensor,
              gate_up_bias: Optional[torch.Tensor], w2: torch.Tensor, down_bias: Optional[torch.Tensor],
              activation: str, gated: bool, transposed: bool, interleaved: bool, alpha: float, limit: float,
@@ -1915,12 +1925,7 @@ def _forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: torch.Ten
              pre_dt: Optional[torch.dtype], spec: Any) -> Any:
     """:func:`fused_experts_forward` past its key (``spec``, None: unkeyed) and the saved
     pre-activation's dtype ``pre_dt`` (None: no ``save``)."""
-    t, h = x.shape
-    k = ids.shape[1]
-    e = w1.shape[0]
-    n1 = w1.shape[2] if transposed else w1.shape[1]
-    i = n1 // 2 if gated else n1
-    s = t * k
+    t, h, k, e, n1, i, s = sizes(x, ids, w1, gated, transposed)
     if decodes(t, save, configs, s, e):
         return decode_forward(x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed,
                               interleaved, alpha, limit, configs["decode"] if configs is not None else None, spec)

@@ -691,12 +691,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     if saved is None:  # no slot (T*k = 0) or H = 0: every gradient is an empty sum
         return tuple(t.new_zeros(t.shape) if w else None for t, w in zip(inputs, want))
 
-    t, h = x.shape
-    k = ids.shape[1]
-    e = w1.shape[0]
-    n1 = w1.shape[2] if transposed else w1.shape[1]
-    i = n1 // 2 if gated else n1
-    s = t * k
+    t, h, k, e, n1, i, s = F.sizes(x, ids, w1, gated, transposed)
     dev = x.device
     bm = saved.configs["gemm1"]["BLOCK_M"]
     nb = saved.block_expert.shape[0]
