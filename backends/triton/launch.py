@@ -140,7 +140,7 @@ def launch_args(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], spec_key:
     if cache is None or _direct_ok is False or _hooks():
         if rec is not None:
             rec.fail("a launch through Triton's own path",  # for good: uncached kernels, the old call
-                           final=_direct_ok is False or (cache is None and type(fn).__name__ not in _CACHED))
+                     final=_direct_ok is False or (cache is None and type(fn).__name__ not in _CACHED))
         if cache is None and type(fn).__name__ in _CACHED:
             fn._opreg_launch_cache = {}
         fn[grid](*_built(args), **kwargs)
