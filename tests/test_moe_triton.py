@@ -795,18 +795,22 @@ REPLAYED = {"decode per pair": (2, 4, 8, "mixtral silu"), "decode grouped": (16,
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("buffers", ["nan", "pooled"])
 @pytest.mark.parametrize("case", list(REPLAYED))
-def test_cuda_replay(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_replay(case: str, buffers: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A no-grad forward's launches replayed (``TM.REPLAY``, backends/triton/replay.py) give
-    the Python path's bits on new inputs every call (new addresses, routing and values; NaN-
-    filled buffers; sentinel slots), through the op too; on triton 3.6 a plan is made and
-    replayed (under OPREG_CHECK_SPEC each replay first checks the Python path still launches
-    what it does); a CUDA graph captures a replayed call and replays it on new values."""
+    the Python path's bits on new inputs every call (new addresses, routing and values;
+    sentinel slots), through the op too; on triton 3.6 a plan is made and replayed (under
+    OPREG_CHECK_SPEC each replay first checks the Python path still launches what it does); a
+    CUDA graph captures a replayed call and replays it on new values. ``buffers``: NaN-filled
+    (an element no kernel writes shows), or the library's own plain ones, which a plan carves
+    from one allocation (``replay.plain``)."""
     import triton
 
     from opreg.backends.triton import replay
     assert TM.DECODE_MAX_TOKENS < REPLAYED["gemm"][0]
-    monkeypatch.setattr(TM, "_new_buffer", _nan_buffer)
+    if buffers == "nan":
+        monkeypatch.setattr(TM, "_new_buffer", _nan_buffer)
     t, k, e, family = REPLAYED[case]
     kw = {**FAMILIES[family][1], "sentinels": 1, "transposed": case == "gemm transposed"}
 
@@ -828,6 +832,11 @@ def test_cuda_replay(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     plan = TM._PLANS.memo.get((TM.spec_of(*args), False, False, None))
     if triton.__version__.startswith("3.6."):
         assert type(plan) is replay.Plan, f"no plan: {plan}"
+        # pooled: every buffer but the result; NaN-filled: the routing's (int32, always plain) alone
+        if buffers == "pooled":
+            assert [root for root, *_ in plan.made] == [plan.result] and plan.pooled
+        else:
+            assert all(plan.buffers[root - plan.inputs][2] == torch.int32 for root, _ in plan.pooled)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

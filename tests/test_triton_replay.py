@@ -67,6 +67,11 @@ def _nan(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> to
     return torch.full(shape, float("nan"), dtype=dtype, device=device)  # tensor work, inside make
 
 
+@R.plain
+def _plain(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 class Toy:
     """A call of two launches: its inputs x (N,) and w (16, 8), a scratch buffer read through
     a view at an offset, w through a lazy descriptor, an output buffer; ``extra``: another
@@ -77,6 +82,8 @@ class Toy:
         self.grid = 4
         self.extra: torch.Tensor | None = None
         self.work = False
+        self.scratch = _empty  # the scratch buffer's maker
+        self.second: tuple[int, ...] | None = None  # the shape of a second scratch buffer, launch 2's input
         self.made: list[torch.Tensor] = []
 
     def make(self, fn: Callable[..., torch.Tensor], shape: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
@@ -90,19 +97,20 @@ class Toy:
                 t = fn(*a)
                 self.made.append(t)
                 return t
-            return kept
-        return {fn: keeping(fn) for fn in (_empty, _nan)}
+            return R.plain(kept) if getattr(fn, "_opreg_plain", False) else kept
+        return {fn: keeping(fn) for fn in (_empty, _nan, _plain)}
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        scratch = self.make(_empty, (2, n), x)
+        scratch = self.make(self.scratch, (2, n), x)
+        second = self.make(self.scratch, self.second, x) if self.second else None
         out = self.make(_nan, (n,), x)
         wd = L.LazyDescriptor(w, [8, 8], (w.dtype, tuple(w.shape), w.stride(), (8, 8)))
         L.launch_args(self.fn, (self.grid,), (x, wd, scratch[1], n), "spec", {"BLOCK": 32})
         if self.work:
             x.abs()
-        L.launch_args(self.fn, (2,), (self.extra if self.extra is not None else scratch[1], wd, out, n), "spec2",
-                      {"BLOCK": 32})
+        first = self.extra if self.extra is not None else second if second is not None else scratch[1]
+        L.launch_args(self.fn, (2,), (first, wd, out, n), "spec2", {"BLOCK": 32})
         return out
 
 
@@ -149,6 +157,42 @@ def test_a_replay_launches_what_the_call_would(launches: list[tuple[Any, ...]]) 
         assert replayed[0][13] == x.data_ptr() and replayed[0][14][1] == w.data_ptr()
         assert replayed[0][0] == 4 and replayed[0][3] == 7, "grid and the current stream"
     assert replays == 2
+
+
+def test_plain_scratch_buffers_share_one_allocation(launches: list[tuple[Any, ...]],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scratch from a plain maker is carved from one allocation, each buffer at a 512-byte
+    offset; the result is still made by its own maker; the launches get what the Python path
+    gives them, with each scratch address moved into the pool."""
+    pools: list[torch.Tensor] = []
+    pool = R._pool
+    monkeypatch.setattr(R, "_pool", lambda nbytes, device: pools.append(pool(nbytes, device)) or pools[-1])
+    toy, plans = Toy(), R.Plans()
+    toy.scratch, toy.second = _plain, (3,)
+    w = torch.randn(16, 8)
+    for i in range(4):
+        x = torch.randn(40)  # scratch (2, 40) fp32: 320 bytes, so the second starts at 512
+        toy.made.clear()
+        before = len(launches)
+        planned = type(plans.memo.get("key")) is R.Plan
+        out = plans.call("key", (), (x, w), lambda: toy(x, w))
+        if not planned:
+            continue
+        replayed, made = launches[before:], list(toy.made)
+        assert made == [out] and torch.isnan(out).all(), "the result alone made by its maker"
+        assert len(pools) == 1 and pools[0].numel() == 512 + 512
+        plan = plans.memo["key"]
+        assert plan.pooled == [(2, 0), (3, 512)] and plan.pool_bytes == 1024
+        toy.made.clear()
+        at = len(launches)
+        toy(x, w)  # the Python path: the oracle
+        oracle, python_made = launches[at:], list(toy.made)
+        p = pools.pop()
+        in_pool = [p[:320].view(torch.float32), p[512:524].view(torch.float32), out]
+        assert [_normal(a, in_pool) for a in replayed] == [_normal(a, python_made) for a in oracle]
+        assert ("buffer", 0, 160) in _normal(replayed[0], in_pool), "scratch[1], in the pool"
+        assert _normal(replayed[1], in_pool)[13] == ("buffer", 1, 0), "the second scratch at offset 512"
+    assert type(plans.memo["key"]) is R.Plan
 
 
 def test_descriptors_are_encoded_for_each_new_address(launches: list[tuple[Any, ...]]) -> None:

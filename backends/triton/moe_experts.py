@@ -81,7 +81,7 @@ from opreg.ops import moe_experts as M
 from opreg.ops import moe_experts_grouped as G
 
 from .launch import DESCRIPTORS, LazyDescriptor, _dynamo_tracing, descriptor, launch, launch_args
-from .replay import Plans, make
+from .replay import Plans, make, plain
 
 try:
     import triton
@@ -1082,6 +1082,7 @@ def _pick(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.dtype,
 
 # ----------------------------------------------------------------------------- launcher
 
+@plain  # a replay carves the scratch ones from one allocation (.replay)
 def _new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every float buffer the launcher fills (tests replace this with a NaN-filled one, so
     an element a kernel forgets to write shows up)."""
@@ -1093,6 +1094,7 @@ def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     return make(_new_buffer, shape, dtype, device)
 
 
+@plain
 def _int_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The routing's buffer (int32: every element the routing kernels read, they write first)."""
     return torch.empty(shape, dtype=dtype, device=device)
