@@ -28,12 +28,14 @@
 #                                          with them and without (moe_decode.py), the block at
 #                                          T = 1, 4, 16 and 64 beside HF's eager and compiled
 #                                          grouped_mm, the eager block's host side (moe_profile --host-profile)
-#   STAGE=targets bash bench/device_run.sh issue 18's T = 4096 / 16384 targets in one call (<= 6 min): the
+#   STAGE=targets bash bench/device_run.sh issue 18's T = 4096 / 16384 targets in one call (<= 8 min): the
 #                                          replay's GPU tests (TARGETS_TESTS=0 skips them), then the block
 #                                          vs HF's grouped_mm + Inductor, fwd and fwd+bwd, each T of
 #                                          TOKENS_TARGETS (default "4096 16384 4096") a process of its own with
 #                                          the clocks read before it, then bench/moe_replay.py (the replay off /
-#                                          on interleaved); $OUT/targets.log, $OUT/replay.log
+#                                          on interleaved; then --training: REPLAY_TRAINING off / on, the
+#                                          block's training step; TARGETS_TRAINING=0 skips it);
+#                                          $OUT/targets.log, $OUT/replay.log, $OUT/replay_training.log
 #   STAGE=table bash bench/device_run.sh   issue 18's block table: every variant but HF's eager loop at
 #                                          TOKENS_TABLE (default 1,64,512; the large T in a second call,
 #                                          TOKENS_TABLE=4096,16384), forward and training, 5 rounds,
@@ -222,7 +224,8 @@ fi
 if [ "$STAGE" = targets ]; then
   python3 -m opreg build >/dev/null 2>&1
   [ "${TARGETS_TESTS:-1}" = 1 ] && timeout 150 python3 -m pytest -q -n 14 --dist load -p no:cacheprovider \
-    -k "replay or launch_cache" tests/test_moe_triton.py tests/test_triton_replay.py 2>&1 | tail -3
+    -k "replay or launch_cache" tests/test_moe_triton.py tests/test_triton_replay.py tests/test_moe_triton_backward.py \
+    2>&1 | tail -3
   # each T in a process of its own: a process's first config has read slow (fifty-ninth and
   # sixty-second sessions), so T = 4096 twice; the clocks before each (the power cap)
   for t in ${TOKENS_TARGETS:-4096 16384 4096}; do
@@ -231,6 +234,9 @@ if [ "$STAGE" = targets ]; then
       --variants hf_grouped_mm_inductor opreg --rounds 5 --min-batch 5 2>&1) | tee -a "$OUT/targets.log" | grep "^|"
   done
   timeout 150 python3 bench/moe_replay.py 2>&1 | tee "$OUT/replay.log" | grep -E "^device|host|block"
+  # the training forward replayed (moe_experts.REPLAY_TRAINING, off by default until this reads)
+  [ "${TARGETS_TRAINING:-1}" = 1 ] && timeout 180 python3 bench/moe_replay.py --training --rounds 9 2>&1 \
+    | tee "$OUT/replay_training.log" | grep -E "^device|host|block"
 fi
 
 if [ "$STAGE" = table ]; then

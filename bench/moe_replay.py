@@ -1,6 +1,9 @@
 """The no-grad MoE forward with its launches replayed and without (``moe_experts.REPLAY``), CUDA.
 
-    python bench/moe_replay.py [--configs mixtral qwen3_moe olmoe] [--tokens 4096] [--rounds 12]
+    python bench/moe_replay.py [--configs mixtral qwen3_moe olmoe] [--tokens 4096] [--rounds 12] [--training]
+
+``--training``: the training forward (``save=True``) and the block's training step instead,
+with ``moe_experts.REPLAY_TRAINING`` off and on (``REPLAY`` on in both).
 
 Per config and T, bf16, in one process:
 
@@ -28,9 +31,12 @@ from opreg.backends.triton import tune
 from opreg.testing.timing import host_once_us
 
 
-def replay(on: bool) -> Callable[[], None]:
+def replay(on: bool, training: bool) -> Callable[[], None]:
     def set_it() -> None:
-        F.REPLAY = on
+        if training:
+            F.REPLAY_TRAINING = on
+        else:
+            F.REPLAY = on
     return set_it
 
 
@@ -40,30 +46,37 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--batch", type=int, default=5)
+    p.add_argument("--training", action="store_true",
+                   help="the training forward and the block's training step, REPLAY_TRAINING off / on")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("moe_replay.py: needs a CUDA device")
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, T = {a.tokens}, bf16")
+    train = a.training
+    mode = "fwd+bwd" if train else "fwd"
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, T = {a.tokens}, bf16, {mode}")
     for name in a.configs:
         _, _, h, ffn, e, k = bb.CONFIGS[name]
         args = tune.inputs(e, h, ffn, k, a.tokens, torch.bfloat16, "cuda")
+        host = {False: [], True: []}
         with torch.no_grad():
-            host = {False: [], True: []}
             for _ in range(2):
                 for on in (False, True):
-                    F.REPLAY = on
-                    host[on].append(host_once_us(lambda: F.fused_experts_forward(*args), reps=30))
-            block, x = bb.inputs(name, a.tokens, False)
-            ours, hf = bb.variant(block, "opreg"), bb.variant(block, "hf_grouped_mm_inductor")
-            variants = {"hf": tm.Variant(lambda i: hf(x)),
-                        "off": tm.Variant(lambda i: ours(x), before=replay(False)),
-                        "on": tm.Variant(lambda i: ours(x), before=replay(True))}
-            times = tm.interleaved(variants, "cuda", rounds=a.rounds, target_us=1.0, min_batch=a.batch)
-            F.REPLAY = True
+                    replay(on, train)()
+                    host[on].append(host_once_us(lambda: F.fused_experts_forward(*args, save=train), reps=30))
+        block, x = bb.inputs(name, a.tokens, False)
+        ours, hf = bb.variant(block, "opreg"), bb.variant(block, "hf_grouped_mm_inductor")
+        ours_step, hf_step = bb.step(ours, x, mode), bb.step(hf, x, mode)
+        variants = {"hf": tm.Variant(lambda i: hf_step()),
+                    "off": tm.Variant(lambda i: ours_step(), before=replay(False, train)),
+                    "on": tm.Variant(lambda i: ours_step(), before=replay(True, train))}
+        times = tm.interleaved(variants, "cuda", rounds=a.rounds, target_us=1.0, min_batch=a.batch)
+        F.REPLAY, F.REPLAY_TRAINING = True, False  # the defaults
         med = {key: tm.median(v) for key, v in times.items()}
-        print(f"{name}: the fused forward's host, replay off / on: "
+        what = "training" if train else "fused"
+        print(f"{name}: the {what} forward's host, replay off / on: "
               f"{' / '.join(f'{u:.1f}' for pair in zip(host[False], host[True]) for u in pair)} us")
-        print(f"{name}: block, batches of {a.batch}, median of {a.rounds} rounds: HF + Inductor {med['hf']:.0f} us, "
+        print(f"{name}: block {mode}, batches of {a.batch}, median of {a.rounds} rounds: "
+              f"HF + Inductor {med['hf']:.0f} us, "
               f"opreg replay off {med['off']:.0f} ({med['hf'] / med['off']:.2f}x), on {med['on']:.0f} "
               f"({med['hf'] / med['on']:.2f}x); paired off / on {tm.paired_ratio(times['off'], times['on']):.3f}",
               flush=True)

@@ -876,6 +876,59 @@ def test_cuda_cases(case_id: str) -> None:
         TM._new_buffer = old
 
 
+REPLAY_TRAINED = {"prefill fp32": ("prefill", "gpt_oss biases", torch.float32),
+                  "prefill bf16": ("prefill", "mixtral silu", torch.bfloat16),
+                  "many rows": ("many rows", "relu2 ungated", torch.bfloat16),
+                  "gluon gemm1": ((512, 4, 256, 128, 8), "mixtral silu", torch.bfloat16)}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("buffers", ["nan", "pooled"])
+@pytest.mark.parametrize("case", list(REPLAY_TRAINED))
+def test_cuda_replay_training(case: str, buffers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``moe_experts.REPLAY_TRAINING``: a forward that saves for the backward replayed
+    (backends/triton/replay.py, its result the output and :class:`Saved`'s tensors) gives the
+    Python path's output and every gradient bit for bit, on new inputs each call (new
+    addresses, routing, values, cotangent); on triton 3.6 an fp32 case (no GEMM1 on
+    torch._grouped_mm, which a plan can't hold) is replayed from a plan. ``buffers``: NaN-filled,
+    or the library's own (the scratch carved from one allocation)."""
+    import triton
+
+    from opreg.backends.triton import replay
+    monkeypatch.setattr(TM, "REPLAY_TRAINING", True)
+    if buffers == "nan":
+        monkeypatch.setattr(TM, "_new_buffer", _nan_buffer)
+    shape, family, dtype = REPLAY_TRAINED[case]
+
+    def fresh() -> tuple:
+        if isinstance(shape, tuple):
+            return _requires(make(*shape, dtype, "cuda", **{**FAMILIES[family][1], "sentinels": 1}), GRAD_ARGS)
+        return _big_args(shape, family, dtype)
+
+    def step(args: tuple, cot: torch.Tensor, on: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(TM, "REPLAY", on)
+        leaves = [a for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
+        out = TB.FusedExperts.apply(*args)
+        return [out.detach(), *torch.autograd.grad(out, leaves, cot)]
+
+    for n in range(4):
+        args = fresh()
+        cot = torch.randn(args[0].shape, dtype=dtype, device="cuda")
+        want, got = step(args, cot, False), step(args, cot, True)
+        for j, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(_bits(a), _bits(b)), f"call {n}: {'output' if j == 0 else f'gradient {j}'} differs"
+    spec = TM.spec_of(*args)
+    plans = [v for k, v in TM._PLANS.memo.items() if k[0] == spec and k[1]]
+    assert plans, "the saving forward was not keyed for a replay"
+    if triton.__version__.startswith("3.6.") and dtype == torch.float32:
+        assert type(plans[0]) is replay.Plan and not plans[0].single, f"no plan: {plans[0]}"
+
+
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)

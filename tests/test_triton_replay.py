@@ -84,6 +84,7 @@ class Toy:
         self.work = False
         self.scratch = _empty  # the scratch buffer's maker
         self.second: tuple[int, ...] | None = None  # the shape of a second scratch buffer, launch 2's input
+        self.returns = False  # return (out, a view of scratch, the second buffer, None) instead of out
         self.made: list[torch.Tensor] = []
 
     def make(self, fn: Callable[..., torch.Tensor], shape: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +112,7 @@ class Toy:
             x.abs()
         first = self.extra if self.extra is not None else second if second is not None else scratch[1]
         L.launch_args(self.fn, (2,), (first, wd, out, n), "spec2", {"BLOCK": 32})
-        return out
+        return (out, scratch[1], second, None) if self.returns else out
 
 
 def _normal(entry: tuple[Any, ...], made: list[torch.Tensor]) -> tuple[Any, ...]:
@@ -192,6 +193,33 @@ def test_plain_scratch_buffers_share_one_allocation(launches: list[tuple[Any, ..
         assert [_normal(a, in_pool) for a in replayed] == [_normal(a, python_made) for a in oracle]
         assert ("buffer", 0, 160) in _normal(replayed[0], in_pool), "scratch[1], in the pool"
         assert _normal(replayed[1], in_pool)[13] == ("buffer", 1, 0), "the second scratch at offset 512"
+    assert type(plans.memo["key"]) is R.Plan
+
+
+def test_a_call_returning_buffers_and_views(launches: list[tuple[Any, ...]]) -> None:
+    """A call that returns a tuple (a MoE forward saving for its backward): the replay returns
+    the same structure, each tensor this call's buffer or the same view of it (shape, strides,
+    offset), the Nones as None; a returned buffer is made by its own maker, not carved from the
+    pool, so what the caller keeps holds no other scratch."""
+    toy, plans = Toy(), R.Plans()
+    toy.scratch, toy.second, toy.returns = _plain, (3,), True
+    w = torch.randn(16, 8)
+    for i in range(4):
+        x = torch.randn(40)
+        toy.made.clear()
+        planned = type(plans.memo.get("key")) is R.Plan
+        got = plans.call("key", (), (x, w), lambda: toy(x, w))
+        assert type(got) is tuple and len(got) == 4 and got[3] is None
+        out, view, second = got[:3]
+        scratch = toy.made[0]
+        assert out is toy.made[-1] and torch.isnan(out).all()
+        assert view.data_ptr() == scratch[1].data_ptr() and view.shape == (40,) and view.stride() == (1,)
+        assert view.untyped_storage().data_ptr() == scratch.untyped_storage().data_ptr()
+        assert second is toy.made[1] and second.shape == (3,)
+        if planned:
+            plan = plans.memo["key"]
+            assert plan.pooled == [] and len(plan.made) == 3, "every buffer is returned: none pooled"
+            assert plan.results == ((4, None), (2, ((40,), (1,), 40)), (3, None), None)
     assert type(plans.memo["key"]) is R.Plan
 
 

@@ -1711,6 +1711,13 @@ _MEMO_LIMIT = 4096  # entries per memo (one per distinct input metadata: serving
 # the eager block's forward 2.5-4 % faster in batches of 5 calls, interleaved
 # (bench/RESULTS.md, sixty-first session). False: every call runs the Python path.
 REPLAY = True
+# With REPLAY, a forward that saves for the backward (the training path's, ``save=True``) is
+# replayed too: its output and what :class:`Saved` holds (the routing's views, GEMM1's act and
+# pre-activation, the sorted rows) are the replay's buffers. Off until its GPU tests have
+# run (bench/RESULTS.md, "Not yet run"): an eager training step at T <= 512 waits on its
+# host, and this forward's Python was ~0.45 ms a step of it under cProfile (H100 host, T =
+# 64, sixty-second session).
+REPLAY_TRAINING = False
 _PLANS = Plans(_MEMO_LIMIT)
 
 
@@ -1904,10 +1911,26 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
         spec = (spec or spec_of(x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed,
                                 interleaved, alpha, limit), save, keep_rows, pre_dt)
     args = (x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed, interleaved, alpha, limit)
-    if spec is not None and not save and REPLAY:  # a no-grad forward: its launches replayed (.replay)
-        return _PLANS.call(spec, _plan_state(), args[:7], functools.partial(_forward, *args, None, False, False,
-                                                                             None, spec))
+    if spec is not None and REPLAY:  # the launches replayed (.replay)
+        if not save:
+            return _PLANS.call(spec, _plan_state(), args[:7], functools.partial(_forward, *args, None, False, False,
+                                                                                 None, spec))
+        # (its configs, for Saved, from the memo: a spec's first call fills it, on the Python path)
+        if REPLAY_TRAINING and (picked := _CONFIGS.get(spec)) is not None:
+            got = _PLANS.call(spec, _plan_state(), args[:7], functools.partial(_saving_forward, args, keep_rows,
+                                                                                pre_dt, spec))
+            c1, c2, cc = picked
+            return got[0], Saved(*got[1:6], {"gemm1": dict(c1), "gemm2": c2, "combine": dict(cc)}, *got[6:])
     return _forward(*args, configs, save, keep_rows, pre_dt, spec)
+
+
+def _saving_forward(args: tuple[Any, ...], keep_rows: bool, pre_dt: torch.dtype, spec: Any
+                    ) -> tuple[Optional[torch.Tensor], ...]:
+    """A saving forward (:func:`_forward` with ``save``) as a flat tuple for :mod:`.replay`: the
+    output, then :class:`Saved`'s tensors (its configs follow from ``spec``: ``_CONFIGS``)."""
+    out, saved = _forward(*args, None, True, keep_rows, pre_dt, spec)
+    return (out, saved.sorted_pair_ids, saved.block_expert, saved.tables, saved.act, saved.pre, saved.routing,
+            saved.rows)
 
 
 def sizes(x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, gated: bool,

@@ -8,7 +8,9 @@ read Mixtral's block forward at 838 us in batches of 5 calls and 773 in batches 
 that H100, its GPU time 731. Decode-sized calls are all host.
 
 A :class:`Recording` (:func:`record`) watches one call: its input tensors (the roots), each
-buffer it makes (:func:`make`) and each launch through :mod:`.launch`'s raw C launcher.
+buffer it makes (:func:`make`) and each launch through :mod:`.launch`'s raw C launcher. The
+call returns a buffer it made, or a tuple of such buffers, views of them and Nones (the MoE
+forward that saves for its backward).
 Where every launch took that launcher, each tensor parameter lies in exactly one root and no
 other tensor work ran (a dispatch mode sees every ATen call: views and empty tensors only,
 outside :func:`make`), it becomes a :class:`Plan`: each launch's parameters as constants
@@ -87,7 +89,7 @@ class Recording:
         self.making = 0
         self.failed: Optional[str] = None
         self.final = False  # failed for a reason the next call would meet again
-        self.result: Optional[torch.Tensor] = None
+        self.result: Any = None  # what the call returned: a tensor, or a tuple of tensors and Nones
 
     def fail(self, why: str, final: bool = False) -> None:
         if self.failed is None or (final and not self.final):  # the reason that lasts, if any
@@ -165,22 +167,44 @@ class Plan:
         self.buffers = list(rec.buffers)
         spans = [(i, t.data_ptr(), t.data_ptr() + _extent(t)) for i, t in enumerate(rec.roots)
                  if t is not None and t.numel()]
-        self.result = next((i for i, t in enumerate(rec.roots) if t is rec.result and i >= rec.inputs), None)
-        if self.result is None:
-            raise _Unplannable("the call returned a tensor it did not make")
+        # the result: one tensor, or a tuple of tensors (each a buffer the call made, or a view
+        # of one) and Nones
+        self.single = isinstance(rec.result, torch.Tensor)
+        self.results = tuple(self._returned(t, rec) for t in ((rec.result,) if self.single else rec.result))
+        self.result = self.results[0][0] if self.single else None  # the buffer returned as is
         self.launches = [self._launch(raw, grid, args + tail, spans) for raw, grid, args, tail in rec.launches]
-        # scratch from plain makers: one allocation, each at its offset; the rest made one by one
+        # scratch from plain makers: one allocation, each at its offset; the rest (and any
+        # buffer the call returns) made one by one
+        returned = {r[0] for r in self.results if r is not None}
         self.made: list[tuple[int, Callable[..., torch.Tensor], tuple[int, ...], torch.dtype]] = []
         self.pooled: list[tuple[int, int]] = []  # (buffer's root index, byte offset in the pool)
         self.pool_bytes = 0
         for j, (fn, shape, dtype) in enumerate(self.buffers):
             root = self.inputs + j
-            if getattr(fn, "_opreg_plain", False) and root != self.result:
+            if getattr(fn, "_opreg_plain", False) and root not in returned:
                 self.pooled.append((root, self.pool_bytes))
                 size = math.prod(shape) * dtype.itemsize
                 self.pool_bytes += -(-size // _POOL_ALIGN) * _POOL_ALIGN
             else:
                 self.made.append((root, fn, shape, dtype))
+
+    @staticmethod
+    def _returned(t: Any, rec: Recording) -> Optional[tuple[int, Optional[tuple[Any, ...]]]]:
+        """(root, None) for a buffer the call made and returned as is, (root, (size, stride,
+        storage offset)) for a view of one in its dtype, None for None."""
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor):
+            raise _Unplannable(f"the call returned a {type(t).__name__}, not a tensor")
+        made = rec.roots[rec.inputs:]
+        for j, b in enumerate(made):
+            if t is b:
+                return rec.inputs + j, None
+        for j, b in enumerate(made):
+            if (b.dtype == t.dtype and b.numel() and b.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                    and b.storage_offset() == 0):
+                return rec.inputs + j, (tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        raise _Unplannable("the call returned a tensor it did not make")
 
     @staticmethod
     def _where(ptr: int, spans: list[tuple[int, int, int]]) -> tuple[int, int]:
@@ -215,21 +239,25 @@ class Plan:
 
     def signature(self) -> tuple[Any, ...]:
         """What a replay launches, comparable between plans of one key (OPREG_CHECK_SPEC)."""
-        return (self.inputs, tuple((fn, shape, dtype) for fn, shape, dtype in self.buffers), self.result,
+        return (self.inputs, tuple((fn, shape, dtype) for fn, shape, dtype in self.buffers), self.single, self.results,
                 tuple((c, grid, head, flat, ptrs, tuple((i, r, off, e.key) for i, r, off, e in encs))
                       for c, grid, head, flat, ptrs, encs in self.launches))
 
-    def run(self, roots: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-        """The recorded launches on ``roots`` (the call's inputs, as recorded): its result."""
+    def run(self, roots: Sequence[Optional[torch.Tensor]]) -> Any:
+        """The recorded launches on ``roots`` (the call's inputs, as recorded): its result (a
+        tensor, or the recorded call's tuple with this call's tensors)."""
         x = roots[0]
         device = x.device
         addrs = [0 if t is None else t.data_ptr() for t in roots] + [0] * len(self.buffers)
         result = None
+        made = {}
         for root, fn, shape, dtype in self.made:
             t = fn(shape, dtype, device)
             addrs[root] = t.data_ptr()
             if root == self.result:
                 result = t
+            elif not self.single:
+                made[root] = t
         # the pool lives to the end of this call: freed after its launches are queued on the
         # current stream, which the caching allocator orders after them, as it would each buffer
         pool = _pool(self.pool_bytes, device) if self.pooled else None
@@ -243,8 +271,11 @@ class Plan:
         else:
             with torch.cuda.device(device.index):
                 self._launch_all(addrs, device.index)
-        assert result is not None
-        return result
+        if self.single:
+            assert result is not None
+            return result
+        return tuple(None if r is None else made[r[0]] if r[1] is None else made[r[0]].as_strided(*r[1])
+                     for r in self.results)
 
     def _launch_all(self, addrs: list[int], device: int) -> None:
         stream = torch._C._cuda_getCurrentRawStream(device)
@@ -315,10 +346,10 @@ class Plans:
         self.memo: dict[Any, Any] = {}  # key -> Plan, or (state, why) where none can be made
         self.limit = limit
 
-    def call(self, key: Any, state: Any, roots: Sequence[Optional[torch.Tensor]],
-             body: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def call(self, key: Any, state: Any, roots: Sequence[Optional[torch.Tensor]], body: Callable[[], Any]) -> Any:
         """``body()``, the call on ``roots``: replayed where this key's plan has ``state``,
-        else run (and recorded, while no plan is made)."""
+        else run (and recorded, while no plan is made). ``body`` returns a tensor, or a tuple
+        of tensors and Nones; each tensor a buffer it made (:func:`make`) or a view of one."""
         got = self.memo.get(key)
         if type(got) is Plan and got.state == state and not L._hooks() and _current() is None:
             if L.CHECK_SPEC and not self._checked(key, got, state, roots, body):
@@ -339,7 +370,7 @@ class Plans:
         return out
 
     def _checked(self, key: Any, plan: Plan, state: Any, roots: Sequence[Optional[torch.Tensor]],
-                 body: Callable[[], torch.Tensor]) -> bool:
+                 body: Callable[[], Any]) -> bool:
         """OPREG_CHECK_SPEC: does the Python path, run dry, launch what ``plan`` does? Raises
         where not; False (the plan dropped) where the dry run met a kernel that the launch
         cache no longer held (compiled and run again: its call's results are incomplete)."""
