@@ -84,7 +84,7 @@ class Toy:
         self.work = False
         self.scratch = _empty  # the scratch buffer's maker
         self.second: tuple[int, ...] | None = None  # the shape of a second scratch buffer, launch 2's input
-        self.returns = False  # return (out, a view of scratch, the second buffer, None) instead of out
+        self.returns: bool | str = False  # True: (out, a view of scratch, the second buffer, None); "view": scratch[1]
         self.made: list[torch.Tensor] = []
 
     def make(self, fn: Callable[..., torch.Tensor], shape: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
@@ -112,6 +112,8 @@ class Toy:
             x.abs()
         first = self.extra if self.extra is not None else second if second is not None else scratch[1]
         L.launch_args(self.fn, (2,), (first, wd, out, n), "spec2", {"BLOCK": 32})
+        if self.returns == "view":
+            return scratch[1]
         return (out, scratch[1], second, None) if self.returns else out
 
 
@@ -221,6 +223,22 @@ def test_a_call_returning_buffers_and_views(launches: list[tuple[Any, ...]]) -> 
             assert plan.pooled == [] and len(plan.made) == 3, "every buffer is returned: none pooled"
             assert plan.results == ((4, None), (2, ((40,), (1,), 40)), (3, None), None)
     assert type(plans.memo["key"]) is R.Plan
+
+
+def test_a_call_returning_one_view(launches: list[tuple[Any, ...]]) -> None:
+    """A call whose one result is a view of a buffer it made gets that view again on each
+    replay (not the whole buffer), the buffer made on its own."""
+    toy, plans = Toy(), R.Plans()
+    toy.scratch, toy.returns = _plain, "view"
+    w = torch.randn(16, 8)
+    for i in range(4):
+        x = torch.randn(40)
+        toy.made.clear()
+        got = plans.call("key", (), (x, w), lambda: toy(x, w))
+        scratch = toy.made[0]
+        assert got.shape == (40,) and got.data_ptr() == scratch[1].data_ptr()
+    plan = plans.memo["key"]
+    assert type(plan) is R.Plan and plan.single and plan.result is None and plan.results == ((2, ((40,), (1,), 40)),)
 
 
 def test_descriptors_are_encoded_for_each_new_address(launches: list[tuple[Any, ...]]) -> None:

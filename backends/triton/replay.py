@@ -171,7 +171,8 @@ class Plan:
         # of one) and Nones
         self.single = isinstance(rec.result, torch.Tensor)
         self.results = tuple(self._returned(t, rec) for t in ((rec.result,) if self.single else rec.result))
-        self.result = self.results[0][0] if self.single else None  # the buffer returned as is
+        whole = self.single and self.results[0] is not None and self.results[0][1] is None
+        self.result = self.results[0][0] if whole else None  # the one buffer returned as is
         self.launches = [self._launch(raw, grid, args + tail, spans) for raw, grid, args, tail in rec.launches]
         # scratch from plain makers: one allocation, each at its offset; the rest (and any
         # buffer the call returns) made one by one
@@ -256,7 +257,7 @@ class Plan:
             addrs[root] = t.data_ptr()
             if root == self.result:
                 result = t
-            elif not self.single:
+            else:
                 made[root] = t
         # the pool lives to the end of this call: freed after its launches are queued on the
         # current stream, which the caching allocator orders after them, as it would each buffer
@@ -271,11 +272,11 @@ class Plan:
         else:
             with torch.cuda.device(device.index):
                 self._launch_all(addrs, device.index)
-        if self.single:
-            assert result is not None
+        if result is not None:
             return result
-        return tuple(None if r is None else made[r[0]] if r[1] is None else made[r[0]].as_strided(*r[1])
-                     for r in self.results)
+        got = tuple(None if r is None else made[r[0]] if r[1] is None else made[r[0]].as_strided(*r[1])
+                    for r in self.results)
+        return got[0] if self.single else got
 
     def _launch_all(self, addrs: list[int], device: int) -> None:
         stream = torch._C._cuda_getCurrentRawStream(device)
