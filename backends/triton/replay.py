@@ -18,9 +18,10 @@ and (root, byte offset) addresses, each TMA descriptor as an address and what it
 reads. :meth:`Plan.run` makes the buffers again, fills in this call's addresses (the C
 launcher takes an int for a pointer: no ``data_ptr()`` call and no driver query per
 tensor), encodes a descriptor once per address and launches on the current stream. Scratch
-buffers whose maker is :func:`plain` (an empty tensor, nothing else) are carved from one
-allocation, at 512-byte offsets: a ``torch.empty`` took ~5.4 us of host on the H100 box, and
-the MoE forward makes four scratch buffers beside its output (sixty-first session).
+buffers (made, not returned, nor viewed by what is) whose maker is :func:`plain` (an empty
+tensor, nothing else) are carved from one allocation, at 512-byte offsets: a ``torch.empty``
+took ~5.4 us of host on the H100 box, and the MoE forward makes four scratch buffers beside
+its output (sixty-first session).
 
 :class:`Plans` keeps them per caller's key, which must determine every launch's kernel,
 grid and constants (the op's spec: each input's device, dtype, shape, strides and
