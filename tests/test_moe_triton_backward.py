@@ -120,6 +120,10 @@ CASES: dict[str, dict] = {
     "all slots sentinel": dict(dims=(5, 2, 16, 8, 4), opts=dict(bias=True), special="all_out"),
     "empty expert": dict(dims=(6, 2, 16, 8, 8), opts=dict(bias=True), special="skip_expert"),
     "T=1": dict(dims=(1, 2, 24, 16, 4), opts=dict(bias=True)),
+    # moe_experts.REPLAY_TRAINING on, default configs: the saving forward goes through the
+    # replay's Plans (the interpreter's launches refuse a plan: its flat result, rebuilt)
+    "replay training": dict(dims=(10, 2, 16, 8, 4), opts=dict(sentinels=3, bias=True), special="nan",
+                            replay_training=True, dtypes=["float32"]),
     # GEMM2's dgrad loads down_proj's tiles through a tensor descriptor by default (here the
     # interpreter's); this case keeps its pointer loads covered, both weight layouts
     "dgrad2 pointer loads": dict(dims=(11, 2, 16, 8, 3), opts=dict(bias=True),
@@ -490,17 +494,19 @@ def _pre_bf16(args: tuple) -> bool:
 
 def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
     """One case: every gradient vs the float64 reference's, inputs untouched; on a device,
-    a second backward bit-identical. A case with ``pre_bf16`` runs with
-    ``moe_experts.PRE_BF16`` so set."""
+    a second backward bit-identical. A case with ``pre_bf16`` (``replay_training``) runs with
+    ``moe_experts.PRE_BF16`` (``REPLAY_TRAINING``) so set."""
     c = CASES[case_id.rsplit("/", 1)[0]]
-    if "pre_bf16" not in c:
-        return _run_case(case_id, seed, device)
-    old = TM.PRE_BF16
-    TM.PRE_BF16 = c["pre_bf16"]
+    flags = {flag: c[key] for key, flag in (("pre_bf16", "PRE_BF16"), ("replay_training", "REPLAY_TRAINING"))
+             if key in c}
+    old = {flag: getattr(TM, flag) for flag in flags}
+    for flag, value in flags.items():
+        setattr(TM, flag, value)
     try:
         return _run_case(case_id, seed, device)
     finally:
-        TM.PRE_BF16 = old
+        for flag, value in old.items():
+            setattr(TM, flag, value)
 
 
 def _run_case(case_id: str, seed: int, device: str) -> None:
@@ -537,9 +543,14 @@ def _run_case(case_id: str, seed: int, device: str) -> None:
     kernels = TM._sorted_rows_kernel, TM._act_kernel
     TM._sorted_rows_kernel, TM._act_kernel = _Launches(kernels[0], fwd_rows_log), _Launches(kernels[1], act_log)
     try:
+        if c.get("replay_training"):  # a first call fills the configs' memo; the second is keyed for a replay
+            TB.FusedExperts.apply(*args, configs)
         out = TB.FusedExperts.apply(*args, configs)
     finally:
         TM._sorted_rows_kernel, TM._act_kernel = kernels
+    if c.get("replay_training"):
+        spec = TM.spec_of(*args)
+        assert any(k[0] == spec and k[1] for k in TM._PLANS.memo), "the saving forward did not reach the replay"
     if "gemm1_grouped" in c:
         assert len(act_log) == int(c["gemm1_grouped"]), f"GEMM1's gate pass ran {len(act_log)} times"
     want = M.reference(*args64)
