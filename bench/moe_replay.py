@@ -70,7 +70,7 @@ def main() -> None:
                     "off": tm.Variant(lambda i: ours_step(), before=replay(False, train)),
                     "on": tm.Variant(lambda i: ours_step(), before=replay(True, train))}
         times = tm.interleaved(variants, "cuda", rounds=a.rounds, target_us=1.0, min_batch=a.batch)
-        F.REPLAY, F.REPLAY_TRAINING = True, False  # the defaults
+        F.REPLAY, F.REPLAY_TRAINING = True, True  # the defaults
         med = {key: tm.median(v) for key, v in times.items()}
         what = "training" if train else "fused"
         print(f"{name}: the {what} forward's host, replay off / on: "

@@ -120,7 +120,8 @@ CASES: dict[str, dict] = {
     "all slots sentinel": dict(dims=(5, 2, 16, 8, 4), opts=dict(bias=True), special="all_out"),
     "empty expert": dict(dims=(6, 2, 16, 8, 8), opts=dict(bias=True), special="skip_expert"),
     "T=1": dict(dims=(1, 2, 24, 16, 4), opts=dict(bias=True)),
-    # moe_experts.REPLAY_TRAINING on, default configs: the saving forward goes through the
+    # moe_experts.REPLAY_TRAINING on (as by default; set here so that the case says so), default
+    # configs: the saving forward goes through the
     # replay's Plans (the interpreter's launches refuse a plan: its flat result, rebuilt)
     "replay training": dict(dims=(10, 2, 16, 8, 4), opts=dict(sentinels=3, bias=True), special="nan",
                             replay_training=True, dtypes=["float32"]),
@@ -430,7 +431,7 @@ def _grouped_dgrad1(args: tuple, configs: dict | None) -> bool:
 
 def _check_wgrad_path(grouped: bool, grouped1: bool, names: tuple[str, ...], args: tuple, mm_calls: list[int],
                       wgrad_log: list[dict[str, Any]], rows_log: list[dict[str, Any]],
-                      fwd_rows_log: list[dict[str, Any]], configs: dict | None) -> None:
+                      fwd_rows_log: list[dict[str, Any]] | None, configs: dict | None) -> None:
     """The weight gradients ran where they should: ``grouped``, one torch._grouped_mm per
     weight gradient asked for, Triton's _moe_wgrad for the biases alone, and each gathered
     operand's rows copied once: dout (unscaled) first where dgrad2 reads a sorted copy
@@ -438,8 +439,9 @@ def _check_wgrad_path(grouped: bool, grouped1: bool, names: tuple[str, ...], arg
     needs GEMM2's dgrad, then rw * dout (scaled)
     for down_proj in the backward, x for
     gate_up_proj in the forward (GEMM1 read that copy, and the backward reuses it:
-    ``keeps_rows``); else no torch._grouped_mm for them, and the forward copies x only where
-    its table says PREGATHER. ``grouped1``: GEMM1's dgrad is one more torch._grouped_mm
+    ``keeps_rows``; ``fwd_rows_log`` None: the forward was replayed, its launches not logged);
+    else no torch._grouped_mm for them, and the forward copies x only where its table says
+    PREGATHER. ``grouped1``: GEMM1's dgrad is one more torch._grouped_mm
     where hidden_states' gradient is asked for."""
     weights = [n for n in ("down_proj", "gate_up_proj") if n in names]
     # GEMM2's dgrad (every gradient but down_proj's and the biases' below it needs it): on
@@ -460,7 +462,7 @@ def _check_wgrad_path(grouped: bool, grouped1: bool, names: tuple[str, ...], arg
     pregather = bool(c2.get("PREGATHER", 0)) or grouped2
     want = [False] * (pregather and dgrad2) + [True] * ("down_proj" in weights)
     assert [kw["SCALED"] for kw in rows_log] == want, rows_log
-    if "gate_up_proj" in weights:
+    if "gate_up_proj" in weights and fwd_rows_log is not None:
         assert [kw["SCALED"] for kw in fwd_rows_log] == [False], fwd_rows_log
 
 
@@ -538,19 +540,28 @@ def _run_case(case_id: str, seed: int, device: str) -> None:
     configs = c.get("configs")
     grouped = _grouped_wgrad(args, configs)
     grouped1 = _grouped_dgrad1(args, configs)
-    fwd_rows_log: list[dict[str, Any]] = []
+    fwd_rows_log: list[dict[str, Any]] | None = []
     act_log: list[dict[str, Any]] = []  # GEMM1's gate as its own pass: GEMM1 ran on torch._grouped_mm
-    kernels = TM._sorted_rows_kernel, TM._act_kernel
-    TM._sorted_rows_kernel, TM._act_kernel = _Launches(kernels[0], fwd_rows_log), _Launches(kernels[1], act_log)
-    try:
-        if c.get("replay_training"):  # a first call fills the configs' memo; the second is keyed for a replay
-            TB.FusedExperts.apply(*args, configs)
-        out = TB.FusedExperts.apply(*args, configs)
-    finally:
-        TM._sorted_rows_kernel, TM._act_kernel = kernels
     if c.get("replay_training"):
+        # a first call fills the configs' memo; the second is keyed for a replay (recorded
+        # there, or replayed where a case of the same spec recorded it first). A replayed
+        # call runs none of the Python path: no launches to log
+        TB.FusedExperts.apply(*args, configs)
+        out = TB.FusedExperts.apply(*args, configs)
         spec = TM.spec_of(*args)
         assert any(k[0] == spec and k[1] for k in TM._PLANS.memo), "the saving forward did not reach the replay"
+        fwd_rows_log = None
+    else:
+        # the forward's launches logged: its Python path (REPLAY_TRAINING off for this call;
+        # the second backward below runs the default, the replay where it applies)
+        kernels, replaying = (TM._sorted_rows_kernel, TM._act_kernel), TM.REPLAY_TRAINING
+        TM._sorted_rows_kernel, TM._act_kernel = _Launches(kernels[0], fwd_rows_log), _Launches(kernels[1], act_log)
+        TM.REPLAY_TRAINING = False
+        try:
+            out = TB.FusedExperts.apply(*args, configs)
+        finally:
+            TM._sorted_rows_kernel, TM._act_kernel = kernels
+            TM.REPLAY_TRAINING = replaying
     if "gemm1_grouped" in c:
         assert len(act_log) == int(c["gemm1_grouped"]), f"GEMM1's gate pass ran {len(act_log)} times"
     want = M.reference(*args64)

@@ -1713,11 +1713,13 @@ _MEMO_LIMIT = 4096  # entries per memo (one per distinct input metadata: serving
 REPLAY = True
 # With REPLAY, a forward that saves for the backward (the training path's, ``save=True``) is
 # replayed too: its output and what :class:`Saved` holds (the routing's views, GEMM1's act and
-# pre-activation, the sorted rows) are the replay's buffers. Off until its GPU tests have
-# run (bench/RESULTS.md, "Not yet run"): an eager training step at T <= 512 waits on its
-# host, and this forward's Python was ~0.45 ms a step of it under cProfile (H100 host, T =
-# 64, sixty-second session).
-REPLAY_TRAINING = False
+# pre-activation, the sorted rows) are the replay's buffers. Why: an eager training step at
+# T <= 512 waits on its host, and this forward's Python was ~0.45 ms a step of it under
+# cProfile (H100 host, T = 64, sixty-second session). H100, T = 4096, 2026-12-06 (sixty-third
+# session, bench/moe_replay.py --training): this forward's host 164-182 -> 82-90 us a call,
+# the block's training step 0.998-1.020x off / on (no slower); output and every gradient bit
+# for bit on vs off (test_cuda_replay_training). False: the saving forward runs the Python path.
+REPLAY_TRAINING = True
 _PLANS = Plans(_MEMO_LIMIT)
 
 
