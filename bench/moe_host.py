@@ -65,14 +65,18 @@ def _no_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: Any = None, **kwargs:
 
 @contextlib.contextmanager
 def stubbed() -> Iterator[None]:
-    """Every launch of the fused path returns at once (and nothing is checked on the device)."""
-    saved = (F.launch, F.launch_args, B.launch_args, torch._grouped_mm)
+    """Every launch of the fused path returns at once (and nothing is checked on the device).
+    The replay is off: with no launch to record, a call would become a plan of none, whose
+    replay asks for a CUDA device; the Python path's host is what these rows measure (the
+    replay's own is ``bench/moe_replay.py``'s, on a GPU)."""
+    saved = (F.launch, F.launch_args, B.launch_args, torch._grouped_mm, F.REPLAY, F.REPLAY_TRAINING)
     F.launch = F.launch_args = B.launch_args = _no_launch
     torch._grouped_mm = _no_grouped_mm
+    F.REPLAY = F.REPLAY_TRAINING = False
     try:
         yield
     finally:
-        F.launch, F.launch_args, B.launch_args, torch._grouped_mm = saved
+        F.launch, F.launch_args, B.launch_args, torch._grouped_mm, F.REPLAY, F.REPLAY_TRAINING = saved
 
 
 def op_args(e: int, k: int, t: int, dtype: torch.dtype = torch.bfloat16) -> tuple[Any, ...]:
