@@ -9,7 +9,8 @@ ever reaches it: the backend below records the graphs and runs nothing of them),
 fused path, its implementation binding and the kernels' TMA choice are as on an sm90 GPU.
 Prints one line, ``GRAPHS <json>``: for the training step's forward and backward graphs (on
 the CPU's choices, then on the H200's: "(grouped_mm)") and the no-grad forward's, the
-kernels' names in graph order and the other ops' names.
+kernels' names in graph order and the other ops' names; and the no-grad forward's where the
+op's eager forward would run Gluon kernels ("(gluon)"): the op, one node.
 """
 from __future__ import annotations
 
@@ -120,6 +121,22 @@ def main() -> None:
     plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
     forward = torch.compile(no_grad, fullgraph=True,
                             backend=aot_autograd(fw_compiler=_record("no-grad forward")))
+    with torch.no_grad():
+        try:
+            forward(*plain)
+        except SystemExit:
+            pass
+    # where the op's eager forward runs the Gluon GEMMs (sm90, bf16, enough rows per expert:
+    # moe_experts_train._eager_gluon), which Dynamo does not trace: the op, one node
+    T._eager_gluon = lambda *a: True
+
+    def no_grad_or_op(*a: Any) -> torch.Tensor:
+        out = T.inline_forward(*a)
+        return torch.ops.opreg.moe_experts(*a) if out is None else out
+
+    torch._dynamo.reset()
+    forward = torch.compile(no_grad_or_op, fullgraph=True,
+                            backend=aot_autograd(fw_compiler=_record("no-grad forward (gluon)")))
     with torch.no_grad():
         try:
             forward(*plain)

@@ -51,13 +51,16 @@ def test_traced_graphs_hold_the_kernels() -> None:
     # the backward graph is compiled (and so recorded) before a run only where torch can be
     # told to (force_non_lazy_backward_lowering); the GPU test below runs it elsewhere
     eager_bw = hasattr(functorch_config, "force_non_lazy_backward_lowering")
-    want = {"forward", "forward (grouped_mm)", "no-grad forward"}
+    want = {"forward", "forward (grouped_mm)", "no-grad forward", "no-grad forward (gluon)"}
     assert set(graphs) == want | ({"backward", "backward (grouped_mm)"} if eager_bw else set()), sorted(graphs)
     assert graphs["forward"]["kernels"] == FORWARD, graphs["forward"]
     # the H200's choices: GEMM1 on the sorted copy of the rows, which the forward keeps for dW1
     assert graphs["forward (grouped_mm)"]["kernels"] == FORWARD[:3] + ["_sorted_rows_kernel"] + FORWARD[3:], \
         graphs["forward (grouped_mm)"]
     assert graphs["no-grad forward"]["kernels"] == FORWARD, graphs["no-grad forward"]
+    # the Gluon GEMMs' sizes: the op, one node, and none of its kernels
+    gluon = graphs.pop("no-grad forward (gluon)")
+    assert gluon["kernels"] == [] and "opreg.moe_experts.default" in gluon["other"], gluon
     for name, g in graphs.items():
         assert not [op for op in g["other"] if "moe_experts_fused" in op], f"{name}: a custom op is in the graph"
         # a kernel's write into a view, functionalized, would copy the view's base
@@ -75,6 +78,29 @@ def test_traced_graphs_hold_the_kernels() -> None:
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or not HAVE_TRITON, reason="needs CUDA and triton")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_gluon_sizes_keep_the_op_one_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_eager_gluon``, asked while Dynamo traces a no-grad forward: true exactly where the
+    op's eager forward takes the Gluon GEMM1 by default (bf16, sm90, from
+    ``GLUON_GEMM1_MIN_ROWS`` rows per expert, a triton with Gluon), which the graph could only
+    hold as the Triton GEMMs."""
+    module = object()  # stands for moe_gemm1_gluon
+    monkeypatch.setattr(TM, "_gluon_gemm1", lambda: module)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    rows = TM.GLUON_GEMM1_MIN_ROWS
+    assert TR._eager_gluon("cuda", 0, "bfloat16", float(rows))
+    assert TR._eager_gluon("cuda", None, "bfloat16", rows * 4.5)
+    assert not TR._eager_gluon("cuda", 0, "bfloat16", rows - 0.5)
+    for dtype in ("float16", "float32"):
+        assert not TR._eager_gluon("cuda", 0, dtype, float(rows))
+    assert not TR._eager_gluon("cpu", None, "bfloat16", float(rows))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (10, 0))
+    assert not TR._eager_gluon("cuda", 0, "bfloat16", float(rows))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(TM, "_gluon_gemm1", lambda: "triton has no Gluon (...)")
+    assert not TR._eager_gluon("cuda", 0, "bfloat16", float(rows))
 
 
 def _grads(fn: Any, args: tuple, seed: int) -> list[torch.Tensor]:
@@ -163,3 +189,42 @@ def test_cuda_inline_equals_eager(family: str, half: bool, monkeypatch: pytest.M
     assert torch.equal(got_fwd, eager_fwd), "compiled no-grad forward differs from eager"
     assert calls == [], f"our Python ran per call: {sorted(set(calls))}"
     assert bool(set_half) == half, f"gemm1 picks with HALF_TAIL: {len(set_half)}, asked: {half}"
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_gluon_sizes_compile_to_the_op() -> None:
+    """Where the eager forward runs the Gluon GEMM1 (sm90, bf16, >= GLUON_GEMM1_MIN_ROWS rows
+    per expert), a compiled no-grad forward declines to inline (``_eager_gluon``) and the op,
+    one node, runs what eager runs: the same bits, and the forward's Python per call."""
+    from opreg.backends.triton import tune
+    e, h, i, k = 8, 512, 256, 2
+    t = TM.GLUON_GEMM1_MIN_ROWS * e // k
+    torch.manual_seed(zlib.crc32(b"gluon sizes"))
+    args = tune.inputs(e, h, i, k, t, torch.bfloat16, "cuda")
+    device = args[0].device
+    if not TR._eager_gluon("cuda", device.index, "bfloat16", t * k / e):
+        pytest.skip("the eager forward takes no Gluon GEMM1 here (not sm90, or no Gluon)")
+    with torch.no_grad():
+        eager = TM.fused_experts_forward(*args)
+    picked = TM._CONFIGS.get((TM.spec_of(*args), False, False, None))
+    assert picked is not None and picked[0].get("GLUON", 0) == 2, f"eager's GEMM1 is not the Gluon one: {picked}"
+
+    def forward(*a: Any) -> torch.Tensor:
+        out = TR.inline_forward(*a)
+        return torch.ops.opreg.moe_experts(*a) if out is None else out
+
+    torch._dynamo.reset()
+    compiled = torch.compile(forward, fullgraph=True)
+    with torch.no_grad():
+        compiled(*args)  # compiles
+        runs: list[int] = []
+        real = TM._forward
+        TM._forward = lambda *a, **kw: runs.append(1) or real(*a, **kw)
+        try:
+            TM._PLANS.memo.clear()  # the call runs (and records) the Python path
+            got = compiled(*args)
+        finally:
+            TM._forward = real
+    assert torch.equal(got, eager), "the compiled forward differs from eager's"
+    assert runs, "the op's forward did not run: its kernels were inlined"

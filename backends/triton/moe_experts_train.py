@@ -338,8 +338,8 @@ def _inlines() -> bool:
 def inline_forward(*args: Any) -> Optional[Tensor]:
     """Under ``torch.compile`` without gradients: the op (its positional arguments) as the
     fused forward's kernels in the graph (:data:`INLINE_KERNELS`), where the op would run its
-    ``triton`` implementation on these inputs with static sizes; else None (the caller puts
-    the op in the graph, one node)."""
+    ``triton`` implementation on these inputs with static sizes and no Gluon kernel
+    (:func:`_eager_gluon`); else None (the caller puts the op in the graph, one node)."""
     if not (F._dynamo_tracing() and _inlines()):
         return None
     x = args[0]
@@ -347,10 +347,39 @@ def inline_forward(*args: Any) -> Optional[Tensor]:
         return None  # dynamic sizes: the configs and grids are picked per size
     if not runs_fused(args):
         return None
+    if _eager_gluon(x.device.type, x.device.index, str(x.dtype).split(".")[-1],
+                    x.shape[0] * args[1].shape[1] / max(args[3].shape[0], 1)):
+        return None
     M.check(*args)
     if M.checks_ids_here(args[1]):
         args = (args[0], M.checked_ids(args[1]), *args[2:])
     return F.fused_experts_forward(*args)
+
+
+@torch.compiler.assume_constant_result
+def _eager_gluon(device_type: str, index: Optional[int], dtype: str, rows_per_expert: float) -> bool:
+    """Would the op's no-grad forward run GEMM1 (and on the H200 GEMM2) on the Gluon kernels
+    here in eager (:func:`.moe_experts.gluon_gemm1_default`: bf16 on sm90, from
+    ``GLUON_GEMM1_MIN_ROWS`` rows per expert, where triton has Gluon)? Then a compiled call
+    keeps the op as one node (said once per size), whose run picks them as eager does:
+    Dynamo does not trace Gluon's kernels, so inline the forward runs the Triton GEMMs
+    (``fused_experts_forward`` under tracing), and Inductor's block ran 1-4 % slower than
+    eager opreg's (H100, T = 4096, 2026-12-06, sixty-third session: 818 / 787, 984 / 977, 985 /
+    954 us, Mixtral / Qwen3-MoE / OLMoE, bench/RESULTS.md), the Gluon GEMM1 being 5-9 %
+    faster (:func:`.moe_experts.gluon_gemm1_default`). The node's cost is its host work, a
+    replayed call's (~60-90 us on the H100 host, :data:`.moe_experts.REPLAY`), below the
+    GPU's ~700 us there. Approximate where GEMM1's layout or a bias keeps the eager op off
+    Gluon: the node then runs the same Triton kernels as inline, for its host work. (A
+    compiled training step stays inline: through the custom ops it waited on their host, see
+    :data:`INLINE_KERNELS`.)"""
+    if device_type != "cuda" or dtype != "bfloat16" or not F.gluon_gemm1_default(rows_per_expert):
+        return False
+    if torch.cuda.get_device_capability(index)[0] != 9 or isinstance(F._gluon_gemm1(), str):
+        return False
+    log_once(("inline gluon", index, rows_per_expert), logging.INFO,
+             "opreg: a compiled moe_experts forward at %.0f rows per expert is one node in the graph, not its "
+             "kernels inline: the op runs Gluon kernels there, which Dynamo does not trace", rows_per_expert)
+    return True
 
 
 def train(*args: Any) -> Tensor:
