@@ -51,7 +51,8 @@
 #                                          block at TOKENS_INLINE (default 64,4096), forward and training,
 #                                          with the kernels inline (--inline-kernels 1) and through the custom
 #                                          ops (0), both on the fused path (--traced-min-flops 0), each process
-#                                          beside HF's compiled grouped_mm and eager opreg
+#                                          beside HF's compiled grouped_mm and eager opreg (batches of
+#                                          MIN_BATCH_INLINE, default 5, calls)
 #   STAGE=pre bash bench/device_run.sh       the bf16 saved pre-activation (moe_experts.PRE_BF16, on by
 #                                          default): its tests (tests/test_moe_triton_backward.py -k
 #                                          pre_bf16), then the compiled training step at TOKENS_PRE (default
@@ -270,7 +271,8 @@ if [ "$STAGE" = inline ]; then
   timeout ${INLINE_TEST_S:-300} python3 -m pytest -q -n 0 tests/test_moe_inline.py 2>&1 | tee "$OUT/inline_tests.log" | tail -3
   for inline in 1 0; do
     timeout ${INLINE_S:-200} python3 bench/bench_moe_block.py --tokens "${TOKENS_INLINE:-64,4096}" --modes fwd fwd+bwd \
-      --rounds 5 --variants hf_grouped_mm_inductor opreg opreg_inductor --traced-min-flops 0 --inline-kernels "$inline" \
+      --rounds 5 --min-batch "${MIN_BATCH_INLINE:-5}" --variants hf_grouped_mm_inductor opreg opreg_inductor \
+      --traced-min-flops 0 --inline-kernels "$inline" \
       2>&1 | tee "$OUT/moe_inline_$inline.log" | grep -E "^\||INLINE"
   done
 fi
