@@ -120,9 +120,9 @@ CASES: dict[str, dict] = {
     "all slots sentinel": dict(dims=(5, 2, 16, 8, 4), opts=dict(bias=True), special="all_out"),
     "empty expert": dict(dims=(6, 2, 16, 8, 8), opts=dict(bias=True), special="skip_expert"),
     "T=1": dict(dims=(1, 2, 24, 16, 4), opts=dict(bias=True)),
-    # moe_experts.REPLAY_TRAINING on (as by default; set here so that the case says so), default
-    # configs: the saving forward goes through the
-    # replay's Plans (the interpreter's launches refuse a plan: its flat result, rebuilt)
+    # moe_experts.REPLAY_TRAINING on (the default, set here so that the case says so), default
+    # configs: the saving forward goes through the replay's Plans (the interpreter's launches
+    # refuse a plan: its flat result, rebuilt)
     "replay training": dict(dims=(10, 2, 16, 8, 4), opts=dict(sentinels=3, bias=True), special="nan",
                             replay_training=True, dtypes=["float32"]),
     # GEMM2's dgrad loads down_proj's tiles through a tensor descriptor by default (here the
