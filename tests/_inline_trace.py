@@ -113,35 +113,27 @@ def main() -> None:
     training_step(" (grouped_mm)")
     B.grouped_mm_wgrad_default, B.grouped_mm_dgrad1_default = wgrad, dgrad1
 
-    def no_grad(*a: Any) -> torch.Tensor:
-        out = T.inline_forward(*a)
-        assert out is not None, "inline_forward declined"
-        return out
-
     plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-    forward = torch.compile(no_grad, fullgraph=True,
-                            backend=aot_autograd(fw_compiler=_record("no-grad forward")))
-    with torch.no_grad():
-        try:
-            forward(*plain)
-        except SystemExit:
-            pass
+
+    def no_grad_forward(tag: str) -> None:
+        def forward(*a: Any) -> torch.Tensor:  # as the transformers integration's: inline, else the op
+            out = T.inline_forward(*a)
+            return torch.ops.opreg.moe_experts(*a) if out is None else out
+
+        torch._dynamo.reset()
+        compiled = torch.compile(forward, fullgraph=True,
+                                 backend=aot_autograd(fw_compiler=_record("no-grad forward" + tag)))
+        with torch.no_grad():
+            try:
+                compiled(*plain)
+            except SystemExit:
+                pass
+
+    no_grad_forward("")
     # where the op's eager forward runs the Gluon GEMMs (sm90, bf16, enough rows per expert:
     # moe_experts_train._eager_gluon), which Dynamo does not trace: the op, one node
     T._eager_gluon = lambda *a: True
-
-    def no_grad_or_op(*a: Any) -> torch.Tensor:
-        out = T.inline_forward(*a)
-        return torch.ops.opreg.moe_experts(*a) if out is None else out
-
-    torch._dynamo.reset()
-    forward = torch.compile(no_grad_or_op, fullgraph=True,
-                            backend=aot_autograd(fw_compiler=_record("no-grad forward (gluon)")))
-    with torch.no_grad():
-        try:
-            forward(*plain)
-        except SystemExit:
-            pass
+    no_grad_forward(" (gluon)")
     print("GRAPHS " + json.dumps(GRAPHS))
 
 
