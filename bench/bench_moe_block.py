@@ -228,6 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--inline-kernels", type=int, choices=(0, 1), default=None,
                    help="moe_experts_train.INLINE_KERNELS for this process (1: under torch.compile the fused "
                         "kernels are nodes of the graph, launched by Inductor's wrapper; 0: the custom ops)")
+    p.add_argument("--gluon-training-ops", type=int, choices=(0, 1), default=None,
+                   help="moe_experts_train.GLUON_TRAINING_OPS for this process (1: a compiled training step at "
+                        "the sizes where eager runs Gluon kernels goes through the custom ops, not inline)")
     p.add_argument("--pre-bf16", type=int, choices=(0, 1), default=None,
                    help="moe_experts.PRE_BF16 for this process (1: a bf16 training step whose gate has no clamp "
                         "saves its pre-activation in bf16, rounded before the forward's gate)")
@@ -251,6 +254,10 @@ def main(argv: list[str] | None = None) -> None:
         from opreg.backends.triton import moe_experts_train
         moe_experts_train.INLINE_KERNELS = bool(a.inline_kernels)
         print(f"moe_experts_train.INLINE_KERNELS = {bool(a.inline_kernels)}")
+    if a.gluon_training_ops is not None:
+        from opreg.backends.triton import moe_experts_train
+        moe_experts_train.GLUON_TRAINING_OPS = bool(a.gluon_training_ops)
+        print(f"moe_experts_train.GLUON_TRAINING_OPS = {bool(a.gluon_training_ops)}")
     if a.pre_bf16 is not None:
         from opreg.backends.triton import moe_experts
         moe_experts.PRE_BF16 = bool(a.pre_bf16)

@@ -48,11 +48,14 @@
 #                                          INLINE=0/1: moe_experts_train.INLINE_KERNELS for both
 #   STAGE=inline bash bench/device_run.sh    the fused kernels inline under torch.compile (moe_experts_train.
 #                                          INLINE_KERNELS): tests/test_moe_inline.py, then the compiled
-#                                          block at TOKENS_INLINE (default 64,4096), forward and training,
-#                                          with the kernels inline (--inline-kernels 1) and through the custom
-#                                          ops (0), both on the fused path (--traced-min-flops 0), each process
+#                                          block at TOKENS_INLINE (default 64,4096), MODES_INLINE (default
+#                                          fwd fwd+bwd), with the kernels inline (--inline-kernels 1), the
+#                                          same but the training step through the custom ops where eager runs
+#                                          Gluon kernels (--gluon-training-ops 1), and through the custom
+#                                          ops (0), all on the fused path (--traced-min-flops 0), each process
 #                                          beside HF's compiled grouped_mm and eager opreg (batches of
-#                                          MIN_BATCH_INLINE, default 5, calls)
+#                                          MIN_BATCH_INLINE, default 5, calls); RUNS_INLINE (default "1,0 1,1
+#                                          0,0"): which of the three (INLINE_KERNELS,GLUON_TRAINING_OPS)
 #   STAGE=pre bash bench/device_run.sh       the bf16 saved pre-activation (moe_experts.PRE_BF16, on by
 #                                          default): its tests (tests/test_moe_triton_backward.py -k
 #                                          pre_bf16), then the compiled training step at TOKENS_PRE (default
@@ -269,11 +272,14 @@ fi
 if [ "$STAGE" = inline ]; then
   python3 -m opreg build >/dev/null 2>&1
   timeout ${INLINE_TEST_S:-300} python3 -m pytest -q -n 0 tests/test_moe_inline.py 2>&1 | tee "$OUT/inline_tests.log" | tail -3
-  for inline in 1 0; do
-    timeout ${INLINE_S:-200} python3 bench/bench_moe_block.py --tokens "${TOKENS_INLINE:-64,4096}" --modes fwd fwd+bwd \
-      --rounds 5 --min-batch "${MIN_BATCH_INLINE:-5}" --variants hf_grouped_mm_inductor opreg opreg_inductor \
-      --traced-min-flops 0 --inline-kernels "$inline" \
-      2>&1 | tee "$OUT/moe_inline_$inline.log" | grep -E "^\||INLINE"
+  # inline (the training step's kernels in the graph), inline but the training step through the
+  # custom ops where eager runs Gluon kernels (GLUON_TRAINING_OPS), the custom ops throughout
+  for run in ${RUNS_INLINE:-1,0 1,1 0,0}; do
+    timeout ${INLINE_S:-200} python3 bench/bench_moe_block.py --tokens "${TOKENS_INLINE:-64,4096}" \
+      --modes ${MODES_INLINE:-fwd fwd+bwd} --rounds 5 --min-batch "${MIN_BATCH_INLINE:-5}" \
+      --variants hf_grouped_mm_inductor opreg opreg_inductor --traced-min-flops 0 \
+      --inline-kernels "${run%,*}" --gluon-training-ops "${run#*,}" \
+      2>&1 | tee "$OUT/moe_inline_${run/,/_}.log" | grep -E "^\||INLINE|GLUON"
   done
 fi
 

@@ -9,8 +9,9 @@ ever reaches it: the backend below records the graphs and runs nothing of them),
 fused path, its implementation binding and the kernels' TMA choice are as on an sm90 GPU.
 Prints one line, ``GRAPHS <json>``: for the training step's forward and backward graphs (on
 the CPU's choices, then on the H200's: "(grouped_mm)") and the no-grad forward's, the
-kernels' names in graph order and the other ops' names; and the no-grad forward's where the
-op's eager forward would run Gluon kernels ("(gluon)"): the op, one node.
+kernels' names in graph order and the other ops' names; and where the op's eager forward
+would run Gluon kernels ("(gluon)"), the no-grad forward's (the op, one node) and the
+training step's (its kernels; with ``GLUON_TRAINING_OPS`` the two custom ops).
 """
 from __future__ import annotations
 
@@ -134,6 +135,9 @@ def main() -> None:
     # moe_experts_train._eager_gluon), which Dynamo does not trace: the op, one node
     T._eager_gluon = lambda *a: True
     no_grad_forward(" (gluon)")
+    training_step(" (gluon, inline)")  # GLUON_TRAINING_OPS off: the kernels
+    T.GLUON_TRAINING_OPS = True
+    training_step(" (gluon)")  # the two custom ops, one node each
     print("GRAPHS " + json.dumps(GRAPHS))
 
 

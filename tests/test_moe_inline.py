@@ -51,8 +51,10 @@ def test_traced_graphs_hold_the_kernels() -> None:
     # the backward graph is compiled (and so recorded) before a run only where torch can be
     # told to (force_non_lazy_backward_lowering); the GPU test below runs it elsewhere
     eager_bw = hasattr(functorch_config, "force_non_lazy_backward_lowering")
-    want = {"forward", "forward (grouped_mm)", "no-grad forward", "no-grad forward (gluon)"}
-    assert set(graphs) == want | ({"backward", "backward (grouped_mm)"} if eager_bw else set()), sorted(graphs)
+    want = {"forward", "forward (grouped_mm)", "no-grad forward", "no-grad forward (gluon)", "forward (gluon)",
+            "forward (gluon, inline)"}
+    assert set(graphs) == want | ({"backward", "backward (grouped_mm)", "backward (gluon)",
+                                   "backward (gluon, inline)"} if eager_bw else set()), sorted(graphs)
     assert graphs["forward"]["kernels"] == FORWARD, graphs["forward"]
     # the H200's choices: GEMM1 on the sorted copy of the rows, which the forward keeps for dW1
     assert graphs["forward (grouped_mm)"]["kernels"] == FORWARD[:3] + ["_sorted_rows_kernel"] + FORWARD[3:], \
@@ -61,6 +63,14 @@ def test_traced_graphs_hold_the_kernels() -> None:
     # the Gluon GEMMs' sizes: the op, one node, and none of its kernels
     gluon = graphs.pop("no-grad forward (gluon)")
     assert gluon["kernels"] == [] and "opreg.moe_experts.default" in gluon["other"], gluon
+    # ... and the training step there: its kernels, and with GLUON_TRAINING_OPS the two custom
+    # ops, which run what eager runs
+    assert graphs["forward (gluon, inline)"]["kernels"] == FORWARD, graphs["forward (gluon, inline)"]
+    gluon = graphs.pop("forward (gluon)")
+    assert gluon["kernels"] == [] and "opreg.moe_experts_fused.default" in gluon["other"], gluon
+    if eager_bw:
+        gluon = graphs.pop("backward (gluon)")
+        assert gluon["kernels"] == [] and "opreg.moe_experts_fused_backward.default" in gluon["other"], gluon
     for name, g in graphs.items():
         assert not [op for op in g["other"] if "moe_experts_fused" in op], f"{name}: a custom op is in the graph"
         # a kernel's write into a view, functionalized, would copy the view's base
@@ -228,3 +238,35 @@ def test_cuda_gluon_sizes_compile_to_the_op() -> None:
             TM._forward = real
     assert torch.equal(got, eager), "the compiled forward differs from eager's"
     assert runs, "the op's forward did not run: its kernels were inlined"
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_gluon_sizes_train_through_the_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``GLUON_TRAINING_OPS``, where eager runs the Gluon kernels, a compiled training step
+    goes through the two custom ops, which run what eager runs: the output and every gradient
+    the same bits, and the fused forward's and backward's Python runs per call."""
+    from opreg.backends.triton import tune
+    monkeypatch.setattr(TR, "INLINE_KERNELS", True)
+    monkeypatch.setattr(TR, "GLUON_TRAINING_OPS", True)
+    e, h, i, k = 8, 512, 256, 2
+    t = TM.GLUON_GEMM1_MIN_ROWS * e // k
+    seed = zlib.crc32(b"gluon sizes, training")
+    torch.manual_seed(seed)
+    args = tune.inputs(e, h, i, k, t, torch.bfloat16, "cuda")
+    device = args[0].device
+    if not TR._eager_gluon("cuda", device.index, "bfloat16", t * k / e):
+        pytest.skip("the eager forward takes no Gluon GEMM1 here (not sm90, or no Gluon)")
+    assert TR.fused_trains(args)
+    eager = _grads(lambda *a: B.FusedExperts.apply(*a), args, seed)
+    torch._dynamo.reset()
+    step = torch.compile(TR.train, fullgraph=True)
+    compiled = _grads(step, args, seed)  # compiles
+    runs: list[str] = []
+    fwd, bwd = TM.fused_experts_forward, B.fused_experts_backward
+    monkeypatch.setattr(TM, "fused_experts_forward", lambda *a, **kw: runs.append("forward") or fwd(*a, **kw))
+    monkeypatch.setattr(B, "fused_experts_backward", lambda *a, **kw: runs.append("backward") or bwd(*a, **kw))
+    again = _grads(step, args, seed)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), "compiled training step differs from eager"
+    assert all(torch.equal(a, b) for a, b in zip(compiled, again)), "two compiled runs differ"
+    assert runs == ["forward", "backward"], f"the custom ops did not run (their kernels were inlined?): {runs}"

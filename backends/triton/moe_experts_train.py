@@ -43,8 +43,8 @@ from opreg.ops import moe_experts as M
 from . import moe_experts as F
 from . import moe_experts_backward as B
 
-__all__ = ["INLINE_KERNELS", "TRACED_MIN_FLOPS", "fused_trains", "inline_forward", "runs_fused", "traced_host_bound",
-           "train"]
+__all__ = ["GLUON_TRAINING_OPS", "INLINE_KERNELS", "TRACED_MIN_FLOPS", "fused_trains", "inline_forward", "runs_fused",
+           "traced_host_bound", "train"]
 
 
 def _layout(x: Tensor, ids: Tensor, w1: Tensor, gated: bool, transposed: bool
@@ -370,27 +370,40 @@ def _eager_gluon(device_type: str, index: Optional[int], dtype: str, rows_per_ex
     replayed call's (~60-90 us on the H100 host, :data:`.moe_experts.REPLAY`), below the
     GPU's ~700 us there. Approximate where GEMM1's layout or a bias keeps the eager op off
     Gluon: the node then runs the same Triton kernels as inline, for its host work. (A
-    compiled training step stays inline: through the custom ops it waited on their host, see
-    :data:`INLINE_KERNELS`.)"""
+    compiled training step stays inline unless :data:`GLUON_TRAINING_OPS`.)"""
     if device_type != "cuda" or dtype != "bfloat16" or not F.gluon_gemm1_default(rows_per_expert):
         return False
     if torch.cuda.get_device_capability(index)[0] != 9 or isinstance(F._gluon_gemm1(), str):
         return False
     log_once(("inline gluon", index, rows_per_expert), logging.INFO,
-             "opreg: a compiled moe_experts forward at %.0f rows per expert is one node in the graph, not its "
-             "kernels inline: the op runs Gluon kernels there, which Dynamo does not trace", rows_per_expert)
+             "opreg: a compiled moe_experts call at %.0f rows per expert is the op in the graph (with gradients "
+             "its two custom ops, where GLUON_TRAINING_OPS), not its kernels inline: the op runs Gluon kernels "
+             "there, which Dynamo does not trace", rows_per_expert)
     return True
+
+
+# True: a compiled training step at the sizes where eager runs Gluon kernels (:func:`_eager_gluon`)
+# goes through the two custom ops, one node each, whose runs pick the Gluon kernels (GEMM1, the
+# weight gradients) as eager does; inline, Dynamo's trace takes the Triton GEMM1 and CUTLASS's
+# weight gradients, and Inductor's step ran 1.7-3.3 % slower than eager opreg's (H100, T = 4096,
+# sixty-third session: 2570 / 2528, 2889 / 2797, 3057 / 2961 us, Mixtral / Qwen3-MoE / OLMoE).
+# Through the custom ops the step pays their host work (the forward replayed, ~85 us on the H100
+# host; eager's whole step's host 1.6 ms against 2.4 ms of GPU), which the thirtieth session's
+# inline step beat by 1-8 % before the replay and the Gluon kernels. Off until a GPU times it
+# (`STAGE=inline bash bench/device_run.sh`: the step inline, with this, and through the ops).
+GLUON_TRAINING_OPS = False
 
 
 def train(*args: Any) -> Tensor:
     """The op (its positional arguments) with the fused kernels forward and backward; the
     caller has checked :func:`fused_trains`. Arguments are checked as the op checks them.
     Traced: the custom ops, or with :data:`INLINE_KERNELS` :class:`FusedExperts` traced by
-    Dynamo (its launches become graph nodes). Eager: the same kernels through :class:`FusedExperts`, an
-    ``autograd.Function``: a custom op's Python dispatch (argument defaults, redispatch,
-    its generated Function) cost ~0.35 ms of host per forward + backward on the 2-core box
-    (0.88 vs 0.53 ms with the launches stubbed), and an eager MoE step at T <= 4096 waits
-    on its host."""
+    Dynamo (its launches become graph nodes), except, with :data:`GLUON_TRAINING_OPS`, where
+    eager runs Gluon kernels (:func:`_eager_gluon`): the custom ops there. Eager: the same
+    kernels through :class:`FusedExperts`, an ``autograd.Function``: a custom op's Python
+    dispatch (argument defaults, redispatch, its generated Function) cost ~0.35 ms of host
+    per forward + backward on the 2-core box (0.88 vs 0.53 ms with the launches stubbed), and
+    an eager MoE step at T <= 4096 waits on its host."""
     traced = torch.compiler.is_compiling()
     spec = None
     if traced:
@@ -399,10 +412,13 @@ def train(*args: Any) -> Tensor:
         spec = F.checked(args)[0]  # the same checks, once per input metadata
     if M.checks_ids_here(args[1]):  # as the op's other paths: traced, the graph checks
         args = (args[0], M.checked_ids(args[1]), *args[2:])
-    if traced and _inlines():
+    x = args[0]
+    if traced and _inlines() and not (GLUON_TRAINING_OPS and _eager_gluon(
+            x.device.type, x.device.index, str(x.dtype).split(".")[-1],
+            x.shape[0] * args[1].shape[1] / max(args[3].shape[0], 1))):
         return B.FusedExperts.apply(*args, None, None)
     if traced:
-        x, w1, gated, transposed = args[0], args[3], args[8], args[9]
+        w1, gated, transposed = args[3], args[8], args[9]
         keep = w1.requires_grad and torch.is_grad_enabled() and _keeps_rows(
             str(x.dtype).split(".")[-1], x.device.type, x.device.index, x.shape[1],
             w1.shape[2] if transposed else w1.shape[1], gated)
