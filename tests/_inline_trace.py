@@ -135,6 +135,7 @@ def main() -> None:
     # moe_experts_train._eager_gluon), which Dynamo does not trace: the op, one node
     T._eager_gluon = lambda *a: True
     no_grad_forward(" (gluon)")
+    T.GLUON_TRAINING_OPS = False
     training_step(" (gluon, inline)")  # GLUON_TRAINING_OPS off: the kernels
     T.GLUON_TRAINING_OPS = True
     training_step(" (gluon)")  # the two custom ops, one node each

@@ -719,8 +719,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
         if grouped and (why := grouped_mm_unfit(x, n1, i)) is not None:
             raise ValueError(f"fused_experts_backward: configs['wgrad']['GROUPED_MM'] = 1, but {why}")
         gluon = cfg["wgrad"].get("GLUON")
-        if gluon is None:
-            gluon = gluon_wgrad_default(s / e, h, n1, i) if grouped else GLUON_OFF
+        if gluon is None:  # traced: CUTLASS (Gluon's kernels don't trace; nor does the default's cache)
+            gluon = gluon_wgrad_default(s / e, h, n1, i) if grouped and not traced else GLUON_OFF
         elif gluon not in (GLUON_OFF, GLUON_PINGPONG, GLUON_COOP):
             raise ValueError(f"fused_experts_backward: configs['wgrad']['GLUON'] must be 0 (CUTLASS), 1 (ping-pong) "
                              f"or 2 (cooperative), got {gluon!r}")

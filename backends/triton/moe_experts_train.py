@@ -18,7 +18,10 @@ block configs, for tests and tuning).
 
 With :data:`INLINE_KERNELS` (the default; False restores the two ops), a compiled call does
 not reach the custom ops: Dynamo traces ``FusedExperts`` (and the no-grad forward,
-:func:`inline_forward`), so Inductor's wrapper launches the kernels itself.
+:func:`inline_forward`), so Inductor's wrapper launches the kernels itself; except where
+eager runs Gluon kernels, which Dynamo does not trace (:func:`_eager_gluon`): there the
+no-grad forward is the op, one node, and the training step the two custom ops
+(:data:`GLUON_TRAINING_OPS`).
 
 No forward mode (``forward_ad``, ``torch.func.jvp``) or ``torch.func`` transforms here:
 :func:`fused_trains` sends those to the op's differentiable grouped path. A double backward
@@ -369,8 +372,10 @@ def _eager_gluon(device_type: str, index: Optional[int], dtype: str, rows_per_ex
     faster (:func:`.moe_experts.gluon_gemm1_default`). The node's cost is its host work, a
     replayed call's (~60-90 us on the H100 host, :data:`.moe_experts.REPLAY`), below the
     GPU's ~700 us there. Approximate where GEMM1's layout or a bias keeps the eager op off
-    Gluon: the node then runs the same Triton kernels as inline, for its host work. (A
-    compiled training step stays inline unless :data:`GLUON_TRAINING_OPS`.)"""
+    Gluon: the node then runs the same Triton kernels as inline, for its host work. Measured
+    with the node (H100, T = 4096, 2026-12-06, sixty-fourth session): opreg + Inductor 794 /
+    795, 928 / 931, 945 / 943 us against eager opreg, level. (A compiled training step at
+    these sizes goes through the two custom ops likewise: :data:`GLUON_TRAINING_OPS`.)"""
     if device_type != "cuda" or dtype != "bfloat16" or not F.gluon_gemm1_default(rows_per_expert):
         return False
     if torch.cuda.get_device_capability(index)[0] != 9 or isinstance(F._gluon_gemm1(), str):
@@ -384,14 +389,17 @@ def _eager_gluon(device_type: str, index: Optional[int], dtype: str, rows_per_ex
 
 # True: a compiled training step at the sizes where eager runs Gluon kernels (:func:`_eager_gluon`)
 # goes through the two custom ops, one node each, whose runs pick the Gluon kernels (GEMM1, the
-# weight gradients) as eager does; inline, Dynamo's trace takes the Triton GEMM1 and CUTLASS's
-# weight gradients, and Inductor's step ran 1.7-3.3 % slower than eager opreg's (H100, T = 4096,
-# sixty-third session: 2570 / 2528, 2889 / 2797, 3057 / 2961 us, Mixtral / Qwen3-MoE / OLMoE).
-# Through the custom ops the step pays their host work (the forward replayed, ~85 us on the H100
-# host; eager's whole step's host 1.6 ms against 2.4 ms of GPU), which the thirtieth session's
-# inline step beat by 1-8 % before the replay and the Gluon kernels. Off until a GPU times it
-# (`STAGE=inline bash bench/device_run.sh`: the step inline, with this, and through the ops).
-GLUON_TRAINING_OPS = False
+# weight gradients) as eager does. Inline, Dynamo's trace takes the Triton GEMM1 and CUTLASS's
+# weight gradients (Gluon's kernels don't trace). The model: at these sizes the step waits on
+# its GPU (eager's whole step: 1.6 ms of host against 2.4 ms of GPU, Mixtral, T = 4096, H100),
+# so the custom ops' host work (their forward replayed, ~85 us) costs nothing, and the Gluon
+# kernels take 5-9 % off GEMM1 and 1.5-5 % off the step's weight gradients. Measured (H100, T =
+# 4096, 2026-12-06, sixty-fourth session, `STAGE=inline bash bench/device_run.sh`, each a
+# process beside HF's compiled block and eager opreg; us, opreg + Inductor / eager opreg):
+# inline 2616 / 2566, 2931 / 2820, 3107 / 3070 (1.2-3.9 % slower; Mixtral / Qwen3-MoE /
+# OLMoE); with this 2475 / 2517, 2760 / 2807, 2930 / 2987 and again 2543 / 2561, 2779 / 2834,
+# 2933 / 2982 (0.7-1.9 % faster). False: the step inline at every size.
+GLUON_TRAINING_OPS = True
 
 
 def train(*args: Any) -> Tensor:
