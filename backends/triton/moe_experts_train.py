@@ -350,13 +350,19 @@ def inline_forward(*args: Any) -> Optional[Tensor]:
         return None  # dynamic sizes: the configs and grids are picked per size
     if not runs_fused(args):
         return None
-    if _eager_gluon(x.device.type, x.device.index, str(x.dtype).split(".")[-1],
-                    x.shape[0] * args[1].shape[1] / max(args[3].shape[0], 1)):
+    if _eager_gluon_on(args):
         return None
     M.check(*args)
     if M.checks_ids_here(args[1]):
         args = (args[0], M.checked_ids(args[1]), *args[2:])
     return F.fused_experts_forward(*args)
+
+
+def _eager_gluon_on(args: tuple[Any, ...]) -> bool:
+    """:func:`_eager_gluon` for the op's positional arguments ``args`` (static sizes)."""
+    x, ids, w1 = args[0], args[1], args[3]
+    return _eager_gluon(x.device.type, x.device.index, str(x.dtype).split(".")[-1],
+                        x.shape[0] * ids.shape[1] / max(w1.shape[0], 1))
 
 
 @torch.compiler.assume_constant_result
@@ -420,13 +426,10 @@ def train(*args: Any) -> Tensor:
         spec = F.checked(args)[0]  # the same checks, once per input metadata
     if M.checks_ids_here(args[1]):  # as the op's other paths: traced, the graph checks
         args = (args[0], M.checked_ids(args[1]), *args[2:])
-    x = args[0]
-    if traced and _inlines() and not (GLUON_TRAINING_OPS and _eager_gluon(
-            x.device.type, x.device.index, str(x.dtype).split(".")[-1],
-            x.shape[0] * args[1].shape[1] / max(args[3].shape[0], 1))):
+    if traced and _inlines() and not (GLUON_TRAINING_OPS and _eager_gluon_on(args)):
         return B.FusedExperts.apply(*args, None, None)
     if traced:
-        w1, gated, transposed = args[3], args[8], args[9]
+        x, w1, gated, transposed = args[0], args[3], args[8], args[9]
         keep = w1.requires_grad and torch.is_grad_enabled() and _keeps_rows(
             str(x.dtype).split(".")[-1], x.device.type, x.device.index, x.shape[1],
             w1.shape[2] if transposed else w1.shape[1], gated)
