@@ -55,7 +55,8 @@
 #                                          ops (0), all on the fused path (--traced-min-flops 0), each process
 #                                          beside HF's compiled grouped_mm and eager opreg (batches of
 #                                          MIN_BATCH_INLINE, default 5, calls); RUNS_INLINE (default "1,0 1,1
-#                                          0,0"): which of the three (INLINE_KERNELS,GLUON_TRAINING_OPS)
+#                                          0,0"): which of the three (INLINE_KERNELS,GLUON_TRAINING_OPS);
+#                                          CONFIGS_INLINE (default all three): bench_moe_block.py --configs
 #   STAGE=pre bash bench/device_run.sh       the bf16 saved pre-activation (moe_experts.PRE_BF16, on by
 #                                          default): its tests (tests/test_moe_triton_backward.py -k
 #                                          pre_bf16), then the compiled training step at TOKENS_PRE (default
@@ -278,7 +279,7 @@ if [ "$STAGE" = inline ]; then
     timeout ${INLINE_S:-200} python3 bench/bench_moe_block.py --tokens "${TOKENS_INLINE:-64,4096}" \
       --modes ${MODES_INLINE:-fwd fwd+bwd} --rounds 5 --min-batch "${MIN_BATCH_INLINE:-5}" \
       --variants hf_grouped_mm_inductor opreg opreg_inductor --traced-min-flops 0 \
-      --inline-kernels "${run%,*}" --gluon-training-ops "${run#*,}" \
+      --inline-kernels "${run%,*}" --gluon-training-ops "${run#*,}" ${CONFIGS_INLINE:+--configs $CONFIGS_INLINE} \
       2>&1 | tee "$OUT/moe_inline_${run/,/_}.log" | grep -E "^\||INLINE|GLUON"
   done
 fi

@@ -113,6 +113,50 @@ def test_gluon_sizes_keep_the_op_one_node(monkeypatch: pytest.MonkeyPatch) -> No
     assert not TR._eager_gluon("cuda", 0, "bfloat16", float(rows))
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_gluon_wgrad_sizes_train_through_the_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_eager_gluon_wgrad``: true exactly where the op's eager backward takes Gluon weight
+    gradients by default (bf16 on sm90, from ``GLUON_WGRAD_MIN_ROWS`` rows per expert, H, N1
+    and I multiples of 128, a triton with Gluon); and ``_trains_on_gluon`` asks it, beside
+    ``_eager_gluon``, only where a weight's gradient is wanted."""
+    from opreg.backends.triton import tune
+    monkeypatch.setattr(B, "_gluon_wgrad", lambda: object())  # stands for moe_wgrad_gluon
+    monkeypatch.setattr(B, "_sm90", lambda index: index == 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    rows, h, n1, i = B.GLUON_WGRAD_MIN_ROWS, 2048, 1536, 768
+    assert TR._eager_gluon_wgrad("cuda", 0, "bfloat16", float(rows), h, n1, i)
+    assert TR._eager_gluon_wgrad("cuda", None, "bfloat16", rows + 0.5, h, n1, i)
+    assert not TR._eager_gluon_wgrad("cuda", 0, "bfloat16", rows - 0.5, h, n1, i)
+    assert not TR._eager_gluon_wgrad("cuda", 0, "bfloat16", float(rows), h, n1 + 64, i)
+    for dtype in ("float16", "float32"):
+        assert not TR._eager_gluon_wgrad("cuda", 0, dtype, float(rows), h, n1, i)
+    assert not TR._eager_gluon_wgrad("cpu", None, "bfloat16", float(rows), h, n1, i)
+    monkeypatch.setattr(B, "_gluon_wgrad", lambda: None)  # a triton without Gluon
+    assert not TR._eager_gluon_wgrad("cuda", 0, "bfloat16", float(rows), h, n1, i)
+    monkeypatch.setattr(B, "_gluon_wgrad", lambda: object())
+    monkeypatch.setattr(B, "_sm90", lambda index: False)
+    assert not TR._eager_gluon_wgrad("cuda", 0, "bfloat16", float(rows), h, n1, i)
+
+    # _trains_on_gluon's arguments: the rows per expert, H, N1 and I of the op's (CPU tensors
+    # stand for CUDA ones: both predicates are replaced by recorders)
+    asked: list[tuple] = []
+    monkeypatch.setattr(TR, "_eager_gluon", lambda *a: asked.append(("gemm1", *a)) and False)
+    monkeypatch.setattr(TR, "_eager_gluon_wgrad", lambda *a: asked.append(("wgrad", *a)) or True)
+    e, h, i, k, t = 8, 256, 128, 2, 96
+    args = list(tune.inputs(e, h, i, k, t, torch.bfloat16, "cpu"))
+    assert not TR._trains_on_gluon(tuple(args)), "no weight's gradient is wanted: eager runs no weight gradients"
+    assert asked == [("gemm1", "cpu", None, "bfloat16", t * k / e)], asked
+    args[5] = args[5].detach().requires_grad_()  # down_proj's gradient
+    asked.clear()
+    assert TR._trains_on_gluon(tuple(args))
+    gated, transposed = args[8], args[9]
+    n1 = args[3].shape[2] if transposed else args[3].shape[1]
+    assert asked[-1] == ("wgrad", "cpu", None, "bfloat16", t * k / e, h, n1, n1 // 2 if gated else n1), asked
+    monkeypatch.setattr(TR, "_eager_gluon", lambda *a: True)
+    monkeypatch.setattr(TR, "_eager_gluon_wgrad", lambda *a: False)
+    assert TR._trains_on_gluon(tuple(args)), "eager's GEMM1 on Gluon alone sends the step through the ops"
+
+
 def _grads(fn: Any, args: tuple, seed: int) -> list[torch.Tensor]:
     leaves = [args[j] for j in (0, 2, 3, 4, 5, 6) if isinstance(args[j], torch.Tensor)]
     args = tuple(a.detach().requires_grad_() if any(a is leaf for leaf in leaves) else a for a in args)
@@ -242,21 +286,26 @@ def test_cuda_gluon_sizes_compile_to_the_op() -> None:
 
 @pytest.mark.cuda
 @cuda
-def test_cuda_gluon_sizes_train_through_the_ops(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``GLUON_TRAINING_OPS``, where eager runs the Gluon kernels, a compiled training step
-    goes through the two custom ops, which run what eager runs: the output and every gradient
-    the same bits, and the fused forward's and backward's Python runs per call."""
+@pytest.mark.parametrize("gemm1", [True, False], ids=["gemm1 and wgrad", "wgrad only"])
+def test_cuda_gluon_sizes_train_through_the_ops(monkeypatch: pytest.MonkeyPatch, gemm1: bool) -> None:
+    """With ``GLUON_TRAINING_OPS``, where eager runs Gluon kernels (GEMM1 and the weight
+    gradients, or the weight gradients alone: ``GLUON_WGRAD_MIN_ROWS`` rows per expert), a
+    compiled training step goes through the two custom ops, which run what eager runs: the
+    output and every gradient the same bits, and the fused forward's and backward's Python
+    runs per call."""
     from opreg.backends.triton import tune
     monkeypatch.setattr(TR, "INLINE_KERNELS", True)
     monkeypatch.setattr(TR, "GLUON_TRAINING_OPS", True)
     e, h, i, k = 8, 512, 256, 2
-    t = TM.GLUON_GEMM1_MIN_ROWS * e // k
-    seed = zlib.crc32(b"gluon sizes, training")
+    t = (TM.GLUON_GEMM1_MIN_ROWS if gemm1 else B.GLUON_WGRAD_MIN_ROWS) * e // k
+    seed = zlib.crc32(b"gluon sizes, training" + bytes(gemm1))
     torch.manual_seed(seed)
     args = tune.inputs(e, h, i, k, t, torch.bfloat16, "cuda")
     device = args[0].device
-    if not TR._eager_gluon("cuda", device.index, "bfloat16", t * k / e):
-        pytest.skip("the eager forward takes no Gluon GEMM1 here (not sm90, or no Gluon)")
+    if TR._eager_gluon("cuda", device.index, "bfloat16", t * k / e) != gemm1:
+        pytest.skip(f"the eager forward's GEMM1 is {'not ' if gemm1 else ''}on Gluon here (not sm90, or no Gluon)")
+    if not TR._eager_gluon_wgrad("cuda", device.index, "bfloat16", t * k / e, h, 2 * i, i):
+        pytest.skip("the eager backward takes no Gluon weight gradients here (not sm90, or no Gluon)")
     assert TR.fused_trains(args)
     eager = _grads(lambda *a: B.FusedExperts.apply(*a), args, seed)
     torch._dynamo.reset()

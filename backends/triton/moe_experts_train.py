@@ -20,7 +20,8 @@ With :data:`INLINE_KERNELS` (the default; False restores the two ops), a compile
 not reach the custom ops: Dynamo traces ``FusedExperts`` (and the no-grad forward,
 :func:`inline_forward`), so Inductor's wrapper launches the kernels itself; except where
 eager runs Gluon kernels, which Dynamo does not trace (:func:`_eager_gluon`): there the
-no-grad forward is the op, one node, and the training step the two custom ops
+no-grad forward is the op, one node, and the training step, there and where only its weight
+gradients run on Gluon (:func:`_trains_on_gluon`), the two custom ops
 (:data:`GLUON_TRAINING_OPS`).
 
 No forward mode (``forward_ad``, ``torch.func.jvp``) or ``torch.func`` transforms here:
@@ -365,6 +366,45 @@ def _eager_gluon_on(args: tuple[Any, ...]) -> bool:
                         x.shape[0] * ids.shape[1] / max(w1.shape[0], 1))
 
 
+def _trains_on_gluon(args: tuple[Any, ...]) -> bool:
+    """Would the op's eager training step on the positional arguments ``args`` (static sizes)
+    run a Gluon kernel: GEMM1 (:func:`_eager_gluon`) or, with a weight's gradient wanted, the
+    weight gradients (:func:`_eager_gluon_wgrad`)? Then a compiled step goes through the two
+    custom ops (:data:`GLUON_TRAINING_OPS`)."""
+    if _eager_gluon_on(args):
+        return True
+    x, w1, w2, gated, transposed = args[0], args[3], args[5], args[8], args[9]
+    if not (w1.requires_grad or w2.requires_grad):
+        return False
+    n1 = w1.shape[2] if transposed else w1.shape[1]
+    return _eager_gluon_wgrad(x.device.type, x.device.index, str(x.dtype).split(".")[-1],
+                              x.shape[0] * args[1].shape[1] / max(w1.shape[0], 1), x.shape[1], n1,
+                              n1 // 2 if gated else n1)
+
+
+@torch.compiler.assume_constant_result
+def _eager_gluon_wgrad(device_type: str, index: Optional[int], dtype: str, rows_per_expert: float, h: int,
+                       n1: int, i: int) -> bool:
+    """Would the op's eager backward run its weight gradients on a Gluon kernel here
+    (:func:`.moe_experts_backward.gluon_wgrad_default`, on ``torch._grouped_mm``'s path: bf16
+    on sm90, from ``GLUON_WGRAD_MIN_ROWS`` rows per expert, H, N1 and I multiples of 128)?
+    Those sizes begin below the Gluon GEMM1's (:func:`_eager_gluon`: 192 against 256 rows
+    per expert), and a traced backward takes CUTLASS's weight gradients (Gluon's kernels don't
+    trace), which the Gluon ones beat by 13-20 % at 256 rows (Qwen3-MoE, H100,
+    ``gluon_wgrad_default``). A constant to Dynamo, as :func:`_eager_gluon`."""
+    if device_type != "cuda" or dtype != "bfloat16" or not hasattr(torch, "_grouped_mm"):
+        return False
+    if not B._sm90(index if index is not None else torch.cuda.current_device()):
+        return False
+    if B.gluon_wgrad_default(rows_per_expert, h, n1, i) == B.GLUON_OFF:
+        return False
+    log_once(("train gluon wgrad", index, rows_per_expert, h, n1), logging.INFO,
+             "opreg: a compiled moe_experts training step at %.0f rows per expert goes through its two custom "
+             "ops, not its kernels inline: its weight gradients run Gluon kernels there, which Dynamo does not "
+             "trace", rows_per_expert)
+    return True
+
+
 @torch.compiler.assume_constant_result
 def _eager_gluon(device_type: str, index: Optional[int], dtype: str, rows_per_expert: float) -> bool:
     """Would the op's no-grad forward run GEMM1 (and on the H200 GEMM2) on the Gluon kernels
@@ -393,8 +433,9 @@ def _eager_gluon(device_type: str, index: Optional[int], dtype: str, rows_per_ex
     return True
 
 
-# True: a compiled training step at the sizes where eager runs Gluon kernels (:func:`_eager_gluon`)
-# goes through the two custom ops, one node each, whose runs pick the Gluon kernels (GEMM1, the
+# True: a compiled training step at the sizes where eager runs Gluon kernels
+# (:func:`_trains_on_gluon`: GEMM1 from 256 rows per expert, the weight gradients from 192) goes
+# through the two custom ops, one node each, whose runs pick the Gluon kernels (GEMM1, the
 # weight gradients) as eager does. Inline, Dynamo's trace takes the Triton GEMM1 and CUTLASS's
 # weight gradients (Gluon's kernels don't trace). The model: at these sizes the step waits on
 # its GPU (eager's whole step: 1.6 ms of host against 2.4 ms of GPU, Mixtral, T = 4096, H100),
@@ -404,7 +445,8 @@ def _eager_gluon(device_type: str, index: Optional[int], dtype: str, rows_per_ex
 # process beside HF's compiled block and eager opreg; us, opreg + Inductor / eager opreg):
 # inline 2616 / 2566, 2931 / 2820, 3107 / 3070 (1.2-3.9 % slower; Mixtral / Qwen3-MoE /
 # OLMoE); with this 2475 / 2517, 2760 / 2807, 2930 / 2987 and again 2543 / 2561, 2779 / 2834,
-# 2933 / 2982 (0.7-1.9 % faster). False: the step inline at every size.
+# 2933 / 2982 (0.7-1.9 % faster). Between 192 and 256 rows per expert (the weight gradients'
+# Gluon sizes only) not yet timed. False: the step inline at every size.
 GLUON_TRAINING_OPS = True
 
 
@@ -413,7 +455,7 @@ def train(*args: Any) -> Tensor:
     caller has checked :func:`fused_trains`. Arguments are checked as the op checks them.
     Traced: the custom ops, or with :data:`INLINE_KERNELS` :class:`FusedExperts` traced by
     Dynamo (its launches become graph nodes), except, with :data:`GLUON_TRAINING_OPS`, where
-    eager runs Gluon kernels (:func:`_eager_gluon`): the custom ops there. Eager: the same
+    eager runs Gluon kernels (:func:`_trains_on_gluon`): the custom ops there. Eager: the same
     kernels through :class:`FusedExperts`, an ``autograd.Function``: a custom op's Python
     dispatch (argument defaults, redispatch, its generated Function) cost ~0.35 ms of host
     per forward + backward on the 2-core box (0.88 vs 0.53 ms with the launches stubbed), and
@@ -426,7 +468,7 @@ def train(*args: Any) -> Tensor:
         spec = F.checked(args)[0]  # the same checks, once per input metadata
     if M.checks_ids_here(args[1]):  # as the op's other paths: traced, the graph checks
         args = (args[0], M.checked_ids(args[1]), *args[2:])
-    if traced and _inlines() and not (GLUON_TRAINING_OPS and _eager_gluon_on(args)):
+    if traced and _inlines() and not (GLUON_TRAINING_OPS and _trains_on_gluon(args)):
         return B.FusedExperts.apply(*args, None, None)
     if traced:
         x, w1, gated, transposed = args[0], args[3], args[8], args[9]
