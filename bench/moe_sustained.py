@@ -2,7 +2,7 @@
 and power: does the block slow down as the GPU heats and meets its power cap, and does it
 slow down as much as HF's?
 
-    python bench/moe_sustained.py [--configs mixtral] [--tokens 4096] [--calls 400]
+    python bench/moe_sustained.py [--configs mixtral] [--tokens 4096] [--calls 400] [--mode fwd+bwd]
 
 Why: on the H200 the same Mixtral forward read 719 us a call from 20 back-to-back calls
 (``moe_profile.py``, CUDA events) and 851 us in ``bench_moe_block.py``'s batches of >= 20
@@ -13,7 +13,11 @@ window of ``--window`` calls (mean us a call, the window's first call left out: 
 the queue the window's NVML read drained), with the SM clock (MHz) and power (W) read
 from NVML at each window's end (``torch.cuda.clock_rate`` / ``power_draw``: no sync, but
 one NVML query each; absent where pynvml is missing). The variants run one after the other,
-then again in the reverse order, so each meets the GPU both cold and warm.
+then again in the reverse order, so each meets the GPU both cold and warm. ``--mode
+fwd+bwd``: the training step instead (``bench_moe_block.step``), e.g. eager opreg against
+opreg + Inductor, whose steps ran the same kernels at T = 16384 on the H100 with the compute-
+bound ones 2.5-4.5 % slower in the compiled step in either order (2026-12-06, sixty-fifth
+session): does the compiled step's GPU run at a lower clock?
 """
 from __future__ import annotations
 
@@ -69,10 +73,11 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=400)
     p.add_argument("--window", type=int, default=25)
     p.add_argument("--variants", nargs="*", default=["hf_grouped_mm_inductor", "opreg"])
+    p.add_argument("--mode", default="fwd", choices=bb.MODES, help="fwd (no grad) or fwd+bwd (a training step)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("moe_sustained.py times a CUDA device; none is available")
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, no grad; "
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {a.mode}; "
           f"{a.calls} back-to-back calls a run, mean us a call per window of {a.window}; clock MHz / W at "
           f"each window's end (NVML)")
     for config in a.configs:
@@ -81,7 +86,7 @@ def main() -> None:
         for name in a.variants:
             torch._dynamo.reset()
             fn = bb.variant(block, name)
-            step = bb.step(fn, x, "fwd")
+            step = bb.step(fn, x, a.mode)
             for _ in range(3):
                 step()
             calls[name] = step

@@ -391,7 +391,8 @@ def _eager_gluon_wgrad(device_type: str, index: Optional[int], dtype: str, rows_
     Those sizes begin below the Gluon GEMM1's (:func:`_eager_gluon`: 192 against 256 rows
     per expert), and a traced backward takes CUTLASS's weight gradients (Gluon's kernels don't
     trace), which the Gluon ones beat by 13-20 % at 256 rows (Qwen3-MoE, H100,
-    ``gluon_wgrad_default``). A constant to Dynamo, as :func:`_eager_gluon`."""
+    ``gluon_wgrad_default``). A constant to Dynamo, as :func:`_eager_gluon`. Measured there:
+    :data:`GLUON_TRAINING_OPS`."""
     if device_type != "cuda" or dtype != "bfloat16" or not hasattr(torch, "_grouped_mm"):
         return False
     if not B._sm90(index if index is not None else torch.cuda.current_device()):
@@ -445,8 +446,10 @@ def _eager_gluon(device_type: str, index: Optional[int], dtype: str, rows_per_ex
 # process beside HF's compiled block and eager opreg; us, opreg + Inductor / eager opreg):
 # inline 2616 / 2566, 2931 / 2820, 3107 / 3070 (1.2-3.9 % slower; Mixtral / Qwen3-MoE /
 # OLMoE); with this 2475 / 2517, 2760 / 2807, 2930 / 2987 and again 2543 / 2561, 2779 / 2834,
-# 2933 / 2982 (0.7-1.9 % faster). Between 192 and 256 rows per expert (the weight gradients'
-# Gluon sizes only) not yet timed. False: the step inline at every size.
+# 2933 / 2982 (0.7-1.9 % faster). Where only the weight gradients run on Gluon (192-255 rows per
+# expert; H100, 2026-12-06, sixty-fifth session, the same bench): inline 2426 / 2355 (Qwen3-MoE, T
+# = 3072, 192 rows), 1770 / 1746 (OLMoE, T = 1792, 224 rows), 1.4-3.0 % slower; through the ops
+# 2322 / 2366, 1711 / 1721, 0.6-1.9 % faster. False: the step inline at every size.
 GLUON_TRAINING_OPS = True
 
 
