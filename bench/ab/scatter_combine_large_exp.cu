@@ -1,0 +1,946 @@
+// EXPERIMENT (bench/ab/README.md): backends/cuda/scatter_combine_large.cu with
+// four changes, each selected per call by a bit of OPREG_SCATTER_COMBINE_EXP
+// (read by launch_large; 0 or unset: main's kernels, modulo code layout):
+//   1|2 (the value 1, 2 or 3): the fused kernel prefetches x's first L2/4,
+//       L2/2 or 3 L2/4 bytes (at most all of x) into L2 after its count loop,
+//       4 KB a thread over the whole grid (cp.async.bulk.prefetch.L2), so that
+//       the grid barriers and the list building overlap x's first DRAM pass;
+//   4:  each thread's first index read before the zero phase and its barrier;
+//   8:  wide rows (hvec > 64 vectors) summed 8 rows in flight a lane, one
+//       vector each (WideReduce<U = 8, NV = 1>);
+//   16: wide rows one row at a time, NV = 2, 4 or 8 vectors a lane
+//       (WideReduce<U = 1, NV>: for fan-out 1-2); 16 wins over 8.
+// Bits 8 and 16 need the fused path (else the call fails); both only for 16-
+// and 32-bit elements with 16-byte vectors.
+//
+// opreg::scatter_combine forward, large path (every call the small path of
+// scatter_combine_small.cu does not take; the host picks, sizes the workspace
+// and calls launch_large, scatter_combine.cu). Two ways to run it, the same
+// device code and the same bits (the choice is in launch_large):
+//  * fused (the default): ONE cooperative launch, grid.sync() between the
+//    phases zero -> count -> [overflow offsets -> place, only when a token has
+//    more than kEll rows] -> reduce;
+//  * multi-kernel (the fallback): memset(counts) -> count -> overflow scan +
+//    place -> reduce, 5-6 launches. It runs where the fused kernel cannot
+//    (no cudaDevAttrCooperativeLaunch, not one block per SM, or the driver
+//    refuses the grid: launch_fused), and when the host asks for it
+//    (OPREG_SCATTER_COMBINE_LARGE=multi, read per call in scatter_combine.cu:
+//    the tests compare the two bit for bit).
+// No host sync in either. kEll and the scan constants are in
+// scatter_combine.cuh (the host sizes the workspace with them).
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <cooperative_groups.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#include <type_traits>
+
+#include "scatter_combine.cuh"
+
+namespace opreg {
+namespace sc_detail {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Large path: per-token row lists built on the device.
+//
+// The first version (CSR: offsets -> perm -> block-wide sort -> gates -> x,
+// one 128-thread block per token) reached only 59 % / 69 % of copy bandwidth
+// (163 us for 16384 x 2 x 4096 bf16, 367 us for 8192 x 8 x 7168): each block
+// spent 3-4 dependent memory round trips before its first data load and only
+// ~4 blocks fit per SM. Now the first kEll rows of each token go straight
+// into a fixed-width table ell[t][0..8) by the counting kernel (slot = the
+// integer-atomic return value), so a reducer needs ONE round trip
+// (count + ell, independent loads) before its data loads; only rows beyond
+// the 8th go through an overflow CSR (scan + place). Work items are
+// (token, column chunk) pairs, one per warp, no block-wide barriers.
+// (kEll = 8, kScanThreads, kScanPerThread, kScanTile: scatter_combine.cuh.)
+constexpr int kRedWarps = 4;         // warps (= work items) per block
+constexpr int kWarpSortCap = 1024;   // longest row list sorted in shared memory (per warp, 4 KB)
+// Column vectors per lane per item: an item covers 512 elements for 16-bit
+// types (NV = 2: 80 registers instead of 127 with NV = 4, 6 vs 4 blocks per SM)
+// and 512 / 256 elements for fp32 / fp64.
+template <int V>
+constexpr int red_nv() {
+  return V >= 8 ? 2 : 4;
+}
+
+// Reads of workspace entries written earlier in the same launch (the fused
+// kernel, kCoh = true) go to L2 (ld.global.cg): the grid barrier orders them,
+// and no stale L1 or read-only-cache line can serve them. The multi-kernel
+// path (kCoh = false) reads them as before: they were written by an earlier
+// launch.
+template <bool kCoh>
+__device__ __forceinline__ int ws_load(const int* p) {
+  if constexpr (kCoh) {
+    return __ldcg(p);
+  } else {
+    return *p;
+  }
+}
+
+// Grid-strided over rows: counts[t] += 1 per row of t (integer atomics, the
+// return value is the row's slot), slots < kEll go into ell[t][slot].
+// flag[0] is set when some token has more than kEll rows; the overflow scan
+// and place kernels return at once otherwise (they cost 4.8 + 1.1 us of
+// device time at 16384 tokens, for nothing in the common fan-out <= 8 case).
+__device__ __forceinline__ void count_rows(
+    const void* __restrict__ idx, bool idx64, int n, int64_t num_tokens, int* counts, int* ell,
+    int* slot, int* flag, bool pre = false, int64_t t_pre = 0) {
+  const int r0 = blockIdx.x * blockDim.x + threadIdx.x;
+  for (int r = r0; r < n; r += gridDim.x * blockDim.x) {
+    const int64_t t = pre && r == r0 ? t_pre : load_index(idx, r, idx64);
+    int s = -1;
+    if (t >= 0 && t < num_tokens) {
+      s = atomicAdd(counts + t, 1);
+      if (s < kEll) {
+        ell[t * kEll + s] = r;
+      } else if (s == kEll) {
+        *flag = 1;  // benign race: every writer stores 1
+      }
+    }
+    slot[r] = s;
+  }
+}
+
+__global__ void count_kernel(
+    const void* __restrict__ idx, bool idx64, int n, int64_t num_tokens,
+    int* __restrict__ counts, int* __restrict__ ell, int* __restrict__ slot, int* __restrict__ flag) {
+  count_rows(idx, idx64, n, num_tokens, counts, ell, slot, flag);
+}
+
+// Block-wide sum (1024 threads); result valid in every thread.
+__device__ __forceinline__ int block_sum_1024(int v, int* s_w) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) s_w[threadIdx.x >> 5] = v;
+  __syncthreads();
+  int s = 0;
+#pragma unroll
+  for (int w = 0; w < 32; ++w) s += s_w[w];
+  return s;
+}
+
+__device__ __forceinline__ int overflow_of(const int* counts, int64_t t) {
+  return max(counts[t] - kEll, 0);
+}
+
+__global__ void __launch_bounds__(kScanThreads) tile_sum_kernel(
+    const int* __restrict__ counts, int64_t num_tokens, int* __restrict__ tile_sums,
+    const int* __restrict__ flag) {
+  if (*flag == 0) return;
+  __shared__ int s_w[32];
+  const int64_t base = int64_t(blockIdx.x) * kScanTile;
+  int s = 0;
+  for (int i = threadIdx.x; i < kScanTile; i += kScanThreads)
+    if (base + i < num_tokens) s += overflow_of(counts, base + i);
+  s = block_sum_1024(s, s_w);
+  if (threadIdx.x == 0) tile_sums[blockIdx.x] = s;
+}
+
+// ooff[t] = sum over t' < t of max(counts[t'] - kEll, 0); one block per tile,
+// each block adds the sums of the tiles before it (few: num_tokens / 16384).
+// Warp w owns 512 consecutive tokens, read and written coalesced, 32 at a
+// time (a thread-owns-16-consecutive layout took 18.7 us for 16384 tokens).
+__global__ void __launch_bounds__(kScanThreads) scan_kernel(
+    const int* __restrict__ counts, int64_t num_tokens, const int* __restrict__ tile_sums,
+    int* __restrict__ ooff, const int* __restrict__ flag) {
+  if (*flag == 0) return;
+  __shared__ int s_w[32];
+  int pre = 0;
+  for (int i = threadIdx.x; i < int(blockIdx.x); i += kScanThreads) pre += tile_sums[i];
+  pre = block_sum_1024(pre, s_w);
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t wbase = int64_t(blockIdx.x) * kScanTile + int64_t(warp) * (32 * kScanPerThread);
+  int v[kScanPerThread];
+#pragma unroll
+  for (int e = 0; e < kScanPerThread; ++e) {
+    const int64_t i = wbase + e * 32 + lane;
+    v[e] = i < num_tokens ? overflow_of(counts, i) : 0;
+  }
+  int excl[kScanPerThread];
+  int carry = 0;
+#pragma unroll
+  for (int e = 0; e < kScanPerThread; ++e) {
+    const int incl = cuda::warp_inclusive_scan(v[e]);
+    excl[e] = carry + incl - v[e];
+    carry += __shfl_sync(kFull, incl, 31);
+  }
+  __syncthreads();  // s_w reuse
+  if (lane == 0) s_w[warp] = carry;
+  __syncthreads();
+  int wpre = pre;
+  for (int w = 0; w < warp; ++w) wpre += s_w[w];
+#pragma unroll
+  for (int e = 0; e < kScanPerThread; ++e) {
+    const int64_t i = wbase + e * 32 + lane;
+    if (i < num_tokens) ooff[i] = wpre + excl[e];
+  }
+}
+
+// Grid-strided over rows: each row beyond its token's kEll-th goes to
+// operm[ooff[t] + slot - kEll].
+template <bool kCoh>
+__device__ __forceinline__ void place_rows(
+    const void* __restrict__ idx, bool idx64, int n, const int* slot, const int* ooff, int* operm) {
+  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < n; r += gridDim.x * blockDim.x) {
+    const int s = ws_load<kCoh>(slot + r);
+    if (s >= kEll) operm[ws_load<kCoh>(ooff + load_index(idx, r, idx64)) + (s - kEll)] = r;
+  }
+}
+
+__global__ void place_kernel(
+    const void* __restrict__ idx, bool idx64, int n, const int* __restrict__ slot,
+    const int* __restrict__ ooff, int* __restrict__ operm, const int* __restrict__ flag) {
+  if (*flag == 0) return;
+  place_rows<false>(idx, idx64, n, slot, ooff, operm);
+}
+
+// The fused kernel's overflow offsets, instead of the two scan kernels: every
+// token with more than kEll rows takes a contiguous segment of operm from a
+// cursor (one integer atomicAdd per warp of 32 tokens: a warp scan of their
+// overflows). Segments land in arbitrary order, which changes nothing in the
+// result: a reducer finds its token's segment through ooff[t] and sorts the
+// rows by row index before summing, so the bits are those of the scan's
+// layout. Grid-strided by warps; ooff[t] is written only for tokens that
+// overflow, the only ones whose ooff a reducer reads.
+__device__ __forceinline__ void alloc_overflow(
+    const int* counts, int64_t num_tokens, int* ooff, int* cursor) {
+  const int lane = threadIdx.x & 31;
+  const int64_t wstride = int64_t(gridDim.x) * (blockDim.x / 32) * 32;
+  for (int64_t base = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * 32;
+       base < num_tokens; base += wstride) {  // warp-uniform
+    const int64_t t = base + lane;
+    const int ov = t < num_tokens ? max(__ldcg(counts + t) - kEll, 0) : 0;
+    const int incl = cuda::warp_inclusive_scan(ov);
+    const int total = __shfl_sync(kFull, incl, 31);
+    if (total == 0) continue;
+    int b = 0;
+    if (lane == 31) b = atomicAdd(cursor, total);
+    b = __shfl_sync(kFull, b, 31);
+    if (ov > 0) ooff[t] = b + incl - ov;
+  }
+}
+
+// acc[k][:] += gate(rows[i]) * x[rows[i], j0 + 32 k] for i in [0, cnt), in
+// order; rows[] is warp-uniform (shared memory or a broadcast register copy).
+template <typename scalar_t, int V, int NV, int U, typename acc_t, typename RowFn>
+__device__ __forceinline__ void warp_accumulate(
+    RowFn row_at, int cnt, const Vec<scalar_t, V>* __restrict__ x, const void* gates, bool g32,
+    int hvec, int j0, acc_t (&acc)[NV][V]) {
+  for (int i = 0; i < cnt; i += U) {
+    accumulate_rows<scalar_t, V, NV, U>([&](int u) { return row_at(i + u); }, cnt - i, x, gates,
+                                        g32, hvec, j0, acc);
+  }
+}
+
+// A token with more than kEll rows, summed by the whole warp (lane owns
+// vectors j0 + 32 k): its ell rows (`mine`, lanes < kEll) and its overflow rows
+// are bitonic-sorted in the warp's shared-memory scratch `rows` (<= 1024
+// rows), or, past that, token_idx is walked in row order. Shared by both
+// reduce kernels so that a token's sum is the same code, hence the same bits,
+// whichever kernel owns it.
+template <bool kCoh, typename scalar_t, int V, int NV, int U, typename acc_t>
+__device__ __forceinline__ void accumulate_long_token(
+    int64_t t, int cnt, int mine, int* rows, const Vec<scalar_t, V>* __restrict__ xv,
+    const void* __restrict__ idx, bool idx64, const void* __restrict__ gates, bool g32,
+    const int* __restrict__ ooff, const int* __restrict__ operm, int n, int hvec, int j0,
+    acc_t (&acc)[NV][V]) {
+  const int lane = threadIdx.x & 31;
+  if (cnt <= kWarpSortCap) {
+    int P = 1;
+    while (P < cnt) P <<= 1;
+    const int o0 = ws_load<kCoh>(ooff + t);
+    if (lane < kEll) rows[lane] = mine;
+    for (int i = kEll + lane; i < P; i += 32) rows[i] = i < cnt ? ws_load<kCoh>(operm + o0 + i - kEll) : INT_MAX;
+    __syncwarp();
+    for (int k = 2; k <= P; k <<= 1) {
+      for (int j = k >> 1; j > 0; j >>= 1) {
+        for (int i = lane; i < P; i += 32) {
+          const int ixj = i ^ j;
+          if (ixj > i) {
+            const int a = rows[i], b = rows[ixj];
+            if (((i & k) == 0) == (a > b)) {
+              rows[i] = b;
+              rows[ixj] = a;
+            }
+          }
+        }
+        __syncwarp();
+      }
+    }
+    warp_accumulate<scalar_t, V, NV, U>([&](int i) { return rows[i]; }, cnt, xv, gates, g32, hvec, j0, acc);
+    __syncwarp();  // rows[] is rewritten by this warp's next item
+  } else {
+    // Degenerate fan-in: walk token_idx in row order (ballots keep the order);
+    // the matches of each 32-row window are summed U rows at a time.
+    for (int rb = 0; rb < n; rb += 32) {
+      const int r = rb + lane;
+      const unsigned m = __ballot_sync(kFull, r < n && load_index(idx, r, idx64) == t);
+      if (m) {
+        warp_accumulate<scalar_t, V, NV, U>(
+            [&](int i) { return rb + int(__fns(m, 0, i + 1)); }, __popc(m), xv, gates, g32, hvec, j0, acc);
+      }
+    }
+  }
+}
+
+// The short-row reducer's tokens with more than kEll rows (flag set by
+// count_rows), after its own loop, by the same warps: one warp per long token,
+// each lane NV vectors of the row (32 NV >= hvec), each warp reading 32 of its
+// tokens' counts at once and balloting out the long ones (every count read
+// once more, 4 bytes a token, and only when flag says some token is long).
+// Why not in ShortReduce's loop, where it was until 2026-12-05: there this
+// path's shared-memory sort, overflow walk and their addresses were live
+// beside the rows in flight (ShortReduce's registers, below). A token's sum is
+// the same FMA chain over its sorted rows (accumulate_long_token), so the same
+// bits.
+template <bool kCoh, typename scalar_t, int V, int NV>
+__device__ __forceinline__ void reduce_long_tokens(
+    const int* flag, const Vec<scalar_t, V>* __restrict__ xv, const void* __restrict__ idx, bool idx64,
+    const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
+    const int* __restrict__ ooff, const int* __restrict__ operm, scalar_t* __restrict__ out, int n,
+    int64_t num_tokens, int hvec, int* rows) {
+  if (ws_load<kCoh>(flag) == 0) return;  // written before the last grid barrier / launch: grid-uniform
+  using acc_t = at::opmath_type<scalar_t>;
+  const int lane = threadIdx.x & 31;
+  // Token t is warp (t mod warps)'s: neighbouring tokens on different warps, so that many long
+  // tokens (at fan-out > kEll every token is one) spread over the grid as run()'s tokens do.
+  const int64_t warps = int64_t(gridDim.x) * kRedWarps;
+  for (int64_t tb = int64_t(blockIdx.x) * kRedWarps + (threadIdx.x >> 5); tb < num_tokens; tb += 32 * warps) {
+    const int64_t t_l = tb + lane * warps;
+    const int c_l = t_l < num_tokens ? ws_load<kCoh>(counts + t_l) : 0;
+    unsigned longs = __ballot_sync(kFull, c_l > kEll);
+    while (longs) {  // warp-uniform
+      const int src = __ffs(longs) - 1;
+      longs &= longs - 1;
+      const int64_t t = tb + src * warps;
+      const int cnt = __shfl_sync(kFull, c_l, src);
+      const int mine = lane < kEll ? ws_load<kCoh>(ell + t * kEll + lane) : 0;
+      acc_t acc[NV][V];
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
+      accumulate_long_token<kCoh, scalar_t, V, NV, 2>(t, cnt, mine, rows, xv, idx, idx64, gates, g32, ooff,
+                                                      operm, n, hvec, lane, acc);
+      cuda::store_row<scalar_t, V, NV>(out, t, hvec, lane, acc);
+    }
+  }
+}
+
+// Lane k of each aligned group of kEll lanes gets the k-th smallest of the
+// group's `row` values (INT_MAX pads a list shorter than kEll): rank = number
+// of smaller rows in the group (rows are distinct), then one ballot per rank.
+__device__ __forceinline__ int sort_ell_groups(int row) {
+  const int lane = threadIdx.x & 31, k = lane & (kEll - 1), base = lane & ~(kEll - 1);
+  int rank = 0;
+#pragma unroll
+  for (int j = 0; j < kEll; ++j) rank += __shfl_sync(kFull, row, j, kEll) < row;
+  int sorted = INT_MAX;
+#pragma unroll
+  for (int q = 0; q < kEll; ++q) {
+    const unsigned m = (__ballot_sync(kFull, row != INT_MAX && rank == q) >> base) & 0xffu;
+    const int v = __shfl_sync(kFull, row, m ? __ffs(m) - 1 : 0, kEll);
+    if (k == q && m) sorted = v;
+  }
+  return sorted;
+}
+
+// What a reducer is given besides the pointers: the wide-row reducer's work
+// items (token, column chunk) and chunks per token; the short-row reducer
+// needs neither (it walks num_tokens).
+struct ReduceWork {
+  int64_t items;
+  int chunks;
+};
+
+// Each reducer is a type with one device function, run<kCoh>, called by the
+// multi-kernel path's reduce kernel (scatter_reduce_kernel<Red>, kCoh = false)
+// and by the fused kernel's last phase (kCoh = true), so the two paths share
+// the per-element FMA chain, hence the bits, and each fused instantiation
+// carries only its own reducer's registers.
+//
+// Wide rows: one warp per (token, column chunk). U = rows whose loads are in
+// flight together. (Capping registers at 64 for 8 blocks per SM made ptxas
+// spill up to 484 bytes, so no cap: 80 registers, 6 blocks = 24 warps per SM
+// for bf16.)
+template <typename scalar_t, int V, int U, int NV_ = red_nv<V>()>
+struct WideReduce {
+  static constexpr int kMinBlocks = 0;  // none asked: 80 registers, no spills, as before
+  static constexpr int kFusedMaxBlocks = INT_MAX;  // the fused grid: every co-resident block
+
+  template <bool kCoh>
+  static __device__ __forceinline__ void run(
+      const scalar_t* __restrict__ x,
+      const void* __restrict__ idx,
+      bool idx64,
+      const void* __restrict__ gates,
+      bool g32,
+      const int* __restrict__ counts,
+      const int* __restrict__ ell,
+      const int* __restrict__ ooff,
+      const int* __restrict__ operm,
+      scalar_t* __restrict__ out,
+      int n,
+      int64_t /*num_tokens*/,
+      int hvec,
+      ReduceWork w) {
+    using acc_t = at::opmath_type<scalar_t>;
+    using vec_t = Vec<scalar_t, V>;
+    constexpr int NV = NV_;
+    const int64_t nitems = w.items;
+    const int chunks = w.chunks;
+    __shared__ int s_rows[kRedWarps][kWarpSortCap];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const vec_t* xv = reinterpret_cast<const vec_t*>(x);
+    // Persistent warps: while an item's data loads are in flight, the next
+    // item's (count, ell) loads are too, so the one metadata round trip per
+    // item overlaps useful traffic (without this: 78 % of copy bandwidth at
+    // fan-out 2).
+    const int64_t stride = int64_t(gridDim.x) * kRedWarps;
+    int64_t item = int64_t(blockIdx.x) * kRedWarps + warp;
+    if (item >= nitems) return;  // warp-level only from here: no block barriers
+    int64_t t = item / chunks;
+    int cnt = ws_load<kCoh>(counts + t);
+    int mine = lane < kEll ? ws_load<kCoh>(ell + t * kEll + lane) : 0;
+    for (;;) {
+      const int64_t next = item + stride;
+      int64_t tn = 0;
+      int cnt_n = 0, mine_n = 0;
+      if (next < nitems) {
+        tn = next / chunks;
+        cnt_n = ws_load<kCoh>(counts + tn);
+        mine_n = lane < kEll ? ws_load<kCoh>(ell + tn * kEll + lane) : 0;
+      }
+      const int j0 = int(item - t * chunks) * (32 * NV) + lane;
+      acc_t acc[NV][V];
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
+
+      if (cnt <= kEll) {
+        // Sort <= 8 rows by row index in registers; sorted[k] lives in lane k.
+        const int sorted = sort_ell_groups(lane < cnt ? mine : INT_MAX);
+        warp_accumulate<scalar_t, V, NV, U>(
+            [&](int i) { return __shfl_sync(kFull, sorted, i); }, cnt, xv, gates, g32, hvec, j0, acc);
+      } else {
+        accumulate_long_token<kCoh, scalar_t, V, NV, U>(t, cnt, mine, s_rows[warp], xv, idx, idx64,
+                                                        gates, g32, ooff, operm, n, hvec, j0, acc);
+      }
+
+      cuda::store_row<scalar_t, V, NV>(out, t, hvec, j0, acc);
+      if (next >= nitems) break;
+      item = next;
+      t = tn;
+      cnt = cnt_n;
+      mine = mine_n;
+    }
+  }
+
+  // run() sums every token itself, the long ones included (per item).
+  template <bool kCoh>
+  static __device__ __forceinline__ void long_tokens(const int*, const scalar_t*, const void*, bool, const void*,
+                                                     bool, const int*, const int*, const int*, const int*,
+                                                     scalar_t*, int, int64_t, int) {}
+};
+
+// Short rows (16-byte vectors, hvec <= 64: H <= 256 for fp32, <= 512 for
+// 16-bit types): WideReduce gives each token a whole warp and loads U = 2
+// rows at a time, so at H = 128 bf16 (hvec 16) only half the lanes load
+// anything and a warp has 2 x 256 B in flight: ~20 % of copy bandwidth. Here
+// a warp owns TPW tokens at once (L = 32 / TPW lanes each, NV vectors per
+// lane, L * NV >= hvec); lanes 8s..8s+7 fetch token s's (count, ell) together
+// and sort them in registers (sort_ell_groups), then every lane loads U of
+// its token's rows before the first FMA (U * NV = 8 vectors = 32 registers in
+// flight per lane, whatever the row width). At fan-out 2 a warp has 4 tokens
+// x 2 rows in flight (2 KB at H = 128 bf16, 4 KB at H = 128 fp32) instead of
+// 512 B. Tokens with more than kEll rows are left to long_tokens(), which the
+// kernels call after run(): whole warps, with the helper WideReduce uses. The
+// per-element FMA chain is the same: same bits.
+// Registers (ptxas, nvcc 13.0, sm_90): 72-80 for 32- and 64-bit elements,
+// 84-109 for fp16, 115-128 for bf16, without spills (4-8 bytes in two bf16
+// kernels). They were 94-168, bf16 at H <= 128 with 76-188 bytes of spills,
+// while the long tokens were summed inside run()'s loop (bench/RESULTS.md,
+// forty-fourth session). Pinning 6 blocks per SM (80 registers) for bf16
+// spilled 200-800 bytes and measured slower on the H200 (T16384 k8 H128 bf16:
+// 55 vs 38 us), hence kMinBlocks by element size.
+template <typename scalar_t, int V, int TPW, int NV, int U>
+struct ShortReduce {
+  static_assert(TPW == 2 || TPW == 4, "a token's kEll metadata lanes must fit in its lanes");
+  static_assert(kEll % U == 0, "row batches must tile the kEll sorted rows");
+  // Blocks per SM asked of ptxas (__launch_bounds__): 6 (<= 80 registers) for 32- and 64-bit
+  // elements, which it then fits in 72-80 without spills (unasked it chose 64 and spilled 16-56
+  // bytes); 4 (<= 128) for 16-bit ones, which need 84-128 (80 spilled 280 bytes).
+  static constexpr int kMinBlocks = sizeof(scalar_t) >= 4 ? 6 : 4;
+  // The fused grid's blocks per SM (launch_fused) for 32- and 64-bit elements: 5, as before
+  // the registers came down, not the 6-7 that now fit. Short rows are bandwidth-bound with 5,
+  // and each extra block adds to every grid barrier and to the count phase's atomics: on the
+  // H100 the fp32 H = 128 forward rows at T = 16384 ran 3-8 % faster in CUDA graphs with 5
+  // (two A/B runs, the unchanged backward and wide-row rows as controls; T = 4096 and 65536
+  // within 1 %; bench/RESULTS.md, forty-seventh session). fp64 was not timed: the same
+  // registers, so the same occupancy. 16-bit elements fit 4 anyway.
+  static constexpr int kFusedMaxBlocks = sizeof(scalar_t) >= 4 ? 5 : INT_MAX;
+
+  template <bool kCoh>
+  static __device__ __forceinline__ void run(
+      const scalar_t* __restrict__ x,
+      const void* __restrict__ idx,
+      bool idx64,
+      const void* __restrict__ gates,
+      bool g32,
+      const int* __restrict__ counts,
+      const int* __restrict__ ell,
+      const int* __restrict__ ooff,
+      const int* __restrict__ operm,
+      scalar_t* __restrict__ out,
+      int n,
+      int64_t num_tokens,
+      int hvec,
+      ReduceWork /*w*/) {
+    using acc_t = at::opmath_type<scalar_t>;
+    using vec_t = Vec<scalar_t, V>;
+    constexpr int L = 32 / TPW;  // lanes per token
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const vec_t* xv = reinterpret_cast<const vec_t*>(x);
+    const int64_t ngroups = (num_tokens + TPW - 1) / TPW;
+    const int64_t stride = int64_t(gridDim.x) * kRedWarps;
+    int64_t grp = int64_t(blockIdx.x) * kRedWarps + warp;
+    if (grp >= ngroups) return;  // warp-level only from here
+
+    // Metadata lanes: token ms = lane / kEll of the group, its ell entry lane % kEll.
+    const int ms = lane / kEll;
+    auto meta = [&](int64_t g, int& cnt, int& mine) {
+      const int64_t tk = g * TPW + ms;
+      cnt = 0;
+      mine = INT_MAX;
+      if (ms < TPW && tk < num_tokens) {
+        cnt = ws_load<kCoh>(counts + tk);
+        mine = ws_load<kCoh>(ell + tk * kEll + (lane & (kEll - 1)));
+      }
+    };
+    int cnt, mine;
+    meta(grp, cnt, mine);
+    // Data lanes: token s = lane / L, vectors jl + L k.
+    const int s = lane / L, jl = lane % L;
+    for (;;) {
+      // Persistent warps, as in WideReduce: the next group's metadata loads
+      // are in flight during this group's data loads.
+      const int64_t next = grp + stride;
+      int cnt_n = 0, mine_n = INT_MAX;
+      if (next < ngroups) meta(next, cnt_n, mine_n);
+
+      const int64_t t = grp * TPW + s;
+      const int sorted = sort_ell_groups((lane & (kEll - 1)) < cnt && cnt <= kEll ? mine : INT_MAX);
+      // This lane's token's row count; tokens with > kEll rows are left for later.
+      const int c_all = __shfl_sync(kFull, cnt, s * kEll);
+      const int c = c_all <= kEll ? c_all : 0;
+      const int cmax = __reduce_max_sync(kFull, unsigned(c));
+      acc_t acc[NV][V];
+#pragma unroll
+      for (int k = 0; k < NV; ++k)
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
+      for (int ub = 0; ub < cmax; ub += U) {  // warp-uniform
+        acc_t g[U];
+        vec_t xr[U][NV];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int r = __shfl_sync(kFull, sorted, s * kEll + ub + u);
+          if (ub + u < c) {
+            g[u] = load_gate<acc_t, scalar_t>(gates, r, g32);
+            const vec_t* row = xv + int64_t(r) * hvec;
+#pragma unroll
+            for (int k = 0; k < NV; ++k)
+              if (jl + L * k < hvec) xr[u][k] = row[jl + L * k];
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (ub + u < c) {
+#pragma unroll
+            for (int k = 0; k < NV; ++k) {
+              if (jl + L * k < hvec) {
+#pragma unroll
+                for (int e = 0; e < V; ++e)
+                  acc[k][e] = fma_acc(g[u], static_cast<acc_t>(xr[u][k].v[e]), acc[k][e]);
+              }
+            }
+          }
+        }
+      }
+      if (t < num_tokens && c_all <= kEll) {
+        vec_t* orow = reinterpret_cast<vec_t*>(out) + t * hvec;
+#pragma unroll
+        for (int k = 0; k < NV; ++k) {
+          if (jl + L * k < hvec) {
+            vec_t o;
+#pragma unroll
+            for (int e = 0; e < V; ++e) o.v[e] = static_cast<scalar_t>(acc[k][e]);
+            orow[jl + L * k] = o;
+          }
+        }
+      }
+
+      if (next >= ngroups) break;
+      grp = next;
+      cnt = cnt_n;
+      mine = mine_n;
+    }
+  }
+
+  // The tokens run() left (more than kEll rows), after it, whole warps.
+  template <bool kCoh>
+  static __device__ __forceinline__ void long_tokens(
+      const int* flag, const scalar_t* __restrict__ x, const void* __restrict__ idx, bool idx64,
+      const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
+      const int* __restrict__ ooff, const int* __restrict__ operm, scalar_t* __restrict__ out, int n,
+      int64_t num_tokens, int hvec) {
+    constexpr int NVW = (NV * (32 / TPW) + 31) / 32;  // vectors per lane when the whole warp sums one token
+    __shared__ int s_rows[kRedWarps][kWarpSortCap];
+    reduce_long_tokens<kCoh, scalar_t, V, NVW>(flag, reinterpret_cast<const Vec<scalar_t, V>*>(x), idx, idx64,
+                                               gates, g32, counts, ell, ooff, operm, out, n, num_tokens, hvec,
+                                               s_rows[threadIdx.x >> 5]);
+  }
+};
+
+// The multi-kernel path's reduce: one launch of reducer Red.
+template <typename scalar_t, typename Red>
+__global__ void __launch_bounds__(kRedWarps * 32, Red::kMinBlocks) scatter_reduce_kernel(
+    const scalar_t* __restrict__ x,
+    const void* __restrict__ idx,
+    bool idx64,
+    const void* __restrict__ gates,
+    bool g32,
+    const int* __restrict__ flag,
+    const int* __restrict__ counts,
+    const int* __restrict__ ell,
+    const int* __restrict__ ooff,
+    const int* __restrict__ operm,
+    scalar_t* __restrict__ out,
+    int n,
+    int64_t num_tokens,
+    int hvec,
+    ReduceWork w) {
+  Red::template run<false>(x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
+                           num_tokens, hvec, w);
+  Red::template long_tokens<false>(flag, x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
+                                   num_tokens, hvec);
+}
+
+// Phases 0-2 of the fused kernel (below): zero flag | counts and the overflow
+// cursor (the memset, folded in) -> count -> only when flag says some token
+// has more than kEll rows (read after the barrier, so grid-uniform, and so
+// are the barriers inside): overflow offsets -> place. Not inlined so that
+// ptxas allocates the reducer that follows as it does in the standalone
+// reduce kernel (inlined, the bf16 short-row reducer for hvec <= 16 got 150
+// registers instead of 128, 3 blocks per SM instead of 4); the call costs
+// nothing measurable next to a grid barrier.
+// Bytes [0, bytes) of base into L2, 4 KB a thread over the grid (bytes and
+// base 16-byte aligned: the host checks). sm90's bulk prefetch: no registers
+// wait on it, no barrier orders it.
+__device__ __forceinline__ void prefetch_l2(const void* base, int64_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int64_t kChunk = 4096;
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t nthreads = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t off = tid * kChunk; off < bytes; off += nthreads * kChunk) {
+    const unsigned sz = static_cast<unsigned>(min(kChunk, bytes - off));
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(static_cast<const char*>(base) + off), "r"(sz)
+                 : "memory");
+  }
+#endif
+}
+
+// The experiment's per-call choices for the fused kernel (mode bits 1-4).
+struct Exp {
+  const void* pf_base;
+  int64_t pf_bytes;  // 0: no prefetch
+  bool pre_idx;
+};
+
+__device__ __noinline__ void build_lists(
+    const void* __restrict__ idx, bool idx64, int n, int64_t num_tokens, int* flag, int* counts,
+    int* ell, int* ooff, int* slot, int* operm, int* cursor, Exp exp) {
+  const cooperative_groups::grid_group grid = cooperative_groups::this_grid();
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t nthreads = int64_t(gridDim.x) * blockDim.x;
+  int64_t t_pre = 0;
+  if (exp.pre_idx && tid < n) t_pre = load_index(idx, tid, idx64);  // in flight through the zero phase
+  for (int64_t i = tid; i <= num_tokens; i += nthreads) flag[i] = 0;  // flag, counts[0, T)
+  if (tid == 0) *cursor = 0;
+  grid.sync();
+  count_rows(idx, idx64, n, num_tokens, counts, ell, slot, flag, exp.pre_idx, t_pre);
+  if (exp.pf_bytes > 0) prefetch_l2(exp.pf_base, exp.pf_bytes);
+  grid.sync();
+  if (__ldcg(flag) != 0) {
+    alloc_overflow(counts, num_tokens, ooff, cursor);
+    grid.sync();
+    place_rows<true>(idx, idx64, n, slot, ooff, operm);
+    grid.sync();
+  }
+}
+
+// The whole large path in one cooperative launch (why: the H200 box's host
+// spends several us per launch, so the 5-6 launches of the multi-kernel path
+// made every call host-bound: ~20-35 us per call where the bytes need 5-10,
+// e.g. T16384 k8 H128 bf16 37-41 us = 23-26 % of copy bandwidth, T4096 k2
+// H1024 bf16 25 us = 24 %, T65536 k2 H128 fp32 43 us = 56 %). Every phase is
+// grid-strided over a grid that is entirely resident (the cooperative launch
+// guarantees it), separated by grid.sync(), which also orders the workspace
+// writes before the next phase's reads (ws_load<true>: L2 reads):
+//   0-2. build_lists: zero, count (count_rows, as the multi-kernel path),
+//        and, only if needed, overflow offsets (alloc_overflow) + place;
+//   3.   reduce (Red::run<true>, then Red::long_tokens<true>: the same code
+//        as scatter_reduce_kernel<Red>).
+// Phases 0-2 need few registers; the kernel's count is its reducer's (one
+// instantiation per reducer: the short-row reducers' 72-128 registers stay
+// out of the wide-row kernels), so it fits as many blocks per SM as the
+// multi-kernel path's reduce kernel.
+template <typename scalar_t, typename Red>
+__global__ void __launch_bounds__(kRedWarps * 32, Red::kMinBlocks) scatter_large_fused_kernel(
+    const scalar_t* __restrict__ x,
+    const void* __restrict__ idx,
+    bool idx64,
+    const void* __restrict__ gates,
+    bool g32,
+    int* flag,
+    int* counts,
+    int* ell,
+    int* ooff,
+    int* slot,
+    int* operm,
+    int* cursor,
+    scalar_t* __restrict__ out,
+    int n,
+    int64_t num_tokens,
+    int hvec,
+    ReduceWork w,
+    Exp exp) {
+  build_lists(idx, idx64, n, num_tokens, flag, counts, ell, ooff, slot, operm, cursor, exp);
+  Red::template run<true>(x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
+                          num_tokens, hvec, w);
+  // no barrier: the long tokens' rows are not the ones run() writes
+  Red::template long_tokens<true>(flag, x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
+                                  num_tokens, hvec);
+}
+
+int grid_for(int64_t work, int threads) {
+  const int64_t b = (work + threads - 1) / threads;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(b, 132 * 16)));
+}
+
+// Blocks of kKernel (128 threads) resident per SM, and SMs, on device dev;
+// computed once per kernel and device.
+struct Residency {
+  int sms = 0;
+  int per_sm = 0;
+};
+
+template <auto kKernel>
+const Residency& residency(c10::DeviceIndex dev) {
+  static Residency cache[C10_COMPILE_TIME_MAX_GPUS] = {};
+  Residency& r = cache[dev];
+  if (r.sms == 0) {
+    int sms = 0, per_sm = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kRedWarps * 32, 0));
+    r.per_sm = per_sm;
+    r.sms = sms;  // last: a concurrent first call at worst computes it twice
+  }
+  return r;
+}
+
+// Does this device launch cooperative kernels (cudaDevAttrCooperativeLaunch)? Once per device.
+bool cooperative_device(c10::DeviceIndex dev) {
+  return cuda::device_attribute<cudaDevAttrCooperativeLaunch>(dev) != 0;
+}
+
+// The workspace the host carved (scatter_combine.cu), and the call's sizes.
+template <typename scalar_t>
+struct LargeCall {
+  const scalar_t* xp;
+  const void* idx;
+  bool idx64;
+  const void* gates;
+  bool g32;
+  scalar_t* op;
+  int n;
+  int64_t num_tokens;
+  int hvec;
+  int64_t ntiles;
+  int* flag;
+  int* counts;
+  int* ell;
+  int* ooff;
+  int* slot;
+  int* operm;
+  int* tile_sums;
+  c10::DeviceIndex dev;
+  cudaStream_t stream;
+  Exp exp;
+};
+
+// The fallback: memset(counts) -> count -> tile sums -> scan -> place (the
+// last three return at once unless flag is set) -> reduce: 5-6 launches.
+template <typename scalar_t, typename Red>
+void launch_multi(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blocks) {
+  C10_CUDA_CHECK(cudaMemsetAsync(c.flag, 0, (1 + c.num_tokens) * sizeof(int), c.stream));
+  if (c.n > 0) {
+    count_kernel<<<grid_for(c.n, 256), 256, 0, c.stream>>>(c.idx, c.idx64, c.n, c.num_tokens,
+                                                           c.counts, c.ell, c.slot, c.flag);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (c.ntiles > 1) {
+      tile_sum_kernel<<<static_cast<unsigned>(c.ntiles), kScanThreads, 0, c.stream>>>(
+          c.counts, c.num_tokens, c.tile_sums, c.flag);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    scan_kernel<<<static_cast<unsigned>(c.ntiles), kScanThreads, 0, c.stream>>>(
+        c.counts, c.num_tokens, c.tile_sums, c.ooff, c.flag);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    place_kernel<<<grid_for(c.n, 256), 256, 0, c.stream>>>(c.idx, c.idx64, c.n, c.slot, c.ooff,
+                                                           c.operm, c.flag);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  constexpr auto kernel = scatter_reduce_kernel<scalar_t, Red>;
+  const Residency& res = residency<kernel>(c.dev);
+  const int64_t grid = std::min<int64_t>(reduce_blocks, int64_t(res.sms) * std::max(res.per_sm, 1));
+  kernel<<<static_cast<unsigned>(grid), kRedWarps * 32, 0, c.stream>>>(
+      c.xp, c.idx, c.idx64, c.gates, c.g32, c.flag, c.counts, c.ell, c.ooff, c.operm, c.op, c.n,
+      c.num_tokens, c.hvec, w);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The fused path, where it can run: false (nothing launched) on a device
+// without cooperative launch, or where not even one block of the kernel fits
+// an SM (cudaOccupancyMaxActiveBlocksPerMultiprocessor = 0), or where the
+// driver refuses the grid as too large (cudaErrorCooperativeLaunchTooLarge:
+// fewer SMs available than the attribute says, e.g. under MPS limits).
+// Grid: every co-resident block (blocks per SM x SMs, at most Red::kFusedMaxBlocks
+// per SM), capped by the work (the reduce's blocks or one row per thread for the
+// count, whichever is more).
+template <typename scalar_t, typename Red>
+bool launch_fused(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blocks) {
+  if (!cooperative_device(c.dev)) return false;
+  constexpr auto kernel = scatter_large_fused_kernel<scalar_t, Red>;
+  const Residency& res = residency<kernel>(c.dev);
+  if (res.per_sm < 1) return false;
+  const int64_t want = std::max<int64_t>({reduce_blocks, (c.n + kRedWarps * 32 - 1) / (kRedWarps * 32), 1});
+  const int per_sm = std::min(res.per_sm, Red::kFusedMaxBlocks);
+  const int64_t grid = std::min<int64_t>(want, int64_t(res.sms) * per_sm);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(kRedWarps * 32);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = c.stream;
+  cudaLaunchAttribute attr[1] = {};
+  attr[0].id = cudaLaunchAttributeCooperative;  // = cudaLaunchCooperativeKernel, type-checked arguments
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  // The overflow cursor: tile_sums[0] (the workspace has >= 1 tile; the
+  // fused path has no tile sums of its own).
+  const cudaError_t err = cudaLaunchKernelEx(
+      &cfg, kernel, c.xp, c.idx, c.idx64, c.gates, c.g32, c.flag, c.counts, c.ell, c.ooff, c.slot,
+      c.operm, c.tile_sums, c.op, c.n, c.num_tokens, c.hvec, w, c.exp);
+  if (err == cudaErrorCooperativeLaunchTooLarge) {
+    (void)cudaGetLastError();  // not sticky: clear it, run the fallback
+    return false;
+  }
+  C10_CUDA_CHECK(err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
+template <typename scalar_t, typename Red>
+void launch_with(const LargeCall<scalar_t>& c, bool fused, ReduceWork w, int64_t reduce_blocks) {
+  if (fused && launch_fused<scalar_t, Red>(c, w, reduce_blocks)) return;
+  launch_multi<scalar_t, Red>(c, w, reduce_blocks);
+}
+
+// Short-row reduce for hvec <= kShortMaxVec 16-byte vectors.
+constexpr int kShortMaxVec = 64;
+
+} // namespace
+
+template <typename scalar_t, int V>
+void launch_large(const scalar_t* xp, const void* idx, bool idx64, const void* gates, bool g32,
+                  scalar_t* op, int n, int64_t num_tokens, int hvec, int64_t ntiles, int* flag,
+                  int* counts, int* ell, int* ooff, int* slot, int* operm, int* tile_sums,
+                  bool fused, c10::DeviceIndex dev, cudaStream_t stream) {
+  const char* env = std::getenv("OPREG_SCATTER_COMBINE_EXP");
+  const int mode = env ? std::atoi(env) : 0;
+  Exp exp{xp, 0, (mode & 4) != 0};
+  if ((mode & 3) && cuda::aligned16(xp)) {
+    const int64_t l2 = cuda::device_attribute<cudaDevAttrL2CacheSize>(dev);
+    const int64_t x_bytes = int64_t(n) * hvec * int64_t(sizeof(Vec<scalar_t, V>));
+    exp.pf_bytes = std::min<int64_t>(x_bytes, l2 * (mode & 3) / 4) & ~int64_t(15);
+  }
+  const LargeCall<scalar_t> c{xp,     idx,   idx64, gates, g32,  op,    n,         num_tokens, hvec,
+                              ntiles, flag, counts, ell,   ooff, slot,  operm, tile_sums,  dev,
+                              stream, exp};
+  if constexpr (V > 1) {
+    if (hvec <= kShortMaxVec) {
+      // 8 lanes per token (its kEll metadata lanes) and up to 4 vectors per
+      // lane; 16 lanes per token for hvec 33..64. U * NV = 8: eight 16-byte
+      // vectors (32 registers) of loads in flight per lane.
+      auto go = [&](auto tpw, auto nv) {
+        constexpr int TPW = decltype(tpw)::value, NV = decltype(nv)::value;
+        const int64_t groups = (num_tokens + TPW - 1) / TPW;
+        launch_with<scalar_t, ShortReduce<scalar_t, V, TPW, NV, 8 / NV>>(
+            c, fused, ReduceWork{groups, 0}, (groups + kRedWarps - 1) / kRedWarps);
+      };
+      using c1 = std::integral_constant<int, 1>;
+      using c2 = std::integral_constant<int, 2>;
+      using c4 = std::integral_constant<int, 4>;
+      if (hvec <= 8) go(c4(), c1());
+      else if (hvec <= 16) go(c4(), c2());
+      else if (hvec <= 32) go(c4(), c4());
+      else go(c2(), c4());
+      return;
+    }
+  }
+  if constexpr (V > 1 && sizeof(scalar_t) <= 4) {
+    if (mode & 24) {
+      // the experiment's wide reducers: the fused path only (no multi-kernel instantiation)
+      auto go = [&](auto u, auto nvc) {
+        constexpr int U = decltype(u)::value, NV = decltype(nvc)::value;
+        const int chunks = (hvec + 32 * NV - 1) / (32 * NV);
+        const int64_t nitems = num_tokens * chunks;
+        using Red = WideReduce<scalar_t, V, U, NV>;
+        const bool ran = fused && launch_fused<scalar_t, Red>(c, ReduceWork{nitems, chunks},
+                                                              (nitems + kRedWarps - 1) / kRedWarps);
+        TORCH_CHECK(ran, "OPREG_SCATTER_COMBINE_EXP=", mode, ": the experiment's wide reducers need the fused path");
+      };
+      using c1 = std::integral_constant<int, 1>;
+      using c2 = std::integral_constant<int, 2>;
+      using c4 = std::integral_constant<int, 4>;
+      using c8 = std::integral_constant<int, 8>;
+      if (mode & 16) {
+        if (hvec >= 256) go(c1(), c8());
+        else if (hvec >= 128) go(c1(), c4());
+        else go(c1(), c2());
+      } else {
+        go(c8(), c1());
+      }
+      return;
+    }
+  }
+  constexpr int nv = red_nv<V>();
+  const int chunks = (hvec + 32 * nv - 1) / (32 * nv);
+  const int64_t nitems = num_tokens * chunks;
+  // U = 4 (more rows in flight) measured slower at fan-out 8: 361 vs 293 us
+  // for the reduce, because 126 registers left 16 warps per SM; so U = 2.
+  launch_with<scalar_t, WideReduce<scalar_t, V, 2>>(c, fused, ReduceWork{nitems, chunks},
+                                                    (nitems + kRedWarps - 1) / kRedWarps);
+}
+
+OPREG_SC_INSTANTIATE(launch_large)
+
+} // namespace sc_detail
+} // namespace opreg
