@@ -1,5 +1,5 @@
 """scatter_combine's large-path experiment: each mode of OPREG_SCATTER_COMBINE_EXP (bits in
-bench/ab/scatter_combine_large_exp.cu) against mode 0, in CUDA graphs, interleaved, on the
+bench/ab/scatter_large_exp.diff) against mode 0, in CUDA graphs, interleaved, on the
 >= 16 MB shapes that sat furthest below 70 % of a copy of the same bytes (issue 19), and two
 controls. Needs the experiment's build (bench/ab/README.md):
 
