@@ -17,7 +17,8 @@ then again in the reverse order, so each meets the GPU both cold and warm. ``--m
 fwd+bwd``: the training step instead (``bench_moe_block.step``), e.g. eager opreg against
 opreg + Inductor, whose steps ran the same kernels at T = 16384 on the H100 with the compute-
 bound ones 2.5-4.5 % slower in the compiled step in either order (2026-12-06, sixty-fifth
-session): does the compiled step's GPU run at a lower clock?
+session). Run so (OLMoE, 150 steps a run): both at their power cap, 1590-1665 MHz, the
+compiled step 0.99x eager's (bench/RESULTS.md).
 """
 from __future__ import annotations
 
