@@ -359,11 +359,15 @@ def inline_forward(*args: Any) -> Optional[Tensor]:
     return F.fused_experts_forward(*args)
 
 
+def _rows_per_expert(args: tuple[Any, ...]) -> float:
+    """The mean rows per expert (T k / E) of the op's positional arguments ``args``."""
+    return args[0].shape[0] * args[1].shape[1] / max(args[3].shape[0], 1)
+
+
 def _eager_gluon_on(args: tuple[Any, ...]) -> bool:
     """:func:`_eager_gluon` for the op's positional arguments ``args`` (static sizes)."""
-    x, ids, w1 = args[0], args[1], args[3]
-    return _eager_gluon(x.device.type, x.device.index, str(x.dtype).split(".")[-1],
-                        x.shape[0] * ids.shape[1] / max(w1.shape[0], 1))
+    x = args[0]
+    return _eager_gluon(x.device.type, x.device.index, str(x.dtype).split(".")[-1], _rows_per_expert(args))
 
 
 def _trains_on_gluon(args: tuple[Any, ...]) -> bool:
@@ -377,9 +381,8 @@ def _trains_on_gluon(args: tuple[Any, ...]) -> bool:
     if not (w1.requires_grad or w2.requires_grad):
         return False
     n1 = w1.shape[2] if transposed else w1.shape[1]
-    return _eager_gluon_wgrad(x.device.type, x.device.index, str(x.dtype).split(".")[-1],
-                              x.shape[0] * args[1].shape[1] / max(w1.shape[0], 1), x.shape[1], n1,
-                              n1 // 2 if gated else n1)
+    return _eager_gluon_wgrad(x.device.type, x.device.index, str(x.dtype).split(".")[-1], _rows_per_expert(args),
+                              x.shape[1], n1, n1 // 2 if gated else n1)
 
 
 @torch.compiler.assume_constant_result
