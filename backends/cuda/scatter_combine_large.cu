@@ -433,6 +433,23 @@ struct WideReduce {
                                                      scalar_t*, int, int64_t, int) {}
 };
 
+// The reducers that leave tokens with more than kEll rows for after run() (ShortReduce,
+// TileReduce): long_tokens() sums them with whole warps, NVW vectors a lane (32 NVW >= hvec).
+template <typename scalar_t, int V, int NVW>
+struct LongTokensByWarps {
+  template <bool kCoh>
+  static __device__ __forceinline__ void long_tokens(
+      const int* flag, const scalar_t* __restrict__ x, const void* __restrict__ idx, bool idx64,
+      const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
+      const int* __restrict__ ooff, const int* __restrict__ operm, scalar_t* __restrict__ out, int n,
+      int64_t num_tokens, int hvec) {
+    __shared__ int s_rows[kRedWarps][kWarpSortCap];
+    reduce_long_tokens<kCoh, scalar_t, V, NVW>(flag, reinterpret_cast<const Vec<scalar_t, V>*>(x), idx, idx64,
+                                               gates, g32, counts, ell, ooff, operm, out, n, num_tokens, hvec,
+                                               s_rows[threadIdx.x >> 5]);
+  }
+};
+
 // Short rows (16-byte vectors, hvec <= 64: H <= 256 for fp32, <= 512 for
 // 16-bit types): WideReduce gives each token a whole warp and loads U = 2
 // rows at a time, so at H = 128 bf16 (hvec 16) only half the lanes load
@@ -454,7 +471,8 @@ struct WideReduce {
 // spilled 200-800 bytes and measured slower on the H200 (T16384 k8 H128 bf16:
 // 55 vs 38 us), hence kMinBlocks by element size.
 template <typename scalar_t, int V, int TPW, int NV, int U>
-struct ShortReduce {
+struct ShortReduce
+    : LongTokensByWarps<scalar_t, V, (NV * (32 / TPW) + 31) / 32> {  // a token's 32 / TPW lanes' vectors
   static_assert(TPW == 2 || TPW == 4, "a token's kEll metadata lanes must fit in its lanes");
   static_assert(kEll % U == 0, "row batches must tile the kEll sorted rows");
   // Blocks per SM asked of ptxas (__launch_bounds__): 6 (<= 80 registers) for 32- and 64-bit
@@ -576,20 +594,6 @@ struct ShortReduce {
       mine = mine_n;
     }
   }
-
-  // The tokens run() left (more than kEll rows), after it, whole warps.
-  template <bool kCoh>
-  static __device__ __forceinline__ void long_tokens(
-      const int* flag, const scalar_t* __restrict__ x, const void* __restrict__ idx, bool idx64,
-      const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
-      const int* __restrict__ ooff, const int* __restrict__ operm, scalar_t* __restrict__ out, int n,
-      int64_t num_tokens, int hvec) {
-    constexpr int NVW = (NV * (32 / TPW) + 31) / 32;  // vectors per lane when the whole warp sums one token
-    __shared__ int s_rows[kRedWarps][kWarpSortCap];
-    reduce_long_tokens<kCoh, scalar_t, V, NVW>(flag, reinterpret_cast<const Vec<scalar_t, V>*>(x), idx, idx64,
-                                               gates, g32, counts, ell, ooff, operm, out, n, num_tokens, hvec,
-                                               s_rows[threadIdx.x >> 5]);
-  }
 };
 
 // Rows of 9-128 16-byte vectors, laid out as a tile (opt-in while it is measured:
@@ -607,7 +611,7 @@ struct ShortReduce {
 // rows are left to long_tokens() (whole warps, as ShortReduce leaves them). A token's sum
 // is the same FMA chain over its sorted rows as in the warp reducers: the same bits.
 template <typename scalar_t, int V, int TPT, int U>
-struct TileReduce {
+struct TileReduce : LongTokensByWarps<scalar_t, V, 4> {  // whole warps: hvec <= 128 = 32 x 4
   static constexpr int kThreads = kRedWarps * 32;
   static constexpr int kMinTpk = 16;                          // threads a token, at least
   static constexpr int kMaxTile = TPT * (kThreads / kMinTpk);  // tokens a tile, at most
@@ -738,19 +742,6 @@ struct TileReduce {
       __syncthreads();
       tile = next;
     }
-  }
-
-  // The tokens run() left (more than kEll rows), after it, whole warps (hvec <= 128 = 32 x 4).
-  template <bool kCoh>
-  static __device__ __forceinline__ void long_tokens(
-      const int* flag, const scalar_t* __restrict__ x, const void* __restrict__ idx, bool idx64,
-      const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
-      const int* __restrict__ ooff, const int* __restrict__ operm, scalar_t* __restrict__ out, int n,
-      int64_t num_tokens, int hvec) {
-    __shared__ int s_rows[kRedWarps][kWarpSortCap];
-    reduce_long_tokens<kCoh, scalar_t, V, 4>(flag, reinterpret_cast<const Vec<scalar_t, V>*>(x), idx, idx64,
-                                             gates, g32, counts, ell, ooff, operm, out, n, num_tokens, hvec,
-                                             s_rows[threadIdx.x >> 5]);
   }
 };
 
