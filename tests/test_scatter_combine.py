@@ -193,6 +193,13 @@ def _routing(t: int, fanout: int, order: str, idx_dtype: torch.dtype):
     return idx.to(idx_dtype)
 
 
+def _large_inputs(t: int, fanout: int, h: int, dtype: torch.dtype, order: str, idx_dtype: torch.dtype):
+    """_routing's indices for t tokens, fresh rows (N, h) and gates in [0.1, 1.1), on the GPU."""
+    idx = _routing(t, fanout, order, idx_dtype).cuda()
+    x = torch.randn(idx.numel(), h, dtype=dtype, device="cuda")
+    return idx, x, (torch.rand(idx.numel(), device="cuda") + 0.1).to(dtype)
+
+
 def _wide_pad(dtype: torch.dtype) -> int:
     return 2048 // (torch.finfo(dtype).bits // 8) + 64   # > 1 KB of extra row: wide-row reduce
 
@@ -286,10 +293,7 @@ def test_cuda_every_token_long_same_bits_as_every_path(h, dtype, order, idx_dtyp
 def test_cuda_wide_rows_same_bits_as_every_path(fanout, h, dtype, order, idx_dtype, monkeypatch):
     skip_without("cuda")
     t = 9216 // fanout + 1                      # >= 9216 rows: the large path
-    idx = _routing(t, fanout, order, idx_dtype).cuda()
-    n = idx.numel()
-    x = torch.randn(n, h, dtype=dtype, device="cuda")
-    g = (torch.rand(n, device="cuda") + 0.1).to(dtype)
+    idx, x, g = _large_inputs(t, fanout, h, dtype, order, idx_dtype)
     _check_large_call(x, idx, g, t, dtype, idx_dtype, monkeypatch)
 
 
@@ -318,10 +322,7 @@ def test_cuda_tile_reducer_same_bits(fanout, h, dtype, order, idx_dtype, monkeyp
     skip_without("cuda")
     from opreg.testing.compare import poison
     t = 12288 // fanout + 1                     # >= 12288 rows: the large path
-    idx = _routing(t, fanout, order, idx_dtype).cuda()
-    n = idx.numel()
-    x = torch.randn(n, h, dtype=dtype, device="cuda")
-    g = (torch.rand(n, device="cuda") + 0.1).to(dtype)
+    idx, x, g = _large_inputs(t, fanout, h, dtype, order, idx_dtype)
     out = _check_large_call(x, idx, g, t, dtype, idx_dtype, monkeypatch)
     for mode in ("tile", "multi-tile"):
         poison(t * h * 8, "cuda")
