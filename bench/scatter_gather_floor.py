@@ -8,15 +8,15 @@ every shape >= 16 MB. The op reads each token's rows where the routing put them 
 rows of ``expert_hidden``, H elements each), so beside the op and a copy of the same bytes
 (``sweep.copy_variant``) this times ``x.index_select(0, order)``: every row read once, in the
 order the op's reducers read them (grouped by token), written contiguously. Its bytes over
-its time, against the copy's rate, is how fast this GPU moves rows of that length read at
-random: the op cannot beat that rate, so where it is below 0.70 of the copy's, so is any
-combine. Per shape (sweep.py's inputs: random order, int32 indices, input sets rotated past
+its time, against the copy's rate, was to be how fast this GPU moves rows of that length
+read at random; it is that only where index_select itself is fast (wide rows; see below).
+Per shape (sweep.py's inputs: random order, int32 indices, input sets rotated past
 twice the L2), each in its own CUDA graph, rounds with the order rotated, median us a call.
 
 "tile" is the op with OPREG_SCATTER_COMBINE_LARGE=tile (scatter_combine_large.cu's
 TileReduce, opt-in while it is measured; its bits are checked against the default's first).
 
-``index_select`` is no floor where rows are short: at H = 128 it ran at 0.32-0.60 of the
+``index_select`` is no floor where rows are short: at H = 128 it ran at 0.31-0.61 of the
 copy's rate on the H100, slower than the op (bench/RESULTS.md, sixty-sixth session). So a
 second reference, ``lists``: the op's reduce with its lists given (each token's k rows, in
 row order, precomputed), in Triton: ``out[t] = sum_j g[o] * x[o]`` for o in the token's rows,
