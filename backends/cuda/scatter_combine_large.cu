@@ -335,8 +335,9 @@ __device__ __forceinline__ int sort_ell_groups(int row) {
 }
 
 // What a reducer is given besides the pointers: the wide-row reducer's work
-// items (token, column chunk) and chunks per token; the short-row reducer
-// needs neither (it walks num_tokens).
+// items (token, column chunk) and chunks per token; the tile reducer's tiles
+// and, in `chunks`, log2 of its threads a token; the short-row reducer needs
+// neither (it walks num_tokens).
 struct ReduceWork {
   int64_t items;
   int chunks;
