@@ -13,9 +13,6 @@ read at random; it is that only where index_select itself is fast (wide rows; se
 Per shape (sweep.py's inputs: random order, int32 indices, input sets rotated past
 twice the L2), each in its own CUDA graph, rounds with the order rotated, median us a call.
 
-"tile" is the op with OPREG_SCATTER_COMBINE_LARGE=tile (scatter_combine_large.cu's
-TileReduce, opt-in while it is measured; its bits are checked against the default's first).
-
 ``index_select`` is no floor where rows are short: at H = 128 it ran at 0.31-0.61 of the
 copy's rate on the H100, slower than the op (bench/RESULTS.md, sixty-sixth session). So a
 second reference, ``lists``: the op's reduce with its lists given (each token's k rows, in
@@ -29,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -121,19 +117,8 @@ def run_shape(shape: tuple, rounds: int) -> dict[str, Any]:
     gather_bytes = 2 * sets[0]["h"].numel() * sets[0]["h"].element_size()
     calls = min(sweep.graph_calls(nbytes), 2 * len(sets))
     copy = sweep.copy_variant(sets, nbytes)
-    env = os.environ.get("OPREG_SCATTER_COMBINE_LARGE")
-    os.environ["OPREG_SCATTER_COMBINE_LARGE"] = "tile"  # read per call, so at capture
-    tiled = capture(lambda i: op(sets[i]["h"], sets[i]["idx"], sets[i]["g"], t), len(sets), calls)
-    tile_out = op(sets[0]["h"], sets[0]["idx"], sets[0]["g"], t)
-    if env is None:
-        del os.environ["OPREG_SCATTER_COMBINE_LARGE"]
-    else:
-        os.environ["OPREG_SCATTER_COMBINE_LARGE"] = env
-    if not torch.equal(tile_out, op(sets[0]["h"], sets[0]["idx"], sets[0]["g"], t)):
-        raise SystemExit(f"T{t} k{k} H{h} {d}: the tile reducer's bits differ from the default's")
     graphs = {
         "op": capture(lambda i: op(sets[i]["h"], sets[i]["idx"], sets[i]["g"], t), len(sets), calls),
-        "tile": tiled,
         "copy": capture(copy.call, len(sets), calls),
         "gather": capture(lambda i: torch.index_select(sets[i]["h"], 0, sets[i]["order"], out=sets[i]["rows"]),
                           len(sets), calls),
@@ -155,7 +140,7 @@ def run_shape(shape: tuple, rounds: int) -> dict[str, Any]:
     copy_rate = nbytes / us["copy"]  # bytes per us
     row = dict(shape=f"T{t} k{k} H{h} {d}", mb=nbytes / 1e6, us=us,
                op_frac=us["copy"] / us["op"], gather_frac=(gather_bytes / us["gather"]) / copy_rate,
-               lists_frac=us["copy"] / us["lists"], tile_frac=us["copy"] / us["tile"])
+               lists_frac=us["copy"] / us["lists"])
     graphs.clear()
     sets.clear()
     torch.cuda.empty_cache()
@@ -171,15 +156,13 @@ def main() -> None:
         raise SystemExit("scatter_gather_floor.py times CUDA graphs; no CUDA device")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us a call in a CUDA graph, median of "
           f"{a.rounds} rounds; op and gather as a fraction of the copy's rate")
-    print("| shape | MB | copy | op (of copy) | op, tile reducer | gather of the rows (rate / copy) | "
-          "reduce, lists given (of copy) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | MB | copy | op (of copy) | gather of the rows (rate / copy) | reduce, lists given (of copy) |")
+    print("|---|---|---|---|---|---|")
     rows = []
     for s in SHAPES:
         r = run_shape(s, a.rounds)
         rows.append(r)
         print(f"| {r['shape']} | {r['mb']:.0f} | {r['us']['copy']:.1f} | {r['us']['op']:.1f} ({r['op_frac']:.2f}) | "
-              f"{r['us']['tile']:.1f} ({r['tile_frac']:.2f}) | "
               f"{r['us']['gather']:.1f} ({r['gather_frac']:.2f}) | {r['us']['lists']:.1f} ({r['lists_frac']:.2f}) |",
               flush=True)
         if a.json:

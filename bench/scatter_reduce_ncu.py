@@ -30,7 +30,9 @@ SHAPES = [(16384, 1, 1024, "bf16"), (65536, 2, 128, "bf16")]  # (T, k, H, dtype)
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("scatter_reduce_ncu.py profiles CUDA kernels; no CUDA device")
-    os.environ["OPREG_SCATTER_COMBINE_LARGE"] = "multi"  # read per call by the op
+    # read per call by the op; set it to anything else (e.g. "fused") to profile the one
+    # cooperative kernel instead
+    os.environ.setdefault("OPREG_SCATTER_COMBINE_LARGE", "multi")
     op = opreg.get("scatter_combine")
     for t, k, h, d in SHAPES:
         s = sweep.scatter_sets((t, k, h, d, "random", "int32"), "cuda")[0]

@@ -193,13 +193,6 @@ def _routing(t: int, fanout: int, order: str, idx_dtype: torch.dtype):
     return idx.to(idx_dtype)
 
 
-def _large_inputs(t: int, fanout: int, h: int, dtype: torch.dtype, order: str, idx_dtype: torch.dtype):
-    """_routing's indices for t tokens, fresh rows (N, h) and gates in [0.1, 1.1), on the GPU."""
-    idx = _routing(t, fanout, order, idx_dtype).cuda()
-    x = torch.randn(idx.numel(), h, dtype=dtype, device="cuda")
-    return idx, x, (torch.rand(idx.numel(), device="cuda") + 0.1).to(dtype)
-
-
 def _wide_pad(dtype: torch.dtype) -> int:
     return 2048 // (torch.finfo(dtype).bits // 8) + 64   # > 1 KB of extra row: wide-row reduce
 
@@ -293,68 +286,15 @@ def test_cuda_every_token_long_same_bits_as_every_path(h, dtype, order, idx_dtyp
 def test_cuda_wide_rows_same_bits_as_every_path(fanout, h, dtype, order, idx_dtype, monkeypatch):
     skip_without("cuda")
     t = 9216 // fanout + 1                      # >= 9216 rows: the large path
-    idx, x, g = _large_inputs(t, fanout, h, dtype, order, idx_dtype)
+    idx = _routing(t, fanout, order, idx_dtype).cuda()
+    n = idx.numel()
+    x = torch.randn(n, h, dtype=dtype, device="cuda")
+    g = (torch.rand(n, device="cuda") + 0.1).to(dtype)
     _check_large_call(x, idx, g, t, dtype, idx_dtype, monkeypatch)
 
 
-# The tile reducer (scatter_combine_large.cu's TileReduce, opt-in while it is measured:
-# OPREG_SCATTER_COMBINE_LARGE=tile, or multi-tile for the fallback): rows of 9-128 16-byte
-# vectors (both ends, powers of two and not, every element type), fan-outs with and without
-# long tokens (12: nearly all). Checked against the float64 reference and the default
-# reducers (_check_large_call), then bit for bit in both launch forms; a profile shows that
-# the tile reducer is what ran.
-TILE_ROWS = [(72, torch.bfloat16), (128, torch.bfloat16), (1000, torch.bfloat16), (1024, torch.bfloat16),
-             (200, torch.float16), (40, torch.float32), (128, torch.float32), (512, torch.float32),
-             (64, torch.float64), (256, torch.float64)]
-
-
-def _tile(x, idx, g, t, mode: str, monkeypatch) -> torch.Tensor:
-    with monkeypatch.context() as m:
-        m.setenv(LARGE_PATH_ENV, mode)
-        return OP(x, idx, g, t)
-
-
 @pytest.mark.cuda
-@pytest.mark.parametrize("order,idx_dtype", [("sorted", torch.int64), ("random", torch.int32)], ids=str)
-@pytest.mark.parametrize("h,dtype", TILE_ROWS, ids=str)
-@pytest.mark.parametrize("fanout", [1, 2, 8, 12])
-def test_cuda_tile_reducer_same_bits(fanout, h, dtype, order, idx_dtype, monkeypatch):
-    skip_without("cuda")
-    from opreg.testing.compare import poison
-    t = 12288 // fanout + 1                     # >= 12288 rows: the large path
-    idx, x, g = _large_inputs(t, fanout, h, dtype, order, idx_dtype)
-    out = _check_large_call(x, idx, g, t, dtype, idx_dtype, monkeypatch)
-    for mode in ("tile", "multi-tile"):
-        poison(t * h * 8, "cuda")
-        assert torch.equal(_tile(x, idx, g, t, mode, monkeypatch), out), mode
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("mode", ["tile", "multi-tile", None])
-def test_cuda_tile_reducer_is_what_runs(mode, monkeypatch):
-    """The variable is honoured: with it the large path's kernel is instantiated with
-    TileReduce, without it not (kernel names from the profiler)."""
-    skip_without("cuda")
-    t, h = 8193, 128
-    idx = _routing(t, 2, "random", torch.int32).cuda()
-    x = torch.randn(idx.numel(), h, dtype=torch.bfloat16, device="cuda")
-    g = torch.rand(idx.numel(), device="cuda").to(torch.bfloat16)
-    if mode is not None:
-        monkeypatch.setenv(LARGE_PATH_ENV, mode)
-    OP(x, idx, g, t)  # warm-up (occupancy queries) outside the profile
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        OP(x, idx, g, t)
-        torch.cuda.synchronize()
-    # the reducer runs in the fused kernel, or in the fallback's reduce kernel
-    names = [e.name for e in prof.events()
-             if "scatter_large_fused_kernel" in e.name or "scatter_reduce_kernel" in e.name]
-    assert names, [e.name for e in prof.events()]
-    assert all(("TileReduce" in n) == (mode is not None) for n in names), names
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("path", ["fused", "multi", "tile", "multi-tile"])
+@pytest.mark.parametrize("path", ["fused", "multi"])
 @pytest.mark.parametrize("h,dtype", [(128, torch.bfloat16), (1000, torch.float32)], ids=str)
 def test_cuda_graph_capture_large_path(path, h, dtype, monkeypatch):
     """The large path captured in a CUDA graph (the fused path is a cooperative launch),
@@ -362,8 +302,8 @@ def test_cuda_graph_capture_large_path(path, h, dtype, monkeypatch):
     indices, rows and gates written in place, bit for bit what eager calls of both paths
     give."""
     skip_without("cuda")
-    if path != "fused":
-        monkeypatch.setenv(LARGE_PATH_ENV, path)
+    if path == "multi":
+        monkeypatch.setenv(LARGE_PATH_ENV, "multi")
     t = 6145
 
     def inputs():

@@ -104,21 +104,12 @@ bool check_indices_requested() {
 
 // Test/benchmark override: OPREG_SCATTER_COMBINE_LARGE=multi forces the large
 // path's multi-kernel fallback (the tests compare its bits with the fused
-// cooperative kernel's); =tile and =multi-tile ask for the tile reducer (rows of
-// 9-128 16-byte vectors, scatter_combine_large.cu's TileReduce: opt-in until its
-// GPU tests and timings are in) in the fused kernel or the fallback; anything
-// else, or unset, lets launch_large pick (the fused kernel wherever the device
-// can run it). Read per call, like OPREG_CAT_LINEAR_PATH.
-struct LargeMode {
-  bool fused = true;  // the cooperative kernel where the device runs it
-  bool tile = false;  // TileReduce where the rows fit it
-};
-
-LargeMode large_mode() {
+// cooperative kernel's); anything else, or unset, lets launch_large pick (the
+// fused kernel wherever the device can run it). Read per call, like
+// OPREG_CAT_LINEAR_PATH.
+bool large_fused_allowed() {
   const char* e = std::getenv("OPREG_SCATTER_COMBINE_LARGE");
-  if (e == nullptr) return {};
-  const bool multi = std::strcmp(e, "multi") == 0, multi_tile = std::strcmp(e, "multi-tile") == 0;
-  return {!(multi || multi_tile), multi_tile || std::strcmp(e, "tile") == 0};
+  return e == nullptr || std::strcmp(e, "multi") != 0;
 }
 
 // Benchmark/test override: OPREG_SCATTER_COMBINE_PATH=tiny|small|large forces the forward's
@@ -192,10 +183,9 @@ void launch_forward(
   int* slot = ooff + num_tokens;
   int* operm = slot + n;
   int* tile_sums = operm + n;
-  const LargeMode mode = large_mode();
   launch_large<scalar_t, V>(xp, idx.const_data_ptr(), idx64, g.const_data_ptr(), g32, op, n,
                             num_tokens, hvec, ntiles, flag, counts, ell, ooff, slot, operm,
-                            tile_sums, mode.fused, mode.tile, x.get_device(), stream);
+                            tile_sums, large_fused_allowed(), x.get_device(), stream);
 }
 
 template <typename scalar_t>

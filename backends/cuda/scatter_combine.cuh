@@ -113,13 +113,12 @@ void launch_tiny(const scalar_t* xp, const void* idx, bool idx64, const void* ga
 // Large path, on the workspace the host carved (flag | counts | ell | ooff |
 // slot | operm | tile_sums): one cooperative launch when `fused` and the
 // device can run it, else the multi-kernel fallback (memset, count, scan,
-// place, reduce); `tile` asks for the tile reducer where the rows fit it (opt-in
-// while it is measured); scatter_combine_large.cu says which runs when.
+// place, reduce); scatter_combine_large.cu says which runs when.
 template <typename scalar_t, int V>
 void launch_large(const scalar_t* xp, const void* idx, bool idx64, const void* gates, bool g32,
                   scalar_t* op, int n, int64_t num_tokens, int hvec, int64_t ntiles, int* flag,
                   int* counts, int* ell, int* ooff, int* slot, int* operm, int* tile_sums,
-                  bool fused, bool tile, c10::DeviceIndex dev, cudaStream_t stream);
+                  bool fused, c10::DeviceIndex dev, cudaStream_t stream);
 
 // Backward (scatter_combine_backward.cu): gx = g * gy[idx], gg = <gy[idx], x>.
 template <typename scalar_t, int V>

@@ -335,9 +335,8 @@ __device__ __forceinline__ int sort_ell_groups(int row) {
 }
 
 // What a reducer is given besides the pointers: the wide-row reducer's work
-// items (token, column chunk) and chunks per token; the tile reducer's tiles
-// and, in `chunks`, log2 of its threads a token; the short-row reducer needs
-// neither (it walks num_tokens).
+// items (token, column chunk) and chunks per token; the short-row reducer
+// needs neither (it walks num_tokens).
 struct ReduceWork {
   int64_t items;
   int chunks;
@@ -434,23 +433,6 @@ struct WideReduce {
                                                      scalar_t*, int, int64_t, int) {}
 };
 
-// The reducers that leave tokens with more than kEll rows for after run() (ShortReduce,
-// TileReduce): long_tokens() sums them with whole warps, NVW vectors a lane (32 NVW >= hvec).
-template <typename scalar_t, int V, int NVW>
-struct LongTokensByWarps {
-  template <bool kCoh>
-  static __device__ __forceinline__ void long_tokens(
-      const int* flag, const scalar_t* __restrict__ x, const void* __restrict__ idx, bool idx64,
-      const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
-      const int* __restrict__ ooff, const int* __restrict__ operm, scalar_t* __restrict__ out, int n,
-      int64_t num_tokens, int hvec) {
-    __shared__ int s_rows[kRedWarps][kWarpSortCap];
-    reduce_long_tokens<kCoh, scalar_t, V, NVW>(flag, reinterpret_cast<const Vec<scalar_t, V>*>(x), idx, idx64,
-                                               gates, g32, counts, ell, ooff, operm, out, n, num_tokens, hvec,
-                                               s_rows[threadIdx.x >> 5]);
-  }
-};
-
 // Short rows (16-byte vectors, hvec <= 64: H <= 256 for fp32, <= 512 for
 // 16-bit types): WideReduce gives each token a whole warp and loads U = 2
 // rows at a time, so at H = 128 bf16 (hvec 16) only half the lanes load
@@ -472,8 +454,7 @@ struct LongTokensByWarps {
 // spilled 200-800 bytes and measured slower on the H200 (T16384 k8 H128 bf16:
 // 55 vs 38 us), hence kMinBlocks by element size.
 template <typename scalar_t, int V, int TPW, int NV, int U>
-struct ShortReduce
-    : LongTokensByWarps<scalar_t, V, (NV * (32 / TPW) + 31) / 32> {  // a token's 32 / TPW lanes' vectors
+struct ShortReduce {
   static_assert(TPW == 2 || TPW == 4, "a token's kEll metadata lanes must fit in its lanes");
   static_assert(kEll % U == 0, "row batches must tile the kEll sorted rows");
   // Blocks per SM asked of ptxas (__launch_bounds__): 6 (<= 80 registers) for 32- and 64-bit
@@ -595,154 +576,19 @@ struct ShortReduce
       mine = mine_n;
     }
   }
-};
 
-// Rows of 9-128 16-byte vectors, laid out as a tile (opt-in while it is measured:
-// OPREG_SCATTER_COMBINE_LARGE=tile or multi-tile, scatter_combine.cu). At fan-out 1-2 the
-// warp reducers above move these rows at 0.57-0.69 of a copy on the H100, where a Triton
-// kernel given the same lists, a tile of tokens a program, moves them at 0.93-0.96
-// (bench/scatter_gather_floor.py; bench/RESULTS.md, sixty-sixth session). Here likewise:
-// a block of 128 threads takes a tile of TT = TPT * (128 / TPK) tokens, TPK = the row's
-// vectors rounded up to a power of two (16-128 threads a token, ReduceWork::chunks holds
-// its log2), and each thread one column of TPT tokens, 128 / TPK apart: U rows of each in
-// flight, TPT * U vectors a thread, whatever the fan-out up to U. The tile's counts and
-// sorted ell rows are staged in shared memory once (lanes 8s..8s+7 sort token s's rows in
-// registers, sort_ell_groups), double-buffered: the next tile's metadata loads are in
-// flight while this tile's rows are, one block barrier a tile. Tokens with more than kEll
-// rows are left to long_tokens() (whole warps, as ShortReduce leaves them). A token's sum
-// is the same FMA chain over its sorted rows as in the warp reducers: the same bits.
-template <typename scalar_t, int V, int TPT, int U>
-struct TileReduce : LongTokensByWarps<scalar_t, V, 4> {  // whole warps: hvec <= 128 = 32 x 4
-  static constexpr int kThreads = kRedWarps * 32;
-  static constexpr int kMinTpk = 16;                          // threads a token, at least
-  static constexpr int kMaxTile = TPT * (kThreads / kMinTpk);  // tokens a tile, at most
-  static constexpr int kMetaPer = (kMaxTile * kEll + kThreads - 1) / kThreads;  // ell entries a thread
-  static_assert((TPT * kEll) % 32 == 0, "a tile's ell entries must fill whole warps (sort_ell_groups)");
-  // Blocks per SM asked of ptxas: 4 (<= 128 registers) for 32- and 64-bit elements, which
-  // fit in 108-118 without spills; 3 (<= 168) for 16-bit ones: at 128 the bf16 kernels
-  // spilled 60-148 bytes (nvcc 13.0, sm_90). Not yet timed either way.
-  static constexpr int kMinBlocks = sizeof(scalar_t) >= 4 ? 4 : 3;
-  static constexpr int kFusedMaxBlocks = INT_MAX;
-
+  // The tokens run() left (more than kEll rows), after it, whole warps.
   template <bool kCoh>
-  static __device__ __forceinline__ void run(
-      const scalar_t* __restrict__ x,
-      const void* __restrict__ /*idx*/,
-      bool /*idx64*/,
-      const void* __restrict__ gates,
-      bool g32,
-      const int* __restrict__ counts,
-      const int* __restrict__ ell,
-      const int* __restrict__ /*ooff*/,
-      const int* __restrict__ /*operm*/,
-      scalar_t* __restrict__ out,
-      int /*n*/,
-      int64_t num_tokens,
-      int hvec,
-      ReduceWork w) {
-    using acc_t = at::opmath_type<scalar_t>;
-    using vec_t = Vec<scalar_t, V>;
-    __shared__ int s_rows[2][kMaxTile * kEll];
-    __shared__ int s_cnt[2][kMaxTile];
-    const int lg = w.chunks;                  // log2(TPK), TPK >= kMinTpk
-    const int per_pass = kThreads >> lg;      // tokens side by side in the block
-    const int tt = TPT * per_pass;            // tokens a tile
-    const int64_t ntiles = w.items;
-    const int tid = threadIdx.x;
-    const int col = tid & ((1 << lg) - 1), sub = tid >> lg;
-    const bool on = col < hvec;
-    const vec_t* xv = reinterpret_cast<const vec_t*>(x);
-
-    int m_cnt[kMetaPer], m_row[kMetaPer];
-    auto fetch = [&](int64_t tile) {  // tile's (count, ell) entries i = tid + 128 m
-#pragma unroll
-      for (int m = 0; m < kMetaPer; ++m) {
-        const int i = tid + kThreads * m;
-        const int64_t tk = tile * tt + i / kEll;
-        m_cnt[m] = 0;
-        m_row[m] = INT_MAX;
-        if (i < tt * kEll && tk < num_tokens) {
-          m_cnt[m] = ws_load<kCoh>(counts + tk);
-          m_row[m] = ws_load<kCoh>(ell + tk * kEll + (i & (kEll - 1)));
-        }
-      }
-    };
-    auto publish = [&](int b) {  // sorted rows and counts into buffer b
-#pragma unroll
-      for (int m = 0; m < kMetaPer; ++m) {
-        const int i = tid + kThreads * m;
-        if (i - (tid & 31) < tt * kEll) {  // warp-uniform: tt * kEll is a multiple of 32
-          const int c = m_cnt[m];
-          const int sorted = sort_ell_groups((i & (kEll - 1)) < c && c <= kEll ? m_row[m] : INT_MAX);
-          s_rows[b][i] = sorted;
-          if ((i & (kEll - 1)) == 0) s_cnt[b][i / kEll] = c;
-        }
-      }
-    };
-
-    int64_t tile = blockIdx.x;
-    if (tile >= ntiles) return;  // block-uniform: the barriers below are reached by all or none
-    fetch(tile);
-    publish(0);
-    __syncthreads();
-    for (int b = 0;; b ^= 1) {
-      const int64_t next = tile + gridDim.x;
-      if (next < ntiles) fetch(next);  // in flight with this tile's rows
-      int c[TPT];  // token j of this thread: the tile's token j * per_pass + sub
-      int cmax = 0;
-#pragma unroll
-      for (int j = 0; j < TPT; ++j) {
-        const int cj = s_cnt[b][j * per_pass + sub];
-        c[j] = cj <= kEll ? cj : 0;  // a long token: long_tokens() sums and stores it
-        cmax = max(cmax, c[j]);
-      }
-      acc_t acc[TPT][V];
-#pragma unroll
-      for (int j = 0; j < TPT; ++j)
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[j][e] = acc_t(0);
-      for (int ub = 0; ub < cmax; ub += U) {
-        acc_t g[TPT][U];
-        vec_t xr[TPT][U];
-#pragma unroll
-        for (int j = 0; j < TPT; ++j) {
-#pragma unroll
-          for (int u = 0; u < U; ++u) {
-            if (ub + u < c[j]) {
-              const int r = s_rows[b][(j * per_pass + sub) * kEll + ub + u];
-              g[j][u] = load_gate<acc_t, scalar_t>(gates, r, g32);
-              if (on) xr[j][u] = xv[int64_t(r) * hvec + col];
-            }
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < TPT; ++j) {
-#pragma unroll
-          for (int u = 0; u < U; ++u) {
-            if (ub + u < c[j] && on) {
-#pragma unroll
-              for (int e = 0; e < V; ++e)
-                acc[j][e] = fma_acc(g[j][u], static_cast<acc_t>(xr[j][u].v[e]), acc[j][e]);
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < TPT; ++j) {
-        const int lt = j * per_pass + sub;
-        const int64_t tk = tile * tt + lt;
-        if (on && tk < num_tokens && s_cnt[b][lt] <= kEll) {
-          vec_t o;
-#pragma unroll
-          for (int e = 0; e < V; ++e) o.v[e] = static_cast<scalar_t>(acc[j][e]);
-          reinterpret_cast<vec_t*>(out)[tk * hvec + col] = o;
-        }
-      }
-      if (next >= ntiles) break;
-      publish(b ^ 1);  // buffer b ^ 1 was last read a tile ago, before the barrier below
-      __syncthreads();
-      tile = next;
-    }
+  static __device__ __forceinline__ void long_tokens(
+      const int* flag, const scalar_t* __restrict__ x, const void* __restrict__ idx, bool idx64,
+      const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
+      const int* __restrict__ ooff, const int* __restrict__ operm, scalar_t* __restrict__ out, int n,
+      int64_t num_tokens, int hvec) {
+    constexpr int NVW = (NV * (32 / TPW) + 31) / 32;  // vectors per lane when the whole warp sums one token
+    __shared__ int s_rows[kRedWarps][kWarpSortCap];
+    reduce_long_tokens<kCoh, scalar_t, V, NVW>(flag, reinterpret_cast<const Vec<scalar_t, V>*>(x), idx, idx64,
+                                               gates, g32, counts, ell, ooff, operm, out, n, num_tokens, hvec,
+                                               s_rows[threadIdx.x >> 5]);
   }
 };
 
@@ -975,30 +821,17 @@ void launch_with(const LargeCall<scalar_t>& c, bool fused, ReduceWork w, int64_t
 // Short-row reduce for hvec <= kShortMaxVec 16-byte vectors.
 constexpr int kShortMaxVec = 64;
 
-// The tile reducer's range: rows of kTileMinVec + 1 .. kTileMaxVec 16-byte vectors.
-constexpr int kTileMinVec = 8;
-constexpr int kTileMaxVec = 128;
-
 } // namespace
 
 template <typename scalar_t, int V>
 void launch_large(const scalar_t* xp, const void* idx, bool idx64, const void* gates, bool g32,
                   scalar_t* op, int n, int64_t num_tokens, int hvec, int64_t ntiles, int* flag,
                   int* counts, int* ell, int* ooff, int* slot, int* operm, int* tile_sums,
-                  bool fused, bool tile, c10::DeviceIndex dev, cudaStream_t stream) {
+                  bool fused, c10::DeviceIndex dev, cudaStream_t stream) {
   const LargeCall<scalar_t> c{xp,     idx,   idx64, gates, g32,  op,    n,         num_tokens, hvec,
                               ntiles, flag, counts, ell,   ooff, slot,  operm, tile_sums,  dev,
                               stream};
   if constexpr (V > 1) {
-    if (tile && hvec > kTileMinVec && hvec <= kTileMaxVec) {
-      constexpr int TPT = 4, U = 2;
-      int lg = 4;  // log2 of the threads a token: hvec rounded up to a power of two, >= 16
-      while ((1 << lg) < hvec) ++lg;
-      const int64_t tt = TPT * ((kRedWarps * 32) >> lg);
-      const int64_t tiles = (num_tokens + tt - 1) / tt;
-      launch_with<scalar_t, TileReduce<scalar_t, V, TPT, U>>(c, fused, ReduceWork{tiles, lg}, tiles);
-      return;
-    }
     if (hvec <= kShortMaxVec) {
       // 8 lanes per token (its kEll metadata lanes) and up to 4 vectors per
       // lane; 16 lanes per token for hvec 33..64. U * NV = 8: eight 16-byte
