@@ -94,9 +94,16 @@
 # 16 cores) runs it with xdist; FIRST_CALL=0 skips the first-call timing.
 # Sized for one 10-minute device call: install + cold build ~1 min, the suite <= 5 min, the
 # benchmarks each under a timeout (BENCH_S, default 150 s for the three together).
+# ONLY_ON=H200 runs nothing and exits 3 unless the GPU's name has that in it: a call asking for
+# an H200 may get an H100, so `ONLY_ON=H200 STAGE=tests bash bench/device_run.sh; [ $? = 3 ] &&
+# STAGE=... bash bench/device_run.sh` spends a start on H200 work or, failing that, H100 work.
 set -uo pipefail
 OUT=${OUT:-/tmp/opreg-out}
 STAGE=${STAGE:-all}
+if [ -n "${ONLY_ON:-}" ]; then
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  case "$gpu" in *"$ONLY_ON"*) ;; *) echo "ONLY_ON=$ONLY_ON: this GPU is $gpu; nothing run"; exit 3 ;; esac
+fi
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} OPREG_CACHE_DIR=${OPREG_CACHE_DIR:-/tmp/opreg-cache}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -20 "$OUT/install.log"
