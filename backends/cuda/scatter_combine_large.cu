@@ -317,21 +317,30 @@ __device__ __forceinline__ void reduce_long_tokens(
 }
 
 // Lane k of each aligned group of kEll lanes gets the k-th smallest of the
-// group's `row` values (INT_MAX pads a list shorter than kEll): rank = number
-// of smaller rows in the group (rows are distinct), then one ballot per rank.
-__device__ __forceinline__ int sort_ell_groups(int row) {
-  const int lane = threadIdx.x & 31, k = lane & (kEll - 1), base = lane & ~(kEll - 1);
-  int rank = 0;
+// group's `row` values (INT_MAX pads a list shorter than kEll; rows are
+// distinct): a bitonic network of XOR shuffles over the first P lanes of each
+// group, P = `longest` (warp-uniform: the warp's longest list, <= kEll)
+// rounded up to a power of two; lanes at or past a list's count hold INT_MAX,
+// so lanes >= P are already in place: no exchange at fan-out 1, 1 at 2, 6 at
+// 8. It replaced a rank-and-ballot sort (8 shuffles for the ranks, then 8
+// ballots + 8 shuffles whatever the fan-out; about 300 more SASS instructions
+// in each bf16 reducer kernel, sm_90), which sat between a token's metadata
+// and its first data load: on the H100 the op ran 0.4-1.9 us (1-5 %) faster
+// with no sort at all (a timing experiment, bench/RESULTS.md, sixty-eighth
+// session), the most at fan-out 1. The order, hence the bits, is the same:
+// ascending row index.
+__device__ __forceinline__ int sort_ell_groups(int row, int longest) {
+  const int k = threadIdx.x & (kEll - 1);
 #pragma unroll
-  for (int j = 0; j < kEll; ++j) rank += __shfl_sync(kFull, row, j, kEll) < row;
-  int sorted = INT_MAX;
+  for (int size = 2; size <= kEll; size <<= 1) {
+    if (size >= 2 * longest) break;  // warp-uniform: the lists fit in size / 2 lanes, sorted
 #pragma unroll
-  for (int q = 0; q < kEll; ++q) {
-    const unsigned m = (__ballot_sync(kFull, row != INT_MAX && rank == q) >> base) & 0xffu;
-    const int v = __shfl_sync(kFull, row, m ? __ffs(m) - 1 : 0, kEll);
-    if (k == q && m) sorted = v;
+    for (int j = size >> 1; j > 0; j >>= 1) {
+      const int other = __shfl_xor_sync(kFull, row, j);
+      row = (((k & j) == 0) == ((k & size) == 0)) ? min(row, other) : max(row, other);
+    }
   }
-  return sorted;
+  return row;
 }
 
 // What a reducer is given besides the pointers: the wide-row reducer's work
@@ -409,7 +418,7 @@ struct WideReduce {
 
       if (cnt <= kEll) {
         // Sort <= 8 rows by row index in registers; sorted[k] lives in lane k.
-        const int sorted = sort_ell_groups(lane < cnt ? mine : INT_MAX);
+        const int sorted = sort_ell_groups(lane < cnt ? mine : INT_MAX, cnt);
         warp_accumulate<scalar_t, V, NV, U>(
             [&](int i) { return __shfl_sync(kFull, sorted, i); }, cnt, xv, gates, g32, hvec, j0, acc);
       } else {
@@ -519,11 +528,11 @@ struct ShortReduce {
       if (next < ngroups) meta(next, cnt_n, mine_n);
 
       const int64_t t = grp * TPW + s;
-      const int sorted = sort_ell_groups((lane & (kEll - 1)) < cnt && cnt <= kEll ? mine : INT_MAX);
       // This lane's token's row count; tokens with > kEll rows are left for later.
       const int c_all = __shfl_sync(kFull, cnt, s * kEll);
       const int c = c_all <= kEll ? c_all : 0;
-      const int cmax = __reduce_max_sync(kFull, unsigned(c));
+      const int cmax = __reduce_max_sync(kFull, unsigned(c));  // also the longest list any metadata lane holds
+      const int sorted = sort_ell_groups((lane & (kEll - 1)) < cnt && cnt <= kEll ? mine : INT_MAX, cmax);
       acc_t acc[NV][V];
 #pragma unroll
       for (int k = 0; k < NV; ++k)
