@@ -282,7 +282,7 @@ __device__ __forceinline__ void accumulate_long_token(
 // beside the rows in flight (ShortReduce's registers, below). A token's sum is
 // the same FMA chain over its sorted rows (accumulate_long_token), so the same
 // bits.
-template <bool kCoh, typename scalar_t, int V, int NV>
+template <bool kCoh, typename scalar_t, int V, int NV, bool kChunked = false>
 __device__ __forceinline__ void reduce_long_tokens(
     const int* flag, const Vec<scalar_t, V>* __restrict__ xv, const void* __restrict__ idx, bool idx64,
     const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
@@ -304,14 +304,17 @@ __device__ __forceinline__ void reduce_long_tokens(
       const int64_t t = tb + src * warps;
       const int cnt = __shfl_sync(kFull, c_l, src);
       const int mine = lane < kEll ? ws_load<kCoh>(ell + t * kEll + lane) : 0;
-      acc_t acc[NV][V];
+      // Column chunks of 32 NV vectors where kChunked (LaneReduce), else one (hvec <= 32 NV).
+      for (int c0 = 0; kChunked ? c0 < hvec : c0 == 0; c0 += 32 * NV) {  // warp-uniform
+        acc_t acc[NV][V];
 #pragma unroll
-      for (int k = 0; k < NV; ++k)
+        for (int k = 0; k < NV; ++k)
 #pragma unroll
-        for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
-      accumulate_long_token<kCoh, scalar_t, V, NV, 2>(t, cnt, mine, rows, xv, idx, idx64, gates, g32, ooff,
-                                                      operm, n, hvec, lane, acc);
-      cuda::store_row<scalar_t, V, NV>(out, t, hvec, lane, acc);
+          for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
+        accumulate_long_token<kCoh, scalar_t, V, NV, kChunked ? 1 : 2>(t, cnt, mine, rows, xv, idx, idx64, gates, g32, ooff,
+                                                        operm, n, hvec, c0 + lane, acc);
+        cuda::store_row<scalar_t, V, NV>(out, t, hvec, c0 + lane, acc);
+      }
     }
   }
 }
@@ -601,6 +604,162 @@ struct ShortReduce {
   }
 };
 
+// Lane reduce (16-bit rows at mean fan-out in (1.5, 2]): each thread owns
+// NVT 16-byte column vectors of one token (lt = hvec / NVT threads a token,
+// vectors j + lt k), as the lists-given Triton reduce of
+// bench/scatter_gather_floor.py lays its programs out, which moves these
+// shapes at 0.92-0.95 of a copy where ShortReduce / WideReduce reach
+// 0.57-0.69 (H100, sixty-sixth to sixty-eighth sessions): ncu has ours
+// issue-bound at 80-123 registers and 23-35 % occupancy, the Triton kernel
+// waiting on memory at 34-54 registers and 42-58 %. Each thread reads its
+// token's count and ell entries itself (the token's threads read the same
+// addresses: one L1 request), sorts them in registers with a network sized
+// by the count, and sums its columns over the rows in ascending row order
+// with the same FMA chain as the other reducers: the same bits. Tokens with
+// more than kEll rows are left to long_tokens(), as in ShortReduce.
+// U = rows whose loads are in flight together per thread.
+
+__device__ __forceinline__ void cas(int& a, int& b) {
+  const int lo = min(a, b);
+  b = max(a, b);
+  a = lo;
+}
+
+// r[0, c) ascending; r[c, kEll) are INT_MAX on entry (rows are distinct).
+__device__ __forceinline__ void sort_rows(int (&r)[kEll], int c) {
+  static_assert(kEll == 8, "the networks below are for 8 rows");
+  if (c <= 1) return;
+  if (c == 2) {
+    cas(r[0], r[1]);
+    return;
+  }
+  if (c <= 4) {
+    cas(r[0], r[1]); cas(r[2], r[3]); cas(r[0], r[2]); cas(r[1], r[3]); cas(r[1], r[2]);
+    return;
+  }
+  // Batcher's odd-even merge sort of 8: 19 compare-exchanges.
+  cas(r[0], r[1]); cas(r[2], r[3]); cas(r[4], r[5]); cas(r[6], r[7]);
+  cas(r[0], r[2]); cas(r[1], r[3]); cas(r[4], r[6]); cas(r[5], r[7]);
+  cas(r[1], r[2]); cas(r[5], r[6]);
+  cas(r[0], r[4]); cas(r[1], r[5]); cas(r[2], r[6]); cas(r[3], r[7]);
+  cas(r[2], r[4]); cas(r[3], r[5]);
+  cas(r[1], r[2]); cas(r[3], r[4]); cas(r[5], r[6]);
+}
+
+template <typename scalar_t, int V, int NVT, int U>
+struct LaneReduce {
+  static_assert(kEll % U == 0, "row batches must tile the kEll sorted rows");
+  // <= 80 registers (ptxas -v, sm_90, nvcc 13.0): 72-80 and no spills at NVT = 2, U = 2 (6 blocks,
+  // 24 warps an SM, 64 B of loads in flight a thread at fan-out 2: ~48 KB an SM against
+  // ShortReduce's ~32 KB). Unasked, ptxas chose 40-56 and spilled 24-108 bytes (the long-token
+  // phase in the same kernel); NVT = 4, U = 1 needs 96-112 (4 blocks); NVT = 1 or 2 at U = 1-2
+  // fits 64 (8 blocks) but spills 12 bytes for bf16, with 32 B a thread in flight.
+  static constexpr int kMinBlocks = 6;
+  static constexpr int kFusedMaxBlocks = INT_MAX;
+  static constexpr int kPre = 4;  // ell entries read beside the count; the rest only where the count says
+
+  template <bool kCoh>
+  static __device__ __forceinline__ void run(
+      const scalar_t* __restrict__ x,
+      const void* __restrict__ /*idx*/,
+      bool /*idx64*/,
+      const void* __restrict__ gates,
+      bool g32,
+      const int* __restrict__ counts,
+      const int* __restrict__ ell,
+      const int* __restrict__ /*ooff*/,
+      const int* __restrict__ /*operm*/,
+      scalar_t* __restrict__ out,
+      int /*n*/,
+      int64_t num_tokens,
+      int hvec,
+      ReduceWork /*w*/) {
+    using acc_t = at::opmath_type<scalar_t>;
+    using vec_t = Vec<scalar_t, V>;
+    const vec_t* xv = reinterpret_cast<const vec_t*>(x);
+    vec_t* ov = reinterpret_cast<vec_t*>(out);
+    // Thread -> (token t0 + pass * per_pass, vectors j + LT k for k < NVT): LT threads a token,
+    // fixed per thread, no division in the loop.
+    const int lt = (hvec + NVT - 1) / NVT;
+    const int nthreads = int(gridDim.x) * blockDim.x;
+    const int per_pass = nthreads / lt;  // the host launches >= lt threads
+    const int gt = int(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (gt >= per_pass * lt) return;  // thread-level only from here
+    const int j = gt % lt;
+    for (int64_t t = gt / lt; t < num_tokens; t += per_pass) {
+      const int* et = ell + t * kEll;
+      const int c = ws_load<kCoh>(counts + t);
+      int r[kEll];
+#pragma unroll
+      for (int e = 0; e < kPre; ++e) r[e] = ws_load<kCoh>(et + e);
+      if (c > kEll) continue;  // long_tokens() sums it
+#pragma unroll
+      for (int e = kPre; e < kEll; ++e) r[e] = e < c ? ws_load<kCoh>(et + e) : INT_MAX;
+#pragma unroll
+      for (int e = 0; e < kPre; ++e)
+        if (e >= c) r[e] = INT_MAX;
+      sort_rows(r, c);
+      acc_t acc[NVT][V];
+#pragma unroll
+      for (int k = 0; k < NVT; ++k)
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
+#pragma unroll
+      for (int b = 0; b < kEll; b += U) {
+        if (b >= c) break;
+        acc_t g[U];
+        vec_t xr[U][NVT];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (b + u < c) {
+            g[u] = load_gate<acc_t, scalar_t>(gates, r[b + u], g32);
+            const vec_t* row = xv + int64_t(r[b + u]) * hvec;
+#pragma unroll
+            for (int k = 0; k < NVT; ++k)
+              if (j + lt * k < hvec) xr[u][k] = row[j + lt * k];
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (b + u < c) {
+#pragma unroll
+            for (int k = 0; k < NVT; ++k)
+              if (j + lt * k < hvec) {
+#pragma unroll
+                for (int e = 0; e < V; ++e)
+                  acc[k][e] = fma_acc(g[u], static_cast<acc_t>(xr[u][k].v[e]), acc[k][e]);
+              }
+          }
+        }
+      }
+      vec_t* orow = ov + t * hvec;
+#pragma unroll
+      for (int k = 0; k < NVT; ++k) {
+        if (j + lt * k < hvec) {
+          vec_t o;
+#pragma unroll
+          for (int e = 0; e < V; ++e) o.v[e] = static_cast<scalar_t>(acc[k][e]);
+          orow[j + lt * k] = o;
+        }
+      }
+    }
+  }
+
+  // The tokens run() left (more than kEll rows), after it: whole warps, 32-vector column chunks
+  // (one vector a lane: this phase's registers count for the whole kernel).
+  template <bool kCoh>
+  static __device__ __forceinline__ void long_tokens(
+      const int* flag, const scalar_t* __restrict__ x, const void* __restrict__ idx, bool idx64,
+      const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
+      const int* __restrict__ ooff, const int* __restrict__ operm, scalar_t* __restrict__ out, int n,
+      int64_t num_tokens, int hvec) {
+    __shared__ int s_rows[kRedWarps][kWarpSortCap];
+    reduce_long_tokens<kCoh, scalar_t, V, 1, true>(flag, reinterpret_cast<const Vec<scalar_t, V>*>(x), idx, idx64,
+                                             gates, g32, counts, ell, ooff, operm, out, n, num_tokens, hvec,
+                                             s_rows[threadIdx.x >> 5]);
+  }
+};
+
 // The multi-kernel path's reduce: one launch of reducer Red.
 template <typename scalar_t, typename Red>
 __global__ void __launch_bounds__(kRedWarps * 32, Red::kMinBlocks) scatter_reduce_kernel(
@@ -829,6 +988,11 @@ void launch_with(const LargeCall<scalar_t>& c, bool fused, ReduceWork w, int64_t
 
 // Short-row reduce for hvec <= kShortMaxVec 16-byte vectors.
 constexpr int kShortMaxVec = 64;
+// Lane reduce: rows of up to 128 16-byte vectors (H <= 1024 for 16-bit types).
+constexpr int kLaneMaxVec = 128;
+// Vectors a thread (the lists-given Triton reduce holds 4 of a row) and rows in flight together.
+constexpr int kLaneNVT = 2;
+constexpr int kLaneU = 2;
 
 } // namespace
 
@@ -840,6 +1004,23 @@ void launch_large(const scalar_t* xp, const void* idx, bool idx64, const void* g
   const LargeCall<scalar_t> c{xp,     idx,   idx64, gates, g32,  op,    n,         num_tokens, hvec,
                               ntiles, flag, counts, ell,   ooff, slot,  operm, tile_sums,  dev,
                               stream};
+  if constexpr (V == 8) {
+    // Lane reduce at mean fan-out in (1.5, 2], rows of <= kLaneMaxVec vectors. Why there: its
+    // loads in flight an SM grow with the rows a token (6 blocks x 128 threads x 32 B a row, up
+    // to its U = 2 rows: ~24 KB at fan-out 1, ~48 KB at 2), where WideReduce keeps ~24 KB and
+    // ShortReduce ~32 KB whatever the fan-out; and it issues more instructions a byte (each
+    // thread reads its token's count and ell). H100, bf16, in CUDA graphs (seventieth session,
+    // bench/RESULTS.md): at fan-out 2 4-10 % faster than them (T65536 k2 H128 0.90-0.95,
+    // T16384 / T65536 k2 H1024 0.94-0.96), at fan-out 1 1-6 % slower (T65536 k1 H128
+    // 1.04-1.06, T4096 k1 H1024 1.03-1.04): so past the midpoint only.
+    if (hvec <= kLaneMaxVec && 2 * int64_t(n) > 3 * num_tokens && int64_t(n) <= 2 * num_tokens) {
+      const int64_t threads = num_tokens * ((hvec + kLaneNVT - 1) / kLaneNVT);  // >= one token's
+      const int64_t blocks = (threads + kRedWarps * 32 - 1) / (kRedWarps * 32);
+      launch_with<scalar_t, LaneReduce<scalar_t, V, kLaneNVT, kLaneU>>(c, fused, ReduceWork{threads, 0},
+                                                                       blocks);
+      return;
+    }
+  }
   if constexpr (V > 1) {
     if (hvec <= kShortMaxVec) {
       // 8 lanes per token (its kEll metadata lanes) and up to 4 vectors per
