@@ -84,6 +84,9 @@
 #                                          training step with it (moe_launches.py --variant; a call of its own);
 #                                          GLUON1_DGRAD2=1: GEMM2's dgrad on them taken apart (moe_gemms.py
 #                                          --dgrad2; GLUON1_TEST_S=1 GLUON1_AB_S=1 to run it alone)
+#   STAGE=buildcost bash bench/device_run.sh  scatter_combine's fused kernel under ncu as the tree has it and
+#                                          in two timing builds (wrong outputs): the list building alone,
+#                                          and its zero phase and barriers alone (~3 min; BUILDCOST_SHAPES)
 #   STAGE=ab bash bench/device_run.sh      one command timed against two versions of one source:
 #                                          AB_CMD (bash; it may write "$AB_JSON") with AB_FILE as the tree
 #                                          has it (A), then with AB_ALT built in its place (B; a file in the
@@ -406,6 +409,37 @@ if [ "$STAGE" = ab ]; then
   done
   cp /tmp/ab_a.src "$AB_FILE"; python3 -m opreg build >/dev/null 2>&1
   [ "${AB_DIFF:-0}" = 1 ] && python3 bench/sweep_diff.py "$OUT/ab_a.json" "$OUT/ab_b.json" | tail -6
+  rm -f "$OUT/install.log"
+fi
+
+if [ "$STAGE" = buildcost ]; then
+  # The list building's share of the fused scatter_combine kernel (issue 19, acceptance 3; the
+  # seventieth session: it spends 5-9 us more than its reduce). ncu's duration of
+  # scatter_large_fused_kernel with the file as the tree has it (main), then two timing builds
+  # whose outputs are wrong (never to land): "build" returns right after build_lists (the
+  # reducer stays compiled, so main's registers and grid), "zero" also skips its count_rows
+  # (the zero phase and the grid barriers alone). main - build: the reduce; build - zero: the
+  # count phase. BUILDCOST_SHAPES: T,k,H;... (bf16, random, int32). ~3 min.
+  F=backends/cuda/scatter_combine_large.cu
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  [ -n "$NCU" ] || { echo "STAGE=buildcost: no ncu on this machine"; exit 1; }
+  cp "$F" /tmp/bc_main.cu
+  sed '/^  build_lists(idx, idx64, n, num_tokens, flag, counts, ell, ooff, slot, operm, cursor);$/a\  if (hvec > 0) return;  // TIMING BUILD: the list building alone' /tmp/bc_main.cu > /tmp/bc_build.cu
+  sed '/^__device__ __noinline__ void build_lists(/,/^}/ s/^  count_rows(\(.*\));$/  if (n < 0) count_rows(\1);  \/\/ TIMING BUILD: no count/' /tmp/bc_build.cu > /tmp/bc_zero.cu
+  if [ "$(grep -c 'TIMING BUILD' /tmp/bc_build.cu)" != 1 ] || [ "$(grep -c 'TIMING BUILD' /tmp/bc_zero.cu)" != 2 ]; then
+    echo "STAGE=buildcost: its two edits no longer match $F (build_lists / scatter_large_fused_kernel)"; exit 1
+  fi
+  SH=${BUILDCOST_SHAPES:-"16384,1,1024;65536,2,128;4096,1,1024;16384,8,128;16384,2,1024"}
+  echo "shapes (two launches each, in this order): $SH"
+  for v in main build zero; do
+    cp /tmp/bc_$v.cu "$F"; python3 -m opreg build --only cuda 2>&1 | tail -1
+    OPREG_SCATTER_COMBINE_LARGE=fused timeout 150 "$NCU" --clock-control none --section SpeedOfLight \
+      --section LaunchStats -k regex:scatter_large_fused_kernel python3 bench/scatter_reduce_ncu.py \
+      --no-lists --shapes "$SH" > "$OUT/buildcost_$v.txt" 2>&1
+    echo "== $v (us): $(grep -E '^ +Duration' "$OUT/buildcost_$v.txt" | awk '{printf "%s ", $NF}')"
+    grep -E "^ +Registers Per Thread" "$OUT/buildcost_$v.txt" | sort | uniq -c | head -3
+  done
+  cp /tmp/bc_main.cu "$F"; python3 -m opreg build --only cuda >/dev/null 2>&1
   rm -f "$OUT/install.log"
 fi
 
