@@ -56,14 +56,16 @@ constexpr int kScanThreads = 1024;
 constexpr int kScanPerThread = 16;
 constexpr int kScanTile = kScanThreads * kScanPerThread;  // tokens per scan block
 
-// acc[k][:] += gate(r) * x[r, j0 + 32 k] for r = row_at(u), u in [0, nvalid)
+// acc[k][:] += gate(r) * x[r, j0 + js k] for r = row_at(u), u in [0, nvalid)
 // (nvalid <= U), in order. Every load of those rows is issued before the first
-// FMA, so up to U rows are in flight together. Rows are warp-uniform. Used by
-// both paths (small: rows from a ballot; large: rows from a token's list).
+// FMA, so up to U rows are in flight together. Used by both paths (small: rows
+// from a ballot, warp-uniform; large: rows from a token's list, per thread in
+// LaneReduce, whose js is its threads a token); the one FMA chain of every
+// reducer, so the same bits.
 template <typename scalar_t, int V, int NV, int U, typename acc_t, typename RowFn>
 __device__ __forceinline__ void accumulate_rows(
     RowFn row_at, int nvalid, const Vec<scalar_t, V>* __restrict__ x, const void* gates,
-    bool g32, int hvec, int j0, acc_t (&acc)[NV][V]) {
+    bool g32, int hvec, int j0, acc_t (&acc)[NV][V], int js = 32) {
   using vec_t = Vec<scalar_t, V>;
   acc_t g[U];
   vec_t xv[U][NV];
@@ -75,7 +77,7 @@ __device__ __forceinline__ void accumulate_rows(
       const vec_t* xr = x + int64_t(r) * hvec;
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
-        const int j = j0 + 32 * k;
+        const int j = j0 + js * k;
         if (j < hvec) xv[u][k] = xr[j];
       }
     }
@@ -85,7 +87,7 @@ __device__ __forceinline__ void accumulate_rows(
     if (u < nvalid) {
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
-        if (j0 + 32 * k < hvec) {
+        if (j0 + js * k < hvec) {
 #pragma unroll
           for (int e = 0; e < V; ++e)
             acc[k][e] = fma_acc(g[u], static_cast<acc_t>(xv[u][k].v[e]), acc[k][e]);
