@@ -1008,8 +1008,9 @@ void launch_large(const scalar_t* xp, const void* idx, bool idx64, const void* g
     // Lane reduce at mean fan-out in (1.5, 2], rows of <= kLaneMaxVec vectors. Why there: its
     // loads in flight an SM grow with the rows a token (6 blocks x 128 threads x 32 B a row, up
     // to its U = 2 rows: ~24 KB at fan-out 1, ~48 KB at 2), where WideReduce keeps ~24 KB and
-    // ShortReduce ~32 KB whatever the fan-out; and it issues more instructions a byte (each
-    // thread reads its token's count and ell). H100, bf16, in CUDA graphs (seventieth session,
+    // ShortReduce ~32 KB whatever the fan-out; but each of its threads reads its token's count
+    // and ell entries, where the warp reducers read them once a token, and at fan-out 1 that
+    // work is spread over the fewest bytes. H100, bf16, in CUDA graphs (seventieth session,
     // bench/RESULTS.md): at fan-out 2 4-10 % faster than them (T65536 k2 H128 0.90-0.95,
     // T16384 / T65536 k2 H1024 0.94-0.96), at fan-out 1 1-6 % slower (T65536 k1 H128
     // 1.04-1.06, T4096 k1 H1024 1.03-1.04): so past the midpoint only.
