@@ -1,0 +1,145 @@
+"""scatter_combine's forward under several values of one environment variable that the op
+reads per call (a candidate's knob, e.g. ``OPREG_SC_PREFETCH_MB`` of
+bench/candidates/prefetch_x.diff), side by side in one process: each value's calls captured
+in a CUDA graph of their own (the host reads the variable while the graph is captured, so
+the value is in the graph's launches), then the graphs replayed in interleaved rounds, the
+order reversed every other round, beside a graph of the copy of the same bytes. Prints per
+shape and value the device time per call, its fraction of the copy's, and the median over
+rounds of its ratio to the first value's.
+
+    python bench/scatter_env_ab.py --env OPREG_SC_PREFETCH_MB --values 0,8,16,-16 \\
+        --shapes "65536,2,128;16384,1,1024" [--rounds 9] [--json out.json]
+
+Shapes: ``T,k,H[,dtype[,order]]`` (dtype bf16 by default, order random: the sweep's
+``scatter_sets``, int32 indices, enough input sets that they don't sit in L2 between calls).
+Every value's output is checked bit for bit against the first value's, and the first value's
+against the float64 reference, before anything is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _timing as tm  # noqa: E402
+import sweep  # noqa: E402
+
+import opreg  # noqa: E402
+from opreg.ops.scatter_combine import reference  # noqa: E402
+
+
+def parse_shape(s: str) -> tuple:
+    f = [x.strip() for x in s.split(",")]
+    t, k, h = (int(x) for x in f[:3])
+    return (t, k, h, f[3] if len(f) > 3 else "bf16", f[4] if len(f) > 4 else "random", "int32")
+
+
+def with_env(name: str, value: str, fn: Any) -> Any:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def capture(call: Any, nsets: int, calls: int) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture
+        for i in range(3):
+            call(i % nsets)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for j in range(calls):
+            call(j % nsets)
+    g.replay()
+    torch.cuda.synchronize()
+    return g
+
+
+def replay_us(g: torch.cuda.CUDAGraph, calls: int) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / calls
+
+
+def run_shape(shape: tuple, env: str, values: list[str], rounds: int) -> dict[str, Any]:
+    op = opreg.get("scatter_combine")
+    sets = sweep.scatter_sets(shape, "cuda")
+    nbytes = sweep.scatter_bytes_of(shape, False)
+    calls = sweep.graph_calls(nbytes)
+
+    def call(i: int) -> torch.Tensor:
+        s = sets[i]
+        return op(s["h"], s["idx"], s["g"], s["t"])
+
+    s0 = sets[0]
+    want = reference(s0["h"].double(), s0["idx"], s0["g"].double(), s0["t"])
+    first = with_env(env, values[0], lambda: call(0))
+    err = sweep.rel_err(first, want)
+    if err > 1e-2:
+        raise SystemExit(f"{sweep.shape_label('scatter_combine', shape)}: {env}={values[0]} off the "
+                         f"float64 reference by {err:.2e}")
+    for v in values[1:]:
+        got = with_env(env, v, lambda: call(0))
+        if not torch.equal(got.view(torch.int16 if got.element_size() == 2 else torch.int32),
+                           first.view(torch.int16 if first.element_size() == 2 else torch.int32)):
+            raise SystemExit(f"{sweep.shape_label('scatter_combine', shape)}: {env}={v} changes the bits")
+    graphs = {v: with_env(env, v, lambda: capture(call, len(sets), calls)) for v in values}
+    copy = sweep.copy_variant(sets, nbytes)
+    graphs["copy"] = capture(copy.call, len(sets), calls)
+    names = list(graphs)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for k in (names if r % 2 == 0 else names[::-1]):
+            times[k].append(replay_us(graphs[k], calls))
+    del graphs
+    med = {k: statistics.median(x) for k, x in times.items()}
+    return dict(shape=sweep.shape_label("scatter_combine", shape), mb=round(nbytes / 2**20, 1), us=med,
+                frac_copy={v: round(med["copy"] / med[v], 4) for v in values},
+                ratio={v: round(tm.paired_ratio(times[v], times[values[0]]), 4) for v in values},
+                err=err)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--env", required=True, help="the environment variable the op reads per call")
+    ap.add_argument("--values", required=True, help="comma-separated values; the first is the baseline")
+    ap.add_argument("--shapes", required=True, help="T,k,H[,dtype[,order]];...")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("scatter_env_ab.py needs a CUDA device")
+    values = [v.strip() for v in a.values.split(",")]
+    rows = []
+    print(f"{a.env}: " + " | ".join(values) + f" ({a.rounds} rounds; us per call in CUDA graphs, "
+          f"fraction of the copy's time, ratio to {a.env}={values[0]})")
+    for spec in a.shapes.split(";"):
+        row = run_shape(parse_shape(spec), a.env, values, a.rounds)
+        rows.append(row)
+        cells = "  ".join(f"{v}: {row['us'][v]:.1f} us {100 * row['frac_copy'][v]:.0f}% x{row['ratio'][v]:.3f}"
+                          for v in values)
+        print(f"{row['shape']} ({row['mb']} MB; copy {row['us']['copy']:.1f} us)  {cells}", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(env=a.env, values=values, rows=rows,
+                                                device=torch.cuda.get_device_name()), indent=1))
+
+
+if __name__ == "__main__":
+    main()
