@@ -462,7 +462,9 @@ if [ "$STAGE" = envab ]; then
   else
     echo "STAGE=envab: $ENVAB_PATCH does not apply"
   fi
-  rm -rf backends/cuda && cp -r /tmp/envab_keep/cuda backends/ && python3 -m opreg build --only cuda >/dev/null 2>&1
+  # ENVAB_REBUILD=0: the files put back but not rebuilt (the call's last stage)
+  rm -rf backends/cuda && cp -r /tmp/envab_keep/cuda backends/
+  [ "${ENVAB_REBUILD:-1}" = 1 ] && python3 -m opreg build --only cuda >/dev/null 2>&1
   rm -f "$OUT/install.log"
 fi
 
