@@ -114,31 +114,41 @@ def interleaved(variants: dict[str, Variant], device: str, *, nsets: int = 1, ro
     return {k: [m.elapsed_us() / batch[k] for m in ms] for k, ms in marks.items()}
 
 
+def capture(call: Call, nsets: int, calls: int) -> torch.cuda.CUDAGraph:
+    """``calls`` calls (input sets in turn) captured in one CUDA graph, after a warm-up off
+    the capture (allocator, lazy init) and one replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3):
+            call(i % nsets)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for j in range(calls):
+            call(j % nsets)
+    g.replay()
+    torch.cuda.synchronize()
+    return g
+
+
+def replay_us(g: torch.cuda.CUDAGraph, calls: int) -> float:
+    """One replay of ``g`` (``calls`` calls), timed with CUDA events: us per call."""
+    t = _Batch("cuda")
+    t.start()
+    g.replay()
+    t.stop()
+    t.b.synchronize()
+    return t.elapsed_us() / calls
+
+
 def graph_us(v: Variant, nsets: int, calls: int = 20, reps: int = 9) -> float:
     """Device time per call with the host taken out: ``calls`` calls (input sets in turn)
     captured in one CUDA graph, replayed ``reps`` times, median per call. What a kernel
     costs where launches are free (a CUDA graph, a queue the host keeps full); the batches
     of :func:`interleaved` cost the larger of host and device time instead."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture (allocator, lazy init)
-        for i in range(3):
-            v.call(i % nsets)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for j in range(calls):
-            v.call(j % nsets)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t = _Batch("cuda")
-        t.start()
-        g.replay()
-        t.stop()
-        t.b.synchronize()
-        times.append(t.elapsed_us() / calls)
+    g = capture(v.call, nsets, calls)
+    times = [replay_us(g, calls) for _ in range(reps)]
     del g
     return median(times)
 

@@ -53,31 +53,6 @@ def with_env(name: str, value: str, fn: Any) -> Any:
             os.environ[name] = old
 
 
-def capture(call: Any, nsets: int, calls: int) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture
-        for i in range(3):
-            call(i % nsets)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for j in range(calls):
-            call(j % nsets)
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
-def replay_us(g: torch.cuda.CUDAGraph, calls: int) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / calls
-
-
 def run_shape(shape: tuple, env: str, values: list[str], rounds: int) -> dict[str, Any]:
     op = opreg.get("scatter_combine")
     sets = sweep.scatter_sets(shape, "cuda")
@@ -100,14 +75,14 @@ def run_shape(shape: tuple, env: str, values: list[str], rounds: int) -> dict[st
         if not torch.equal(got.view(torch.int16 if got.element_size() == 2 else torch.int32),
                            first.view(torch.int16 if first.element_size() == 2 else torch.int32)):
             raise SystemExit(f"{sweep.shape_label('scatter_combine', shape)}: {env}={v} changes the bits")
-    graphs = {v: with_env(env, v, lambda: capture(call, len(sets), calls)) for v in values}
+    graphs = {v: with_env(env, v, lambda: tm.capture(call, len(sets), calls)) for v in values}
     copy = sweep.copy_variant(sets, nbytes)
-    graphs["copy"] = capture(copy.call, len(sets), calls)
+    graphs["copy"] = tm.capture(copy.call, len(sets), calls)
     names = list(graphs)
     times: dict[str, list[float]] = {k: [] for k in names}
     for r in range(rounds):
         for k in (names if r % 2 == 0 else names[::-1]):
-            times[k].append(replay_us(graphs[k], calls))
+            times[k].append(tm.replay_us(graphs[k], calls))
     del graphs
     med = {k: statistics.median(x) for k, x in times.items()}
     return dict(shape=sweep.shape_label("scatter_combine", shape), mb=round(nbytes / 2**20, 1), us=med,

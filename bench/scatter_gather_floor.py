@@ -29,13 +29,14 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _timing as tm  # noqa: E402
 import sweep  # noqa: E402
 
 import opreg  # noqa: E402
@@ -76,32 +77,8 @@ def reduce_lists(x: torch.Tensor, order: torch.Tensor, g: torch.Tensor, t: int, 
     return out
 
 
-def capture(call: Callable[[int], Any], nsets: int, calls: int) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture
-        for i in range(3):
-            call(i % nsets)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for j in range(calls):
-            call(j % nsets)
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
 def replay_us(g: torch.cuda.CUDAGraph, calls: int, reps: int = 3) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / calls)
-    return best
+    return min(tm.replay_us(g, calls) for _ in range(reps))
 
 
 def run_shape(shape: tuple, rounds: int) -> dict[str, Any]:
@@ -118,11 +95,11 @@ def run_shape(shape: tuple, rounds: int) -> dict[str, Any]:
     calls = min(sweep.graph_calls(nbytes), 2 * len(sets))
     copy = sweep.copy_variant(sets, nbytes)
     graphs = {
-        "op": capture(lambda i: op(sets[i]["h"], sets[i]["idx"], sets[i]["g"], t), len(sets), calls),
-        "copy": capture(copy.call, len(sets), calls),
-        "gather": capture(lambda i: torch.index_select(sets[i]["h"], 0, sets[i]["order"], out=sets[i]["rows"]),
+        "op": tm.capture(lambda i: op(sets[i]["h"], sets[i]["idx"], sets[i]["g"], t), len(sets), calls),
+        "copy": tm.capture(copy.call, len(sets), calls),
+        "gather": tm.capture(lambda i: torch.index_select(sets[i]["h"], 0, sets[i]["order"], out=sets[i]["rows"]),
                           len(sets), calls),
-        "lists": capture(lambda i: reduce_lists(sets[i]["h"], sets[i]["order"], sets[i]["g"], t, k, sets[i]["out"]),
+        "lists": tm.capture(lambda i: reduce_lists(sets[i]["h"], sets[i]["order"], sets[i]["g"], t, k, sets[i]["out"]),
                          len(sets), calls),
     }
     for s in sets[:1]:  # a wrong reference would be a false floor: its result against the op's
