@@ -87,8 +87,8 @@
 #   STAGE=buildcost bash bench/device_run.sh  scatter_combine's fused kernel under ncu as the tree has it and
 #                                          in two timing builds (wrong outputs): the list building alone,
 #                                          and its zero phase and barriers alone (~3 min; BUILDCOST_SHAPES)
-#   STAGE=envab bash bench/device_run.sh   a candidate diff's per-call knob (ENVAB_PATCH, ENVAB_ENV, ENVAB_VALUES,
-#                                          ENVAB_SHAPES) timed value against value in one process
+#   STAGE=envab bash bench/device_run.sh   a candidate diff's per-call knobs (ENVAB_PATCH, ENVAB_ENV, ENVAB_VALUES,
+#                                          ENVAB_SHAPES) timed setting against setting in one process
 #                                          (bench/scatter_env_ab.py), the tree rebuilt as it was after
 #   STAGE=ab bash bench/device_run.sh      one command timed against two versions of one source:
 #                                          AB_CMD (bash; it may write "$AB_JSON") with AB_FILE as the tree
@@ -447,16 +447,17 @@ if [ "$STAGE" = buildcost ]; then
 fi
 
 if [ "$STAGE" = envab ]; then
-  # A candidate's knob read per call (an environment variable), its values side by side in one
-  # process (bench/scatter_env_ab.py: a CUDA graph per value, replays interleaved, bits checked
-  # against the first value's): ENVAB_PATCH (a diff against backends/cuda/, e.g.
+  # A candidate's knobs read per call (environment variables), their settings side by side in
+  # one process (bench/scatter_env_ab.py: a CUDA graph per setting, replays interleaved, bits
+  # checked against the first setting's): ENVAB_PATCH (a diff against backends/cuda/, e.g.
   # bench/candidates/prefetch_x.diff) applied to a copy and built in place, the tree's files put
-  # back and rebuilt after. ENVAB_ENV, ENVAB_VALUES (the first is the baseline), ENVAB_SHAPES.
-  : "${ENVAB_PATCH:?ENVAB_PATCH: the candidate diff}" "${ENVAB_ENV:?ENVAB_ENV: its variable}" "${ENVAB_VALUES:?}"
+  # back and rebuilt after. ENVAB_VALUES (comma-separated; a value of ENVAB_ENV, or
+  # NAME=v+NAME2=w; the first is the baseline), ENVAB_SHAPES.
+  : "${ENVAB_PATCH:?ENVAB_PATCH: the candidate diff}" "${ENVAB_VALUES:?ENVAB_VALUES: the settings}"
   rm -rf /tmp/envab_keep && mkdir -p /tmp/envab_keep && cp -r backends/cuda /tmp/envab_keep/
   if git apply "$ENVAB_PATCH"; then
     python3 -m opreg build --only cuda 2>&1 | tail -1
-    timeout ${ENVAB_S:-240} python3 bench/scatter_env_ab.py --env "$ENVAB_ENV" --values "$ENVAB_VALUES" \
+    timeout ${ENVAB_S:-240} python3 bench/scatter_env_ab.py ${ENVAB_ENV:+--env "$ENVAB_ENV"} --values "$ENVAB_VALUES" \
       --shapes "${ENVAB_SHAPES:-65536,2,128;65536,1,128;16384,1,1024;16384,2,1024;16384,8,128;4096,8,4096}" \
       --rounds ${ENVAB_ROUNDS:-9} --json "$OUT/envab.json" 2>&1 | tee "$OUT/envab.log" | grep -v "^opreg:"
   else
