@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _timing import Variant, graph_us  # noqa: E402
 from opreg._toolchain import cuda_home, using_cpp_extension  # noqa: E402
 
 BARRIERS = (0, 1, 2, 4, 8)
@@ -45,27 +46,9 @@ def build():
 
 
 def time_launch(mod, blocks: int, threads: int, barriers: int, sink: torch.Tensor, rounds: int) -> float:
-    """Device us per launch, median of ``rounds`` replays of a graph of LAUNCHES_A_GRAPH launches."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # warm: module load, first launch
-            mod.launch(blocks, threads, barriers, sink)
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(LAUNCHES_A_GRAPH):
-                mod.launch(blocks, threads, barriers, sink)
-        graph.replay()
-        stream.synchronize()
-        times = []
-        for _ in range(rounds):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            graph.replay()
-            end.record(stream)
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1000.0 / LAUNCHES_A_GRAPH)
-    return statistics.median(times)
+    """Device us per launch: a CUDA graph of LAUNCHES_A_GRAPH launches, median of ``rounds`` replays."""
+    return graph_us(Variant(lambda _i: mod.launch(blocks, threads, barriers, sink)), nsets=1,
+                    calls=LAUNCHES_A_GRAPH, reps=rounds)
 
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
