@@ -450,9 +450,9 @@ if [ "$STAGE" = envab ]; then
   # A candidate's knobs read per call (environment variables), their settings side by side in
   # one process (bench/scatter_env_ab.py: a CUDA graph per setting, replays interleaved, bits
   # checked against the first setting's): ENVAB_PATCH (a diff against backends/cuda/, e.g. the
-  # seventy-first session's prefetch_x.diff, in git history) applied to a copy and built in place, the tree's files put
-  # back and rebuilt after. ENVAB_VALUES (comma-separated; a value of ENVAB_ENV, or
-  # NAME=v+NAME2=w; the first is the baseline), ENVAB_SHAPES.
+  # seventy-first session's prefetch_x.diff, in git history) applied to a copy and built in
+  # place, the tree's files put back and rebuilt after. ENVAB_VALUES (comma-separated; a value
+  # of ENVAB_ENV, or NAME=v+NAME2=w; the first is the baseline), ENVAB_SHAPES.
   : "${ENVAB_PATCH:?ENVAB_PATCH: the candidate diff}" "${ENVAB_VALUES:?ENVAB_VALUES: the settings}"
   rm -rf /tmp/envab_keep && mkdir -p /tmp/envab_keep && cp -r backends/cuda /tmp/envab_keep/
   if git apply "$ENVAB_PATCH"; then

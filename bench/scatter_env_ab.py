@@ -1,8 +1,9 @@
 """scatter_combine's forward under several settings of environment variables that the op
 reads per call (a candidate's knobs, e.g. ``OPREG_SC_PREFETCH_MB`` and ``OPREG_SC_MEMSET`` of
-the seventy-first session's prefetch_x.diff, run and dropped in the seventy-third), side by side in one process: each setting's calls captured
-in a CUDA graph of their own (the host reads the variables while the graph is captured, so
-the setting is in the graph's launches), then the graphs replayed in interleaved rounds, the
+the seventy-first session's prefetch_x.diff, run and dropped in the seventy-third), side by
+side in one process: each setting's calls captured in a CUDA graph of their own (the host
+reads the variables while the graph is captured, so the setting is in the graph's
+launches), then the graphs replayed in interleaved rounds, the
 order reversed every other round, beside a graph of the copy of the same bytes. Prints per
 shape and setting the device time per call, its fraction of the copy's, and the median over
 rounds of its ratio to the first setting's.
