@@ -74,6 +74,22 @@ def test_ops_filter(tmp_path, sweep, capsys):
         sweep.main(["--device", "cpu", "--ops", "nope"])
 
 
+def test_dtypes_picks_the_shapes_dtypes(sweep, monkeypatch):
+    """--dtypes: the shapes of every op carry only the dtypes asked for (fp16 is not in the
+    default sweep); an unknown one is refused, naming the option."""
+    monkeypatch.setattr(sweep, "DTYPES", dict(sweep.DTYPES))  # main() rebinds its contents
+    seen: list[str] = []
+    monkeypatch.setattr(sweep, "run_scatter_shape", lambda c, shape: seen.append(shape[3]) or [])
+    monkeypatch.setattr(sweep, "run_cat_shape", lambda c, shape, forms: seen.append(shape[-1]) or [])
+    assert sweep.main(["--device", "cpu", "--dtypes", "fp16"]) == 0
+    assert seen and set(seen) == {"fp16"}, set(seen)
+    seen.clear()
+    assert sweep.main(["--device", "cpu", "--ops", "scatter_combine", "--dtypes", "bf16,fp32"]) == 0
+    assert set(seen) == {"bf16", "fp32"}, set(seen)
+    with pytest.raises(SystemExit, match="--dtypes"):
+        sweep.main(["--device", "cpu", "--dtypes", "fp8"])
+
+
 def test_summary_counts(sweep):
     R = sweep.Row
     rows = [

@@ -41,8 +41,31 @@ namespace {
 // the 8th go through an overflow CSR (scan + place). Work items are
 // (token, column chunk) pairs, one per warp, no block-wide barriers.
 // (kEll = 8, kScanThreads, kScanPerThread, kScanTile: scatter_combine.cuh.)
-constexpr int kRedWarps = 4;         // warps (= work items) per block
+constexpr int kRedWarps = 4;         // warps (= work items) per block of the multi-kernel reduce
 constexpr int kWarpSortCap = 1024;   // longest row list sorted in shared memory (per warp, 4 KB)
+
+// Dynamic shared memory a block of `threads` needs: kWarpSortCap rows a warp, the sort
+// scratch of accumulate_long_token. Dynamic because the fused kernel's block is as many
+// warps as an SM holds (launch_fused): up to 128 KB, past a block's 48 KB of static memory.
+constexpr size_t sort_smem_bytes(int threads) {
+  return size_t(threads / 32) * kWarpSortCap * sizeof(int);
+}
+
+// Warps a block has: kWarps where the kernel fixes it (the multi-kernel reduce's kRedWarps),
+// else (0: the fused kernel's blocks past 128 threads, which the host sizes to the work,
+// launch_fused) blockDim's.
+// Work items are numbered by warp across the grid (block * warps + warp).
+template <int kWarps>
+__device__ __forceinline__ int block_warps() {
+  return kWarps > 0 ? kWarps : int(blockDim.x >> 5);
+}
+
+// This warp's sort scratch.
+__device__ __forceinline__ int* warp_sort_rows() {
+  extern __shared__ int s_sort_rows[];
+  return s_sort_rows + (threadIdx.x >> 5) * kWarpSortCap;
+}
+
 // Column vectors per lane per item: an item covers 512 elements for 16-bit
 // types (NV = 2: 80 registers instead of 127 with NV = 4, 6 vs 4 blocks per SM)
 // and 512 / 256 elements for fp32 / fp64.
@@ -282,7 +305,7 @@ __device__ __forceinline__ void accumulate_long_token(
 // beside the rows in flight (ShortReduce's registers, below). A token's sum is
 // the same FMA chain over its sorted rows (accumulate_long_token), so the same
 // bits.
-template <bool kCoh, typename scalar_t, int V, int NV, bool kChunked = false>
+template <bool kCoh, int kWarps, typename scalar_t, int V, int NV, bool kChunked = false>
 __device__ __forceinline__ void reduce_long_tokens(
     const int* flag, const Vec<scalar_t, V>* __restrict__ xv, const void* __restrict__ idx, bool idx64,
     const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
@@ -293,8 +316,8 @@ __device__ __forceinline__ void reduce_long_tokens(
   const int lane = threadIdx.x & 31;
   // Token t is warp (t mod warps)'s: neighbouring tokens on different warps, so that many long
   // tokens (at fan-out > kEll every token is one) spread over the grid as run()'s tokens do.
-  const int64_t warps = int64_t(gridDim.x) * kRedWarps;
-  for (int64_t tb = int64_t(blockIdx.x) * kRedWarps + (threadIdx.x >> 5); tb < num_tokens; tb += 32 * warps) {
+  const int64_t warps = int64_t(gridDim.x) * block_warps<kWarps>();
+  for (int64_t tb = int64_t(blockIdx.x) * block_warps<kWarps>() + (threadIdx.x >> 5); tb < num_tokens; tb += 32 * warps) {
     const int64_t t_l = tb + lane * warps;
     const int c_l = t_l < num_tokens ? ws_load<kCoh>(counts + t_l) : 0;
     unsigned longs = __ballot_sync(kFull, c_l > kEll);
@@ -367,9 +390,21 @@ struct ReduceWork {
 template <typename scalar_t, int V, int U>
 struct WideReduce {
   static constexpr int kMinBlocks = 0;  // none asked: 80 registers, no spills, as before
-  static constexpr int kFusedMaxBlocks = INT_MAX;  // the fused grid: every co-resident block
+  // The fused kernel's block: an SM's warps as one block (launch bounds (kFusedThreads, 1),
+  // capping the registers at 65536 / kFusedThreads) where ptxas keeps the former 128-thread
+  // blocks' warps an SM without spills and it measured faster: fp32 768 (80 registers, 24
+  // warps as before; H100, CUDA graphs: 0-8 % faster at 16-512 MB, seventy-fourth session),
+  // fp64 640 (96, 20: the same warps; not timed). 16-bit and unvectorised rows keep the
+  // former blocks (128 threads, every co-resident one, no register cap): bf16 at 768 threads
+  // spilled 16 bytes and at 640 (90 registers) had 20 of the 24 warps, fp16 at 768 24 of 32;
+  // each was 4-15 % faster at T = 4096 but 2-7 % slower at the rows of 64-512 MB
+  // (T16384-65536 k1 and k8 H1024), where the reduce, not the barriers, is the time.
+  static constexpr int kFusedThreads = V > 1 && sizeof(scalar_t) == 4 ? 768
+                                       : V > 1 && sizeof(scalar_t) == 8 ? 640
+                                                                        : kRedWarps * 32;
+  static constexpr int kFusedMinBlocks = kFusedThreads > kRedWarps * 32 ? 1 : kMinBlocks;
 
-  template <bool kCoh>
+  template <bool kCoh, int kWarps>
   static __device__ __forceinline__ void run(
       const scalar_t* __restrict__ x,
       const void* __restrict__ idx,
@@ -390,15 +425,14 @@ struct WideReduce {
     constexpr int NV = red_nv<V>();
     const int64_t nitems = w.items;
     const int chunks = w.chunks;
-    __shared__ int s_rows[kRedWarps][kWarpSortCap];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const vec_t* xv = reinterpret_cast<const vec_t*>(x);
     // Persistent warps: while an item's data loads are in flight, the next
     // item's (count, ell) loads are too, so the one metadata round trip per
     // item overlaps useful traffic (without this: 78 % of copy bandwidth at
     // fan-out 2).
-    const int64_t stride = int64_t(gridDim.x) * kRedWarps;
-    int64_t item = int64_t(blockIdx.x) * kRedWarps + warp;
+    const int64_t stride = int64_t(gridDim.x) * block_warps<kWarps>();
+    int64_t item = int64_t(blockIdx.x) * block_warps<kWarps>() + warp;
     if (item >= nitems) return;  // warp-level only from here: no block barriers
     int64_t t = item / chunks;
     int cnt = ws_load<kCoh>(counts + t);
@@ -425,7 +459,7 @@ struct WideReduce {
         warp_accumulate<scalar_t, V, NV, U>(
             [&](int i) { return __shfl_sync(kFull, sorted, i); }, cnt, xv, gates, g32, hvec, j0, acc);
       } else {
-        accumulate_long_token<kCoh, scalar_t, V, NV, U>(t, cnt, mine, s_rows[warp], xv, idx, idx64,
+        accumulate_long_token<kCoh, scalar_t, V, NV, U>(t, cnt, mine, warp_sort_rows(), xv, idx, idx64,
                                                         gates, g32, ooff, operm, n, hvec, j0, acc);
       }
 
@@ -439,7 +473,7 @@ struct WideReduce {
   }
 
   // run() sums every token itself, the long ones included (per item).
-  template <bool kCoh>
+  template <bool kCoh, int kWarps>
   static __device__ __forceinline__ void long_tokens(const int*, const scalar_t*, const void*, bool, const void*,
                                                      bool, const int*, const int*, const int*, const int*,
                                                      scalar_t*, int, int64_t, int) {}
@@ -473,16 +507,23 @@ struct ShortReduce {
   // elements, which it then fits in 72-80 without spills (unasked it chose 64 and spilled 16-56
   // bytes); 4 (<= 128) for 16-bit ones, which need 84-128 (80 spilled 280 bytes).
   static constexpr int kMinBlocks = sizeof(scalar_t) >= 4 ? 6 : 4;
-  // The fused grid's blocks per SM (launch_fused) for 32- and 64-bit elements: 5, as before
-  // the registers came down, not the 6-7 that now fit. Short rows are bandwidth-bound with 5,
-  // and each extra block adds to every grid barrier and to the count phase's atomics: on the
-  // H100 the fp32 H = 128 forward rows at T = 16384 ran 3-8 % faster in CUDA graphs with 5
-  // (two A/B runs, the unchanged backward and wide-row rows as controls; T = 4096 and 65536
-  // within 1 %; bench/RESULTS.md, forty-seventh session). fp64 was not timed: the same
-  // registers, so the same occupancy. 16-bit elements fit 4 anyway.
-  static constexpr int kFusedMaxBlocks = sizeof(scalar_t) >= 4 ? 5 : INT_MAX;
+  // The fused kernel's block (see WideReduce): for 32- and 64-bit elements 5 x 128 threads, as
+  // before the registers came down, not the 6-7 x 128 that now fit. Short rows are
+  // bandwidth-bound with 5, and each extra block (then 128 threads each) added to every grid
+  // barrier and to the count phase's atomics: on the H100 the fp32 H = 128 forward rows at
+  // T = 16384 ran 3-8 % faster in CUDA graphs with 5 (two A/B runs, the unchanged backward and
+  // wide-row rows as controls; T = 4096 and 65536 within 1 %; bench/RESULTS.md, forty-seventh
+  // session). fp64 was not timed: the same registers, so the same occupancy. 16-bit
+  // elements: the 128-thread blocks an SM held at ptxas' registers (nvcc 13.0, sm_90): 4 (512
+  // threads, <= 128 registers) for bf16 and for fp16 at NV = 4 (107-109), 5 (640, <= 96) for
+  // fp16 at NV <= 2 (84-92; at 512 threads T65536 k8 H128 fp16 ran 1-3 % slower on the H100,
+  // seventy-fourth session).
+  static constexpr int kFusedThreads = sizeof(scalar_t) >= 4 || (std::is_same_v<scalar_t, at::Half> && NV <= 2)
+                                           ? 640
+                                           : 512;
+  static constexpr int kFusedMinBlocks = 1;
 
-  template <bool kCoh>
+  template <bool kCoh, int kWarps>
   static __device__ __forceinline__ void run(
       const scalar_t* __restrict__ x,
       const void* __restrict__ idx,
@@ -504,8 +545,8 @@ struct ShortReduce {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const vec_t* xv = reinterpret_cast<const vec_t*>(x);
     const int64_t ngroups = (num_tokens + TPW - 1) / TPW;
-    const int64_t stride = int64_t(gridDim.x) * kRedWarps;
-    int64_t grp = int64_t(blockIdx.x) * kRedWarps + warp;
+    const int64_t stride = int64_t(gridDim.x) * block_warps<kWarps>();
+    int64_t grp = int64_t(blockIdx.x) * block_warps<kWarps>() + warp;
     if (grp >= ngroups) return;  // warp-level only from here
 
     // Metadata lanes: token ms = lane / kEll of the group, its ell entry lane % kEll.
@@ -590,17 +631,16 @@ struct ShortReduce {
   }
 
   // The tokens run() left (more than kEll rows), after it, whole warps.
-  template <bool kCoh>
+  template <bool kCoh, int kWarps>
   static __device__ __forceinline__ void long_tokens(
       const int* flag, const scalar_t* __restrict__ x, const void* __restrict__ idx, bool idx64,
       const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
       const int* __restrict__ ooff, const int* __restrict__ operm, scalar_t* __restrict__ out, int n,
       int64_t num_tokens, int hvec) {
     constexpr int NVW = (NV * (32 / TPW) + 31) / 32;  // vectors per lane when the whole warp sums one token
-    __shared__ int s_rows[kRedWarps][kWarpSortCap];
-    reduce_long_tokens<kCoh, scalar_t, V, NVW>(flag, reinterpret_cast<const Vec<scalar_t, V>*>(x), idx, idx64,
+    reduce_long_tokens<kCoh, kWarps, scalar_t, V, NVW>(flag, reinterpret_cast<const Vec<scalar_t, V>*>(x), idx, idx64,
                                                gates, g32, counts, ell, ooff, operm, out, n, num_tokens, hvec,
-                                               s_rows[threadIdx.x >> 5]);
+                                               warp_sort_rows());
   }
 };
 
@@ -655,10 +695,11 @@ struct LaneReduce {
   // phase in the same kernel); NVT = 4, U = 1 needs 96-112 (4 blocks); NVT = 1 or 2 at U = 1-2
   // fits 64 (8 blocks) but spills 12 bytes for bf16, with 32 B a thread in flight.
   static constexpr int kMinBlocks = 6;
-  static constexpr int kFusedMaxBlocks = INT_MAX;
+  static constexpr int kFusedThreads = 768;  // the fused kernel's block (see WideReduce): 6 x 128
+  static constexpr int kFusedMinBlocks = 1;
   static constexpr int kPre = 4;  // ell entries read beside the count; the rest only where the count says
 
-  template <bool kCoh>
+  template <bool kCoh, int kWarps>
   static __device__ __forceinline__ void run(
       const scalar_t* __restrict__ x,
       const void* __restrict__ /*idx*/,
@@ -747,16 +788,15 @@ struct LaneReduce {
 
   // The tokens run() left (more than kEll rows), after it: whole warps, 32-vector column chunks
   // (one vector a lane: this phase's registers count for the whole kernel).
-  template <bool kCoh>
+  template <bool kCoh, int kWarps>
   static __device__ __forceinline__ void long_tokens(
       const int* flag, const scalar_t* __restrict__ x, const void* __restrict__ idx, bool idx64,
       const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
       const int* __restrict__ ooff, const int* __restrict__ operm, scalar_t* __restrict__ out, int n,
       int64_t num_tokens, int hvec) {
-    __shared__ int s_rows[kRedWarps][kWarpSortCap];
-    reduce_long_tokens<kCoh, scalar_t, V, 1, true>(flag, reinterpret_cast<const Vec<scalar_t, V>*>(x), idx, idx64,
+    reduce_long_tokens<kCoh, kWarps, scalar_t, V, 1, true>(flag, reinterpret_cast<const Vec<scalar_t, V>*>(x), idx, idx64,
                                              gates, g32, counts, ell, ooff, operm, out, n, num_tokens, hvec,
-                                             s_rows[threadIdx.x >> 5]);
+                                             warp_sort_rows());
   }
 };
 
@@ -778,9 +818,9 @@ __global__ void __launch_bounds__(kRedWarps * 32, Red::kMinBlocks) scatter_reduc
     int64_t num_tokens,
     int hvec,
     ReduceWork w) {
-  Red::template run<false>(x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
+  Red::template run<false, kRedWarps>(x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
                            num_tokens, hvec, w);
-  Red::template long_tokens<false>(flag, x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
+  Red::template long_tokens<false, kRedWarps>(flag, x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
                                    num_tokens, hvec);
 }
 
@@ -825,10 +865,19 @@ __device__ __noinline__ void build_lists(
 //        as scatter_reduce_kernel<Red>).
 // Phases 0-2 need few registers; the kernel's count is its reducer's (one
 // instantiation per reducer: the short-row reducers' 72-128 registers stay
-// out of the wide-row kernels), so it fits as many blocks per SM as the
-// multi-kernel path's reduce kernel.
+// out of the wide-row kernels), so an SM holds as many of its warps as of the
+// multi-kernel path's reduce kernel. Most reducers run them as ONE block an SM
+// (Red::kFusedThreads; the sort scratch in dynamic shared memory), because a
+// grid barrier's cost grows with the blocks it waits for, not their threads:
+// H100, CUDA graphs, us a grid.sync() (bench/grid_barrier_cost.py,
+// seventy-fourth session) 2.03 at 792 blocks x 128 threads (6 an SM, this
+// kernel's former grid), 1.12 at 132 x 768; the empty launch 1.72 against
+// 1.40. The H100 ran the >= 16 MB forward rows ~2 % faster so (geometric
+// mean in CUDA graphs; the short-row and lane reducers' 4-11 %, the most at
+// 16-32 MB; bench/RESULTS.md, seventy-fourth session); the wide-row reducer
+// for 16-bit rows keeps 128-thread blocks (WideReduce::kFusedThreads says why).
 template <typename scalar_t, typename Red>
-__global__ void __launch_bounds__(kRedWarps * 32, Red::kMinBlocks) scatter_large_fused_kernel(
+__global__ void __launch_bounds__(Red::kFusedThreads, Red::kFusedMinBlocks) scatter_large_fused_kernel(
     const scalar_t* __restrict__ x,
     const void* __restrict__ idx,
     bool idx64,
@@ -847,10 +896,12 @@ __global__ void __launch_bounds__(kRedWarps * 32, Red::kMinBlocks) scatter_large
     int hvec,
     ReduceWork w) {
   build_lists(idx, idx64, n, num_tokens, flag, counts, ell, ooff, slot, operm, cursor);
-  Red::template run<true>(x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
+  // warps a block: fixed for 128-thread blocks, else blockDim's (launch_fused sizes it)
+  constexpr int kWarps = Red::kFusedThreads == kRedWarps * 32 ? kRedWarps : 0;
+  Red::template run<true, kWarps>(x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
                           num_tokens, hvec, w);
   // no barrier: the long tokens' rows are not the ones run() writes
-  Red::template long_tokens<true>(flag, x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
+  Red::template long_tokens<true, kWarps>(flag, x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
                                   num_tokens, hvec);
 }
 
@@ -873,9 +924,34 @@ const Residency& residency(c10::DeviceIndex dev) {
   if (r.sms == 0) {
     int sms = 0, per_sm = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kRedWarps * 32, 0));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kRedWarps * 32,
+                                                                 sort_smem_bytes(kRedWarps * 32)));
     r.per_sm = per_sm;
     r.sms = sms;  // last: a concurrent first call at worst computes it twice
+  }
+  return r;
+}
+
+// The fused kernel's blocks an SM holds (registers, and the sort scratch of
+// its Red::kFusedThreads threads in dynamic shared memory), and SMs, on device
+// dev; once per kernel and device. per_sm = 0: not one block fits (a GPU with
+// less shared memory or fewer registers an SM than sm_90's; launch_fused then
+// declines).
+template <auto kKernel, int kThreads>
+const Residency& fused_residency(c10::DeviceIndex dev) {
+  static Residency cache[C10_COMPILE_TIME_MAX_GPUS] = {};
+  Residency& r = cache[dev];
+  if (r.sms == 0) {
+    constexpr size_t smem = sort_smem_bytes(kThreads);
+    int per_sm = 0;
+    if (smem <= size_t(cuda::device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(dev))) {
+      if (smem > 48 * 1024) {  // past the default: opt in (a function attribute, legal while capturing)
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      }
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, smem));
+    }
+    r.per_sm = per_sm;
+    r.sms = cuda::device_attribute<cudaDevAttrMultiProcessorCount>(dev);  // last (see residency)
   }
   return r;
 }
@@ -933,7 +1009,7 @@ void launch_multi(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blo
   constexpr auto kernel = scatter_reduce_kernel<scalar_t, Red>;
   const Residency& res = residency<kernel>(c.dev);
   const int64_t grid = std::min<int64_t>(reduce_blocks, int64_t(res.sms) * std::max(res.per_sm, 1));
-  kernel<<<static_cast<unsigned>(grid), kRedWarps * 32, 0, c.stream>>>(
+  kernel<<<static_cast<unsigned>(grid), kRedWarps * 32, sort_smem_bytes(kRedWarps * 32), c.stream>>>(
       c.xp, c.idx, c.idx64, c.gates, c.g32, c.flag, c.counts, c.ell, c.ooff, c.operm, c.op, c.n,
       c.num_tokens, c.hvec, w);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -944,22 +1020,30 @@ void launch_multi(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blo
 // an SM (cudaOccupancyMaxActiveBlocksPerMultiprocessor = 0), or where the
 // driver refuses the grid as too large (cudaErrorCooperativeLaunchTooLarge:
 // fewer SMs available than the attribute says, e.g. under MPS limits).
-// Grid: every co-resident block (blocks per SM x SMs, at most Red::kFusedMaxBlocks
-// per SM), capped by the work (the reduce's blocks or one row per thread for the
-// count, whichever is more).
+// Grid: every co-resident block (fused_residency), capped by the work (the reduce's
+// threads or one row per thread for the count, whichever is more).
 template <typename scalar_t, typename Red>
 bool launch_fused(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blocks) {
   if (!cooperative_device(c.dev)) return false;
   constexpr auto kernel = scatter_large_fused_kernel<scalar_t, Red>;
-  const Residency& res = residency<kernel>(c.dev);
+  constexpr int kThreads = Red::kFusedThreads;
+  const Residency& res = fused_residency<kernel, kThreads>(c.dev);
   if (res.per_sm < 1) return false;
-  const int64_t want = std::max<int64_t>({reduce_blocks, (c.n + kRedWarps * 32 - 1) / (kRedWarps * 32), 1});
-  const int per_sm = std::min(res.per_sm, Red::kFusedMaxBlocks);
-  const int64_t grid = std::min<int64_t>(want, int64_t(res.sms) * per_sm);
+  const int64_t want_threads = std::max<int64_t>({reduce_blocks * kRedWarps * 32, c.n, 1});
+  const int64_t slots = int64_t(res.sms) * res.per_sm;
+  // Work that fills fewer than every block: smaller blocks (whole warps, >= 128 threads) over
+  // every SM, not full ones over some (T1024 k8 H1024 fp32, 2048 warps of work: 86 of the 132
+  // SMs at 768 threads a block, 2-4 % slower than the former 128-thread grid on the H100).
+  int threads = kThreads;
+  if (kThreads > kRedWarps * 32 && want_threads < slots * kThreads) {
+    const int64_t per_block = (want_threads + slots * 32 - 1) / (slots * 32) * 32;
+    threads = static_cast<int>(std::max<int64_t>(kRedWarps * 32, per_block));
+  }
+  const int64_t grid = std::min<int64_t>((want_threads + threads - 1) / threads, slots);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(kRedWarps * 32);
-  cfg.dynamicSmemBytes = 0;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = sort_smem_bytes(threads);
   cfg.stream = c.stream;
   cudaLaunchAttribute attr[1] = {};
   attr[0].id = cudaLaunchAttributeCooperative;  // = cudaLaunchCooperativeKernel, type-checked arguments
