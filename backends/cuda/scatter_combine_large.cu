@@ -945,7 +945,7 @@ const Residency& fused_residency(c10::DeviceIndex dev) {
     constexpr size_t smem = sort_smem_bytes(kThreads);
     int per_sm = 0;
     if (smem <= size_t(cuda::device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(dev))) {
-      if (smem > 48 * 1024) {  // past the default: opt in (a function attribute, legal while capturing)
+      if (smem > 48 * 1024) {  // past the default 48 KB: opt in, once, beside the occupancy query
         C10_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
       }
       C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, smem));
