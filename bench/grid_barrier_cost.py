@@ -7,7 +7,9 @@ with two ``grid.sync()`` (zero -> count -> reduce), and on an H100 (seventy-thir
 ncu) the launch alone took 2.9 us and each barrier ~2 us at its grid of 792 blocks x 128
 threads; software barriers (one counter, or 32 group counters and a top one) were no faster.
 Whether a grid of fewer, wider blocks (the same threads an SM) makes a barrier cheaper
-decides whether the fused kernel's blocks should be reshaped. Each grid shape's kernel runs
+decided whether the fused kernel's blocks should be reshaped: it does (H100, seventy-fourth
+session: 2.03 us a barrier at 792 x 128 threads, 1.12 at 132 x 768; bench/RESULTS.md), and
+the kernel now runs one block an SM for most reducers. Each grid shape's kernel runs
 0, 1, 2, 4 and 8 barriers; a least-squares line through those times gives the launch (the
 intercept) and one barrier (the slope). Times are device time per launch from CUDA graphs of
 20 launches (the host taken out), median of the rounds. Kernels: ``bench/cuda/grid_barrier_cost.cu``
