@@ -317,7 +317,8 @@ __device__ __forceinline__ void reduce_long_tokens(
   // Token t is warp (t mod warps)'s: neighbouring tokens on different warps, so that many long
   // tokens (at fan-out > kEll every token is one) spread over the grid as run()'s tokens do.
   const int64_t warps = int64_t(gridDim.x) * block_warps<kWarps>();
-  for (int64_t tb = int64_t(blockIdx.x) * block_warps<kWarps>() + (threadIdx.x >> 5); tb < num_tokens; tb += 32 * warps) {
+  const int64_t warp0 = int64_t(blockIdx.x) * block_warps<kWarps>() + (threadIdx.x >> 5);
+  for (int64_t tb = warp0; tb < num_tokens; tb += 32 * warps) {
     const int64_t t_l = tb + lane * warps;
     const int c_l = t_l < num_tokens ? ws_load<kCoh>(counts + t_l) : 0;
     unsigned longs = __ballot_sync(kFull, c_l > kEll);
@@ -794,9 +795,9 @@ struct LaneReduce {
       const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
       const int* __restrict__ ooff, const int* __restrict__ operm, scalar_t* __restrict__ out, int n,
       int64_t num_tokens, int hvec) {
-    reduce_long_tokens<kCoh, kWarps, scalar_t, V, 1, true>(flag, reinterpret_cast<const Vec<scalar_t, V>*>(x), idx, idx64,
-                                             gates, g32, counts, ell, ooff, operm, out, n, num_tokens, hvec,
-                                             warp_sort_rows());
+    reduce_long_tokens<kCoh, kWarps, scalar_t, V, 1, true>(
+        flag, reinterpret_cast<const Vec<scalar_t, V>*>(x), idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
+        num_tokens, hvec, warp_sort_rows());
   }
 };
 
@@ -910,35 +911,18 @@ int grid_for(int64_t work, int threads) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(b, 132 * 16)));
 }
 
-// Blocks of kKernel (128 threads) resident per SM, and SMs, on device dev;
-// computed once per kernel and device.
+// Blocks of kKernel resident per SM at kThreads threads a block (registers,
+// and the sort scratch in dynamic shared memory, sort_smem_bytes), and SMs, on
+// device dev; once per kernel and device. per_sm = 0: not one block fits (a GPU
+// with less shared memory or fewer registers an SM than sm_90's: launch_fused
+// then declines).
 struct Residency {
   int sms = 0;
   int per_sm = 0;
 };
 
-template <auto kKernel>
-const Residency& residency(c10::DeviceIndex dev) {
-  static Residency cache[C10_COMPILE_TIME_MAX_GPUS] = {};
-  Residency& r = cache[dev];
-  if (r.sms == 0) {
-    int sms = 0, per_sm = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kRedWarps * 32,
-                                                                 sort_smem_bytes(kRedWarps * 32)));
-    r.per_sm = per_sm;
-    r.sms = sms;  // last: a concurrent first call at worst computes it twice
-  }
-  return r;
-}
-
-// The fused kernel's blocks an SM holds (registers, and the sort scratch of
-// its Red::kFusedThreads threads in dynamic shared memory), and SMs, on device
-// dev; once per kernel and device. per_sm = 0: not one block fits (a GPU with
-// less shared memory or fewer registers an SM than sm_90's; launch_fused then
-// declines).
 template <auto kKernel, int kThreads>
-const Residency& fused_residency(c10::DeviceIndex dev) {
+const Residency& residency(c10::DeviceIndex dev) {
   static Residency cache[C10_COMPILE_TIME_MAX_GPUS] = {};
   Residency& r = cache[dev];
   if (r.sms == 0) {
@@ -951,7 +935,8 @@ const Residency& fused_residency(c10::DeviceIndex dev) {
       C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, smem));
     }
     r.per_sm = per_sm;
-    r.sms = cuda::device_attribute<cudaDevAttrMultiProcessorCount>(dev);  // last (see residency)
+    // last: a concurrent first call at worst computes it twice
+    r.sms = cuda::device_attribute<cudaDevAttrMultiProcessorCount>(dev);
   }
   return r;
 }
@@ -1007,7 +992,7 @@ void launch_multi(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blo
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   constexpr auto kernel = scatter_reduce_kernel<scalar_t, Red>;
-  const Residency& res = residency<kernel>(c.dev);
+  const Residency& res = residency<kernel, kRedWarps * 32>(c.dev);
   const int64_t grid = std::min<int64_t>(reduce_blocks, int64_t(res.sms) * std::max(res.per_sm, 1));
   kernel<<<static_cast<unsigned>(grid), kRedWarps * 32, sort_smem_bytes(kRedWarps * 32), c.stream>>>(
       c.xp, c.idx, c.idx64, c.gates, c.g32, c.flag, c.counts, c.ell, c.ooff, c.operm, c.op, c.n,
@@ -1020,14 +1005,14 @@ void launch_multi(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blo
 // an SM (cudaOccupancyMaxActiveBlocksPerMultiprocessor = 0), or where the
 // driver refuses the grid as too large (cudaErrorCooperativeLaunchTooLarge:
 // fewer SMs available than the attribute says, e.g. under MPS limits).
-// Grid: every co-resident block (fused_residency), capped by the work (the reduce's
+// Grid: every co-resident block (residency), capped by the work (the reduce's
 // threads or one row per thread for the count, whichever is more).
 template <typename scalar_t, typename Red>
 bool launch_fused(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blocks) {
   if (!cooperative_device(c.dev)) return false;
   constexpr auto kernel = scatter_large_fused_kernel<scalar_t, Red>;
   constexpr int kThreads = Red::kFusedThreads;
-  const Residency& res = fused_residency<kernel, kThreads>(c.dev);
+  const Residency& res = residency<kernel, kThreads>(c.dev);
   if (res.per_sm < 1) return false;
   const int64_t want_threads = std::max<int64_t>({reduce_blocks * kRedWarps * 32, c.n, 1});
   const int64_t slots = int64_t(res.sms) * res.per_sm;
