@@ -1,12 +1,14 @@
 """scatter_combine's CUDA forward paths side by side, each call's device time from a CUDA
 graph (the host taken out): the tiny, small and large paths forced
-(``OPREG_SCATTER_COMBINE_PATH``), the sizes' own pick (``auto``; the tiny and small paths
-launch with programmatic dependent launch, backends/cuda/pdl.cuh, the large path's cooperative
-launch takes none), that pick without PDL (``no_pdl``: ``OPREG_PDL=0``), and eager's
-``zeros.index_add_``. What the paths' bounds (backends/common/scatter_combine_paths.h) are set and
-checked against where the host does not hide the device.
+(``OPREG_SCATTER_COMBINE_PATH``), the large path's fused and local forms forced (``fused``,
+``local``: ``OPREG_SCATTER_COMBINE_LARGE``; ``large`` is its own pick), the sizes' own pick
+(``auto``; the tiny, small and local kernels launch with programmatic dependent launch,
+backends/cuda/pdl.cuh, the fused kernel's cooperative launch takes none), that pick without PDL
+(``no_pdl``: ``OPREG_PDL=0``), and eager's ``zeros.index_add_``. What the paths' bounds
+(backends/common/scatter_combine_paths.h) are set and checked against where the host does not
+hide the device.
 
-    python bench/scatter_paths.py [--json out.json] [--only 'T1536 k2 H128 fp32,...']
+    python bench/scatter_paths.py [--json out.json] [--only 'T1536 k2 H128 fp32,...'] [--max-rows N]
     python bench/scatter_paths.py --evaluate bench/data/scatter_paths_h100_2026-12-05.json
 
 ``--evaluate`` needs no GPU: the choice as this checkout has it
@@ -16,7 +18,8 @@ pick is charged that run's time of the path forced; prints where the pick differ
 run's own (auto's path: the forced one nearest its time) and what it costs there, and the
 picks > 3 % behind the fastest forced path.
 
-Shapes: T x fan-out x H over the one-launch paths' range (N = T k <= 32768), fp32 and bf16,
+Shapes: T x fan-out x H over the one-launch paths' range (N = T k <= 32768; ``--max-rows``
+65536 adds T16384 and the large path's local form past its bound), fp32 and bf16,
 int32 indices in expert order (an MoE dispatch's), plus the seeds' T1536 k2 H128 fp32. Every
 variant's output is checked against the float64 reference first; each variant is timed twice,
 the order reversed the second time, and keeps the better time (``_paths.measure``). Two floors
@@ -47,9 +50,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOL = {"fp32": 1e-5, "bf16": 1e-2}
 
 
-def shapes() -> list[tuple[int, int, int, str]]:
-    grid = itertools.product((16, 64, 256, 1024, 4096), (1, 2, 8), (128, 1024, 4096), DTYPES)
-    out = [s for s in grid if s[0] * s[1] <= 32768]
+FORMS = ("fused", "local")  # the large path's forms (backends/cuda/scatter_combine_large.cu)
+
+
+def shapes(max_rows: int = 32768) -> list[tuple[int, int, int, str]]:
+    ts = (16, 64, 256, 1024, 4096) + ((16384,) if max_rows > 32768 else ())
+    grid = itertools.product(ts, (1, 2, 8), (128, 1024, 4096), DTYPES)
+    out = [s for s in grid if s[0] * s[1] <= max_rows]
     return [(1536, 2, 128, "fp32"), *out]
 
 
@@ -71,6 +78,7 @@ def measure(shape: tuple[int, int, int, str], reps: int) -> dict[str, Any]:
 
     variants: _paths.Variants = {"auto": (None, op), "no_pdl": ({"OPREG_PDL": "0"}, op), "eager": (None, eager)}
     variants.update({p: (p, op) for p in PATHS if p != "small" or n <= 8192})
+    variants.update({f: ({ENV: "large", "OPREG_SCATTER_COMBINE_LARGE": f}, op) for f in FORMS})
     rows = torch.empty_like(x)
     floors = {"copy": lambda: rows.copy_(x), "gather": lambda: torch.index_select(x, 0, idx, out=rows)}
     return _paths.measure(f"T{t} k{k} H{h} {d}", variants, ENV, want, TOL[d], PATHS, reps, floors)
@@ -108,13 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--only", help="comma-separated shapes as printed, e.g. 'T1536 k2 H128 fp32'")
+    p.add_argument("--max-rows", type=int, default=32768, help="shapes with N = T k up to this")
     p.add_argument("--evaluate", metavar="JSON", help="no GPU: this checkout's choice against an earlier run")
     a = p.parse_args(argv)
     if a.evaluate:
         return evaluate(a.evaluate)
     rows = []
-    names = ("auto", "no_pdl", *PATHS, "eager", "copy", "gather")
-    todo = _paths.only(shapes(), a.only, lambda s: f"T{s[0]} k{s[1]} H{s[2]} {s[3]}")
+    names = ("auto", "no_pdl", *PATHS, *FORMS, "eager", "copy", "gather")
+    todo = _paths.only(shapes(a.max_rows), a.only, lambda s: f"T{s[0]} k{s[1]} H{s[2]} {s[3]}")
     print(_paths.header(names, 22), flush=True)
     for s in todo:
         rows.append(measure(s, a.reps))

@@ -166,16 +166,17 @@ def test_cuda_graph_capture_new_indices(shape):
 
 # ---------------------------------------------------------------------------------------
 # CUDA forward paths give the same bits (backends/cuda/scatter_combine*.cu): the small
-# one-launch path (N <= 8192); the large path, run as one cooperative kernel (the default)
-# or as the multi-kernel fallback (OPREG_SCATTER_COMBINE_LARGE=multi), each with a
-# short-row reduce (16-byte vectors, H * itemsize <= 1 KB: several tokens per warp) or a
-# wide-row reduce. A token's sum depends only on its own rows, and a column only on its
-# own column, so the same sums can be routed through each path: (a) the short-row call
+# one-launch path (N <= 8192); the large path in each of its forms (OPREG_SCATTER_COMBINE_LARGE
+# forces one): the local kernel (lists in each block's shared memory, the default for short
+# token_idx), one cooperative kernel (the default otherwise) and the multi-kernel fallback,
+# each with a lane, short-row (16-byte vectors, H * itemsize <= 1 KB: several tokens per
+# warp) or wide-row reduce. A token's sum depends only on its own rows, and a column only on
+# its own column, so the same sums can be routed through each path: (a) the short-row call
 # against the first H columns of a wide-row call on [x | more columns]; (b) a few tokens'
-# rows, kept in row order, alone in a small call; (c) the same call with the fallback
-# forced. Inputs are fresh random numbers, outputs land on NaN-poisoned memory, and the
-# routing covers empty tokens, out-of-range indices (ignored), a token with 9..1024 rows
-# (overflow list) and one with > 1024 rows (row walk).
+# rows, kept in row order, alone in a small call; (c) the same call with each form forced.
+# Inputs are fresh random numbers, outputs land on NaN-poisoned memory, and the routing
+# covers empty tokens, out-of-range indices (ignored), a token with 9..1024 rows (overflow
+# list) and one with > 1024 rows (row walk).
 
 LARGE_PATH_ENV = "OPREG_SCATTER_COMBINE_LARGE"
 
@@ -197,16 +198,26 @@ def _wide_pad(dtype: torch.dtype) -> int:
     return 2048 // (torch.finfo(dtype).bits // 8) + 64   # > 1 KB of extra row: wide-row reduce
 
 
-def _multi(x, idx, g, t, monkeypatch) -> torch.Tensor:
-    """The large path's multi-kernel fallback (the variable is read per call)."""
+LARGE_FORMS = ("multi", "fused", "local")
+
+
+def _form(form: str, x, idx, g, t, monkeypatch) -> torch.Tensor:
+    """The large path forced into one form (the variable is read per call), on poisoned memory."""
+    from opreg.testing.compare import poison
     with monkeypatch.context() as m:
-        m.setenv(LARGE_PATH_ENV, "multi")
+        m.setenv(LARGE_PATH_ENV, form)
+        poison(t * x.shape[1] * 8, "cuda")
         return OP(x, idx, g, t)
 
 
+def _multi(x, idx, g, t, monkeypatch) -> torch.Tensor:
+    """The large path's multi-kernel fallback."""
+    return _form("multi", x, idx, g, t, monkeypatch)
+
+
 def _check_large_call(x, idx, g, t, dtype, idx_dtype, monkeypatch) -> torch.Tensor:
-    """One large-path call, checked against the float64 reference, itself (twice), the
-    forced fallback, the call without out-of-range rows and the small path on a subset."""
+    """One large-path call, checked against the float64 reference, itself (twice), each
+    forced form, the call without out-of-range rows and the small path on a subset."""
     from opreg.testing.compare import poison
     h = x.shape[1]
     poison(t * h * 8, "cuda")
@@ -216,9 +227,9 @@ def _check_large_call(x, idx, g, t, dtype, idx_dtype, monkeypatch) -> torch.Tens
     assert_matches(out, expected(x[keep], idx[keep], g[keep], t), dtype)
     assert (out[3] == 0).all() and (out[t - 1] != 0).any()         # empty token: zeros
     assert int((idx == 6).sum()) > 1024 and 8 < int((idx == 2).sum()) <= 1024
-    # (c) the multi-kernel fallback
-    poison(t * h * 8, "cuda")
-    assert torch.equal(_multi(x, idx, g, t, monkeypatch), out)
+    # (c) every form of the large path
+    for form in LARGE_FORMS:
+        assert torch.equal(_form(form, x, idx, g, t, monkeypatch), out), form
     # out-of-range rows dropped: the same bits
     assert torch.equal(OP(x[keep], idx[keep], g[keep], t), out)
     # (b) the small path on a few tokens (row order kept), the long ones included
@@ -251,10 +262,11 @@ def test_cuda_short_rows_same_bits_as_every_path(fanout, h, dtype, idx_dtype, or
     x = x_wide[:, :h].contiguous()
     g = (torch.rand(n, device="cuda") + 0.1).to(dtype)
     out = _check_large_call(x, idx, g, t, dtype, idx_dtype, monkeypatch)
-    # (a) the wide-row reduce on the same columns, fused and fallback
+    # (a) the wide-row reduce on the same columns, each form
     poison(t * (h + _wide_pad(dtype)) * 8, "cuda")
     assert torch.equal(OP(x_wide, idx, g, t)[:, :h], out)
-    assert torch.equal(_multi(x_wide, idx, g, t, monkeypatch)[:, :h], out)
+    for form in LARGE_FORMS:
+        assert torch.equal(_form(form, x_wide, idx, g, t, monkeypatch)[:, :h], out), form
 
 
 # Fan-out above kEll = 8 (12 here; Qwen3-Next routes a token to 10 experts): all tokens but the
@@ -294,16 +306,15 @@ def test_cuda_wide_rows_same_bits_as_every_path(fanout, h, dtype, order, idx_dty
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["fused", "multi"])
+@pytest.mark.parametrize("path", LARGE_FORMS)
 @pytest.mark.parametrize("h,dtype", [(128, torch.bfloat16), (1000, torch.float32)], ids=str)
 def test_cuda_graph_capture_large_path(path, h, dtype, monkeypatch):
-    """The large path captured in a CUDA graph (the fused path is a cooperative launch),
-    with the overflow phases live (tokens with > 8 and > 1024 rows); the replay reads new
-    indices, rows and gates written in place, bit for bit what eager calls of both paths
-    give."""
+    """The large path captured in a CUDA graph in each form (the fused one is a cooperative
+    launch), with the overflow phases live (tokens with > 8 and > 1024 rows); the replay
+    reads new indices, rows and gates written in place, bit for bit what eager calls of the
+    form and of the multi-kernel fallback give."""
     skip_without("cuda")
-    if path == "multi":
-        monkeypatch.setenv(LARGE_PATH_ENV, "multi")
+    monkeypatch.setenv(LARGE_PATH_ENV, path)
     t = 6145
 
     def inputs():
@@ -335,21 +346,49 @@ def test_cuda_graph_capture_large_path(path, h, dtype, monkeypatch):
 
 @pytest.mark.cuda
 def test_cuda_large_path_is_one_launch(monkeypatch):
-    """The large path is one kernel (the fused cooperative one) unless the fallback is
-    forced, which launches its memset, count, scan, place and reduce kernels."""
+    """The large path is one kernel: the local one while token_idx is at most 64 KB
+    (scatter_combine_large.cu, kLocalMaxScanBytes), the fused cooperative one past that, and
+    either where forced (OPREG_SCATTER_COMBINE_LARGE); the forced fallback launches its
+    memset, count, scan, place and reduce kernels. A forced local form the local kernel
+    cannot take (more than 1024 tokens a block; rows past its shared memory) runs the fused
+    kernel."""
     skip_without("cuda")
-    args = make_inputs(8192, 2, 128, torch.bfloat16, torch.int32, "random", "cuda")
 
-    def device_ops() -> list[str]:
-        return cuda_kernels(lambda: OP(*args))
+    def device_ops(args, form: str | None) -> list[str]:
+        with monkeypatch.context() as m:
+            if form is not None:
+                m.setenv(LARGE_PATH_ENV, form)
+            return cuda_kernels(lambda: OP(*args))
 
-    fused = device_ops()
-    assert len(fused) == 1 and "scatter_large_fused_kernel" in fused[0], fused
-    monkeypatch.setenv(LARGE_PATH_ENV, "multi")
-    multi = device_ops()
-    assert not any("scatter_large_fused_kernel" in k for k in multi), multi
+    def only(names: list[str], kernel: str) -> None:
+        assert len(names) == 1 and kernel in names[0], (kernel, names)
+
+    short = make_inputs(8192, 2, 128, torch.bfloat16, torch.int32, "random", "cuda")  # 64 KB of int32
+    only(device_ops(short, None), "scatter_large_local_kernel")
+    only(device_ops(short, "fused"), "scatter_large_fused_kernel")
+    only(device_ops(short, "local"), "scatter_large_local_kernel")
+    longer = make_inputs(8192, 2, 128, torch.bfloat16, torch.int64, "random", "cuda")  # 128 KB of int64
+    only(device_ops(longer, None), "scatter_large_fused_kernel")
+    only(device_ops(longer, "local"), "scatter_large_local_kernel")
+    multi = device_ops(short, "multi")
+    assert not any("scatter_large" in k and "kernel" in k for k in multi), multi
     for name in ("count_kernel", "scan_kernel", "place_kernel", "scatter_reduce_kernel"):
         assert any(name in k for k in multi), (name, multi)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x, idx, g, _ = make_inputs(1024, 8, 128, torch.bfloat16, torch.int32, "random", "cuda")
+    only(device_ops((x, idx, g, sms * 1024 + 1), "local"), "scatter_large_fused_kernel")
+    only(device_ops(make_inputs(32768, 2, 64, torch.bfloat16, torch.int32, "random", "cuda"), "local"),
+         "scatter_large_fused_kernel")
+
+
+@pytest.mark.cuda
+def test_cuda_large_form_override_rejects_unknown(monkeypatch):
+    """A misspelt OPREG_SCATTER_COMBINE_LARGE is an error naming it, not the sizes' choice."""
+    skip_without("cuda")
+    monkeypatch.setenv(LARGE_PATH_ENV, "fussed")
+    x, idx, g, t = make_inputs(8192, 2, 128, torch.float32, torch.int32, "random", "cuda")
+    with pytest.raises(ValueError, match=LARGE_PATH_ENV):
+        OP(x, idx, g, t)
 
 
 # The one-launch paths (backends/cuda/scatter_combine_tiny.cu: a warp per token, each reading
@@ -433,7 +472,7 @@ def test_cuda_forward_path_kernels(monkeypatch):
     only(kernels(few, None), "scatter_tiny_kernel")
     only(kernels(seeds, None), "scatter_small_kernel")
     for path, kernel in (("tiny", "scatter_tiny_kernel"), ("small", "scatter_small_kernel"),
-                         ("large", "scatter_large_fused_kernel")):
+                         ("large", "scatter_large_local_kernel")):
         only(kernels(seeds, path), kernel)
     x, idx, g, t = few
     buf = torch.empty(idx.numel() + 1, dtype=idx.dtype, device="cuda")

@@ -28,16 +28,19 @@
 //    registers for <= 8 rows, in shared memory up to 1024) before summing;
 //    tokens with > 1024 rows (degenerate routing) instead rescan token_idx in
 //    row order: slower, equally deterministic.
-//    It runs as ONE cooperative launch (grid.sync() between the phases, the
-//    grid = every co-resident block, capped by the work) wherever the device
-//    supports cooperative launch and one block fits an SM: the 5-6 launches
-//    of the multi-kernel form cost several us of host time each on the
-//    H200 box, which made calls host-bound (20-35 us where the bytes need
-//    5-10, e.g. T16384 k8 H128 bf16 at 23-26 % of copy bandwidth). The
-//    multi-kernel form (memset, count, tile sums + scan, place, reduce) is
-//    the fallback elsewhere, and OPREG_SCATTER_COMBINE_LARGE=multi forces it
-//    (read per call; the tests compare the two bit for bit). Both run the
-//    same count, place and reducer device code.
+//    Where token_idx is short (<= 32 KB) it runs as ONE launch of the local
+//    kernel: each block (one an SM) reads all of token_idx and builds the
+//    lists of its own run of tokens in shared memory, then sums them: no
+//    workspace, no grid barrier. Elsewhere as ONE cooperative launch (grid.sync()
+//    between the phases, the grid = every co-resident block, capped by the
+//    work) wherever the device supports cooperative launch and one block fits
+//    an SM: the 5-6 launches of the multi-kernel form cost several us of host
+//    time each on the H200 box, which made calls host-bound (20-35 us where
+//    the bytes need 5-10, e.g. T16384 k8 H128 bf16 at 23-26 % of copy
+//    bandwidth). The multi-kernel form (memset, count, tile sums + scan,
+//    place, reduce) is the fallback elsewhere. OPREG_SCATTER_COMBINE_LARGE=
+//    multi|fused|local forces a form where it can run (read per call; the
+//    tests compare the three bit for bit). All run the same reducer code.
 //  No host sync anywhere, so CUDA-graph capture works (cooperative kernels
 //  are capturable: CUDA 12+ has cooperative kernel graph nodes; the tests
 //  capture and replay both large forms).
@@ -102,14 +105,17 @@ bool check_indices_requested() {
   return e != nullptr && e[0] == '1' && e[1] == '\0';
 }
 
-// Test/benchmark override: OPREG_SCATTER_COMBINE_LARGE=multi forces the large
-// path's multi-kernel fallback (the tests compare its bits with the fused
-// cooperative kernel's); anything else, or unset, lets launch_large pick (the
-// fused kernel wherever the device can run it). Read per call, like
-// OPREG_CAT_LINEAR_PATH.
-bool large_fused_allowed() {
+// Test/benchmark override: OPREG_SCATTER_COMBINE_LARGE=multi|fused|local forces
+// the large path's form where it can run (the tests compare the three's bits);
+// unset or empty, launch_large picks. Read per call, like OPREG_CAT_LINEAR_PATH;
+// any other value is an error.
+LargeForm forced_large_form() {
   const char* e = std::getenv("OPREG_SCATTER_COMBINE_LARGE");
-  return e == nullptr || std::strcmp(e, "multi") != 0;
+  if (e == nullptr || e[0] == '\0') return LargeForm::kAuto;
+  if (std::strcmp(e, "multi") == 0) return LargeForm::kMulti;
+  if (std::strcmp(e, "fused") == 0) return LargeForm::kFused;
+  if (std::strcmp(e, "local") == 0) return LargeForm::kLocal;
+  TORCH_CHECK_VALUE(false, "OPREG_SCATTER_COMBINE_LARGE must be multi, fused or local, got '", e, "'");
 }
 
 // Benchmark/test override: OPREG_SCATTER_COMBINE_PATH=tiny|small|large forces the forward's
@@ -171,21 +177,30 @@ void launch_forward(
   }
 
   TORCH_CHECK(num_tokens < INT_MAX / kEll, "scatter_combine: num_tokens must be < 2^28 on CUDA");
-  const int64_t ntiles = (num_tokens + kScanTile - 1) / kScanTile;
-  // One int32 workspace from the caching allocator:
-  // flag | counts[T] | ell[T][8] | ooff[T] | slot[N] | operm[N] | tile_sums.
-  at::Tensor ws = at::empty({1 + num_tokens * (2 + kEll) + 2 * int64_t(n) + ntiles},
-                            x.options().dtype(at::kInt));
-  int* flag = ws.mutable_data_ptr<int>();
-  int* counts = flag + 1;
-  int* ell = counts + num_tokens;
-  int* ooff = ell + num_tokens * kEll;
-  int* slot = ooff + num_tokens;
-  int* operm = slot + n;
-  int* tile_sums = operm + n;
+  // The fused and multi-kernel forms' workspace, carved only if one of them runs: one int32
+  // tensor from the caching allocator (stream-ordered, so it may go once the launches are
+  // enqueued): flag | counts[T] | ell[T][8] | ooff[T] | slot[N] | operm[N] | tile_sums.
+  struct Ctx {
+    const at::Tensor* x;
+    int64_t n, num_tokens;
+    at::Tensor ws;
+  } ctx{&x, n, num_tokens, {}};
+  const WorkspaceSource source{[](void* p) -> LargeWorkspace {
+    Ctx& c = *static_cast<Ctx*>(p);
+    const int64_t ntiles = (c.num_tokens + kScanTile - 1) / kScanTile;
+    c.ws = at::empty({1 + c.num_tokens * (2 + kEll) + 2 * c.n + ntiles}, c.x->options().dtype(at::kInt));
+    LargeWorkspace w{ntiles};
+    w.flag = c.ws.mutable_data_ptr<int>();
+    w.counts = w.flag + 1;
+    w.ell = w.counts + c.num_tokens;
+    w.ooff = w.ell + c.num_tokens * kEll;
+    w.slot = w.ooff + c.num_tokens;
+    w.operm = w.slot + c.n;
+    w.tile_sums = w.operm + c.n;
+    return w;
+  }, &ctx};
   launch_large<scalar_t, V>(xp, idx.const_data_ptr(), idx64, g.const_data_ptr(), g32, op, n,
-                            num_tokens, hvec, ntiles, flag, counts, ell, ooff, slot, operm,
-                            tile_sums, large_fused_allowed(), x.get_device(), stream);
+                            num_tokens, hvec, source, forced_large_form(), x.get_device(), stream);
 }
 
 template <typename scalar_t>

@@ -112,15 +112,38 @@ template <typename scalar_t, int V>
 void launch_tiny(const scalar_t* xp, const void* idx, bool idx64, const void* gates, bool g32,
                  scalar_t* op, int n, int64_t num_tokens, int hvec, int64_t gy, cudaStream_t stream);
 
-// Large path, on the workspace the host carved (flag | counts | ell | ooff |
-// slot | operm | tile_sums): one cooperative launch when `fused` and the
-// device can run it, else the multi-kernel fallback (memset, count, scan,
-// place, reduce); scatter_combine_large.cu says which runs when.
+// The large path's forms (scatter_combine_large.cu says which runs when):
+// kAuto lets the sizes and the device pick; the others force one where it can
+// run (OPREG_SCATTER_COMBINE_LARGE, read per call by the host).
+enum class LargeForm { kAuto, kMulti, kFused, kLocal };
+
+// The global workspace of the fused and multi-kernel forms (the local form
+// keeps its lists in shared memory and needs none): flag | counts[T] |
+// ell[T][kEll] | ooff[T] | slot[N] | operm[N] | tile_sums[ntiles].
+struct LargeWorkspace {
+  int64_t ntiles;
+  int* flag;
+  int* counts;
+  int* ell;
+  int* ooff;
+  int* slot;
+  int* operm;
+  int* tile_sums;
+};
+
+// How launch_large gets that workspace, only when a form needs it: carve(ctx)
+// allocates it (the host's allocator, stream-ordered) and keeps it alive in ctx.
+struct WorkspaceSource {
+  LargeWorkspace (*carve)(void* ctx);
+  void* ctx;
+};
+
+// Large path: the local kernel, one cooperative launch (fused) or the
+// multi-kernel fallback (memset, count, scan, place, reduce).
 template <typename scalar_t, int V>
 void launch_large(const scalar_t* xp, const void* idx, bool idx64, const void* gates, bool g32,
-                  scalar_t* op, int n, int64_t num_tokens, int hvec, int64_t ntiles, int* flag,
-                  int* counts, int* ell, int* ooff, int* slot, int* operm, int* tile_sums,
-                  bool fused, c10::DeviceIndex dev, cudaStream_t stream);
+                  scalar_t* op, int n, int64_t num_tokens, int hvec, WorkspaceSource ws,
+                  LargeForm form, c10::DeviceIndex dev, cudaStream_t stream);
 
 // Backward (scatter_combine_backward.cu): gx = g * gy[idx], gg = <gy[idx], x>.
 template <typename scalar_t, int V>

@@ -1,17 +1,20 @@
-// opreg::scatter_combine forward, large path (every call the small path of
-// scatter_combine_small.cu does not take; the host picks, sizes the workspace
-// and calls launch_large, scatter_combine.cu). Two ways to run it, the same
-// device code and the same bits (the choice is in launch_large):
-//  * fused (the default): ONE cooperative launch, grid.sync() between the
-//    phases zero -> count -> [overflow offsets -> place, only when a token has
-//    more than kEll rows] -> reduce;
+// opreg::scatter_combine forward, large path (every call the tiny and small
+// paths of scatter_combine_tiny.cu / _small.cu do not take; the host picks and
+// calls launch_large, scatter_combine.cu). Three forms, the same reducer code
+// and the same bits (the choice is in launch_with):
+//  * local (the default where token_idx is at most kLocalMaxScanBytes): ONE
+//    launch, no workspace, no grid barrier: each block reads all of token_idx
+//    and builds its own tokens' lists in shared memory, then sums them;
+//  * fused (the default otherwise): ONE cooperative launch, grid.sync()
+//    between the phases zero -> count -> [overflow offsets -> place, only
+//    when a token has more than kEll rows] -> reduce, on a global workspace;
 //  * multi-kernel (the fallback): memset(counts) -> count -> overflow scan +
 //    place -> reduce, 5-6 launches. It runs where the fused kernel cannot
 //    (no cudaDevAttrCooperativeLaunch, not one block per SM, or the driver
-//    refuses the grid: launch_fused), and when the host asks for it
-//    (OPREG_SCATTER_COMBINE_LARGE=multi, read per call in scatter_combine.cu:
-//    the tests compare the two bit for bit).
-// No host sync in either. kEll and the scan constants are in
+//    refuses the grid: launch_fused).
+// OPREG_SCATTER_COMBINE_LARGE=multi|fused|local forces a form where it can run
+// (read per call in scatter_combine.cu: the tests compare the three bit for
+// bit). No host sync in any. kEll and the scan constants are in
 // scatter_combine.cuh (the host sizes the workspace with them).
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
@@ -19,8 +22,10 @@
 
 #include <algorithm>
 #include <climits>
+#include <mutex>
 #include <type_traits>
 
+#include "pdl.cuh"
 #include "scatter_combine.cuh"
 
 namespace opreg {
@@ -74,17 +79,69 @@ constexpr int red_nv() {
   return V >= 8 ? 2 : 4;
 }
 
-// Reads of workspace entries written earlier in the same launch (the fused
-// kernel, kCoh = true) go to L2 (ld.global.cg): the grid barrier orders them,
-// and no stale L1 or read-only-cache line can serve them. The multi-kernel
-// path (kCoh = false) reads them as before: they were written by an earlier
-// launch.
-template <bool kCoh>
+// Where a reducer's per-token lists (counts, ell, overflow offsets and rows)
+// come from, which fixes how it reads them and which tokens a warp sums:
+//  * kLaunch: the global workspace, written by an earlier launch (the
+//    multi-kernel path): plain loads; the grid's warps over every token;
+//  * kGrid: the global workspace, written earlier in this launch before a grid
+//    barrier (the fused kernel): L2 loads (ld.global.cg), which no stale L1 or
+//    read-only-cache line can serve; the grid's warps over every token;
+//  * kBlock: this block's shared memory (the local kernel): plain loads; the
+//    block's warps over its own tokens [t0, t1) only, whose entries sit at
+//    t - t0, and a token with more than kEll rows has ALL its rows in its
+//    overflow segment (BlockLists, below).
+enum class Lists { kLaunch, kGrid, kBlock };
+
+template <Lists kL>
 __device__ __forceinline__ int ws_load(const int* p) {
-  if constexpr (kCoh) {
+  if constexpr (kL == Lists::kGrid) {
     return __ldcg(p);
   } else {
     return *p;
+  }
+}
+
+// What a reducer is given besides the pointers: the wide-row reducer's work
+// items (token, column chunk) and chunks per token (the short-row reducer
+// needs neither: it walks num_tokens), and the tokens a block owns in the
+// local kernel (block_tokens, a multiple of the reducer's kLocalAlign; 0 elsewhere).
+struct ReduceWork {
+  int64_t items;
+  int chunks;
+  int64_t block_tokens = 0;
+};
+
+// The tokens this block's warps sum and whose list entries it reads at
+// t - t0: all of them from 0 (kLaunch, kGrid: the grid's warps take turns),
+// or its own [t0, t1) (kBlock).
+struct TokenSpan {
+  int64_t t0, t1;
+};
+
+template <Lists kL>
+__device__ __forceinline__ TokenSpan block_span(const ReduceWork& w, int64_t num_tokens) {
+  if constexpr (kL == Lists::kBlock) {
+    const int64_t t0 = int64_t(blockIdx.x) * w.block_tokens;
+    return {t0, min(num_tokens, t0 + w.block_tokens)};
+  } else {
+    return {0, num_tokens};
+  }
+}
+
+// A warp's first unit of work and its stride, units numbered from `lo` (a
+// reducer's items or token groups): the grid's warps in turn (kLaunch, kGrid;
+// lo is 0 there), or this block's (kBlock).
+struct Walk {
+  int64_t first, stride;
+};
+
+template <Lists kL, int kWarps>
+__device__ __forceinline__ Walk warp_walk(int64_t lo) {
+  const int64_t warp = threadIdx.x >> 5, warps = block_warps<kWarps>();
+  if constexpr (kL == Lists::kBlock) {
+    return {lo + warp, warps};
+  } else {
+    return {int64_t(blockIdx.x) * warps + warp, int64_t(gridDim.x) * warps};
   }
 }
 
@@ -190,12 +247,12 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(
 
 // Grid-strided over rows: each row beyond its token's kEll-th goes to
 // operm[ooff[t] + slot - kEll].
-template <bool kCoh>
+template <Lists kL>
 __device__ __forceinline__ void place_rows(
     const void* __restrict__ idx, bool idx64, int n, const int* slot, const int* ooff, int* operm) {
   for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < n; r += gridDim.x * blockDim.x) {
-    const int s = ws_load<kCoh>(slot + r);
-    if (s >= kEll) operm[ws_load<kCoh>(ooff + load_index(idx, r, idx64)) + (s - kEll)] = r;
+    const int s = ws_load<kL>(slot + r);
+    if (s >= kEll) operm[ws_load<kL>(ooff + load_index(idx, r, idx64)) + (s - kEll)] = r;
   }
 }
 
@@ -203,7 +260,7 @@ __global__ void place_kernel(
     const void* __restrict__ idx, bool idx64, int n, const int* __restrict__ slot,
     const int* __restrict__ ooff, int* __restrict__ operm, const int* __restrict__ flag) {
   if (*flag == 0) return;
-  place_rows<false>(idx, idx64, n, slot, ooff, operm);
+  place_rows<Lists::kLaunch>(idx, idx64, n, slot, ooff, operm);
 }
 
 // The fused kernel's overflow offsets, instead of the two scan kernels: every
@@ -246,13 +303,14 @@ __device__ __forceinline__ void warp_accumulate(
 
 // A token with more than kEll rows, summed by the whole warp (lane owns
 // vectors j0 + 32 k): its ell rows (`mine`, lanes < kEll) and its overflow rows
-// are bitonic-sorted in the warp's shared-memory scratch `rows` (<= 1024
-// rows), or, past that, token_idx is walked in row order. Shared by both
-// reduce kernels so that a token's sum is the same code, hence the same bits,
-// whichever kernel owns it.
-template <bool kCoh, typename scalar_t, int V, int NV, int U, typename acc_t>
+// (kBlock: all its rows, in its overflow segment) are bitonic-sorted in the
+// warp's shared-memory scratch `rows` (<= 1024 rows), or, past that, token_idx
+// is walked in row order. Shared by every reduce so that a token's sum is the
+// same code, hence the same bits, whichever kernel owns it. lt: the token's
+// list entry (t - t0, TokenSpan).
+template <Lists kL, typename scalar_t, int V, int NV, int U, typename acc_t>
 __device__ __forceinline__ void accumulate_long_token(
-    int64_t t, int cnt, int mine, int* rows, const Vec<scalar_t, V>* __restrict__ xv,
+    int64_t t, int64_t lt, int cnt, int mine, int* rows, const Vec<scalar_t, V>* __restrict__ xv,
     const void* __restrict__ idx, bool idx64, const void* __restrict__ gates, bool g32,
     const int* __restrict__ ooff, const int* __restrict__ operm, int n, int hvec, int j0,
     acc_t (&acc)[NV][V]) {
@@ -260,9 +318,13 @@ __device__ __forceinline__ void accumulate_long_token(
   if (cnt <= kWarpSortCap) {
     int P = 1;
     while (P < cnt) P <<= 1;
-    const int o0 = ws_load<kCoh>(ooff + t);
-    if (lane < kEll) rows[lane] = mine;
-    for (int i = kEll + lane; i < P; i += 32) rows[i] = i < cnt ? ws_load<kCoh>(operm + o0 + i - kEll) : INT_MAX;
+    const int o0 = ws_load<kL>(ooff + lt);
+    if constexpr (kL == Lists::kBlock) {
+      for (int i = lane; i < P; i += 32) rows[i] = i < cnt ? operm[o0 + i] : INT_MAX;
+    } else {
+      if (lane < kEll) rows[lane] = mine;
+      for (int i = kEll + lane; i < P; i += 32) rows[i] = i < cnt ? ws_load<kL>(operm + o0 + i - kEll) : INT_MAX;
+    }
     __syncwarp();
     for (int k = 2; k <= P; k <<= 1) {
       for (int j = k >> 1; j > 0; j >>= 1) {
@@ -305,29 +367,31 @@ __device__ __forceinline__ void accumulate_long_token(
 // beside the rows in flight (ShortReduce's registers, below). A token's sum is
 // the same FMA chain over its sorted rows (accumulate_long_token), so the same
 // bits.
-template <bool kCoh, int kWarps, typename scalar_t, int V, int NV, bool kChunked = false>
+template <Lists kL, int kWarps, typename scalar_t, int V, int NV, bool kChunked = false>
 __device__ __forceinline__ void reduce_long_tokens(
     const int* flag, const Vec<scalar_t, V>* __restrict__ xv, const void* __restrict__ idx, bool idx64,
     const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
     const int* __restrict__ ooff, const int* __restrict__ operm, scalar_t* __restrict__ out, int n,
-    int64_t num_tokens, int hvec, int* rows) {
-  if (ws_load<kCoh>(flag) == 0) return;  // written before the last grid barrier / launch: grid-uniform
+    int64_t num_tokens, int hvec, int* rows, ReduceWork w) {
+  // written before the last grid barrier / launch / __syncthreads: uniform over the warps that read it
+  if (ws_load<kL>(flag) == 0) return;
   using acc_t = at::opmath_type<scalar_t>;
   const int lane = threadIdx.x & 31;
   // Token t is warp (t mod warps)'s: neighbouring tokens on different warps, so that many long
   // tokens (at fan-out > kEll every token is one) spread over the grid as run()'s tokens do.
-  const int64_t warps = int64_t(gridDim.x) * block_warps<kWarps>();
-  const int64_t warp0 = int64_t(blockIdx.x) * block_warps<kWarps>() + (threadIdx.x >> 5);
-  for (int64_t tb = warp0; tb < num_tokens; tb += 32 * warps) {
+  const TokenSpan sp = block_span<kL>(w, num_tokens);
+  const Walk wk = warp_walk<kL, kWarps>(sp.t0);
+  const int64_t warps = wk.stride;
+  for (int64_t tb = wk.first; tb < sp.t1; tb += 32 * warps) {
     const int64_t t_l = tb + lane * warps;
-    const int c_l = t_l < num_tokens ? ws_load<kCoh>(counts + t_l) : 0;
+    const int c_l = t_l < sp.t1 ? ws_load<kL>(counts + (t_l - sp.t0)) : 0;
     unsigned longs = __ballot_sync(kFull, c_l > kEll);
     while (longs) {  // warp-uniform
       const int src = __ffs(longs) - 1;
       longs &= longs - 1;
       const int64_t t = tb + src * warps;
       const int cnt = __shfl_sync(kFull, c_l, src);
-      const int mine = lane < kEll ? ws_load<kCoh>(ell + t * kEll + lane) : 0;
+      const int mine = lane < kEll ? ws_load<kL>(ell + (t - sp.t0) * kEll + lane) : 0;
       // Column chunks of 32 NV vectors where kChunked (LaneReduce), else one (hvec <= 32 NV).
       for (int c0 = 0; kChunked ? c0 < hvec : c0 == 0; c0 += 32 * NV) {  // warp-uniform
         acc_t acc[NV][V];
@@ -335,8 +399,9 @@ __device__ __forceinline__ void reduce_long_tokens(
         for (int k = 0; k < NV; ++k)
 #pragma unroll
           for (int e = 0; e < V; ++e) acc[k][e] = acc_t(0);
-        accumulate_long_token<kCoh, scalar_t, V, NV, kChunked ? 1 : 2>(t, cnt, mine, rows, xv, idx, idx64, gates, g32, ooff,
-                                                        operm, n, hvec, c0 + lane, acc);
+        accumulate_long_token<kL, scalar_t, V, NV, kChunked ? 1 : 2>(t, t - sp.t0, cnt, mine, rows, xv, idx, idx64,
+                                                                     gates, g32, ooff, operm, n, hvec, c0 + lane,
+                                                                     acc);
         cuda::store_row<scalar_t, V, NV>(out, t, hvec, c0 + lane, acc);
       }
     }
@@ -370,19 +435,12 @@ __device__ __forceinline__ int sort_ell_groups(int row, int longest) {
   return row;
 }
 
-// What a reducer is given besides the pointers: the wide-row reducer's work
-// items (token, column chunk) and chunks per token; the short-row reducer
-// needs neither (it walks num_tokens).
-struct ReduceWork {
-  int64_t items;
-  int chunks;
-};
-
-// Each reducer is a type with one device function, run<kCoh>, called by the
-// multi-kernel path's reduce kernel (scatter_reduce_kernel<Red>, kCoh = false)
-// and by the fused kernel's last phase (kCoh = true), so the two paths share
-// the per-element FMA chain, hence the bits, and each fused instantiation
-// carries only its own reducer's registers.
+// Each reducer is a type with one device function, run<kL>, called by the
+// multi-kernel path's reduce kernel (scatter_reduce_kernel<Red>, kLaunch), the
+// fused kernel's last phase (kGrid) and the local kernel's (kBlock), so the
+// three share the per-element FMA chain, hence the bits, and each kernel
+// carries only its own reducer's registers (and long_tokens<kL>, the tokens
+// run() leaves, after it).
 //
 // Wide rows: one warp per (token, column chunk). U = rows whose loads are in
 // flight together. (Capping registers at 64 for 8 blocks per SM made ptxas
@@ -404,8 +462,14 @@ struct WideReduce {
                                        : V > 1 && sizeof(scalar_t) == 8 ? 640
                                                                         : kRedWarps * 32;
   static constexpr int kFusedMinBlocks = kFusedThreads > kRedWarps * 32 ? 1 : kMinBlocks;
+  // The local kernel's block, one an SM (each block reads all of token_idx, so one an SM reads
+  // it the fewest times): the fused block where that is one an SM, else 768 threads for 16-bit
+  // rows (the fused kernel's 24 warps an SM; ptxas fits the local kernel's bf16 reducer in 80
+  // registers without spills, nvcc 13.0, sm_90) and 512 unvectorised.
+  static constexpr int kLocalThreads = kFusedThreads > kRedWarps * 32 ? kFusedThreads : V > 1 ? 768 : 512;
+  static constexpr int kLocalAlign = 1;  // a local block's first token: any (items are per token)
 
-  template <bool kCoh, int kWarps>
+  template <Lists kL, int kWarps>
   static __device__ __forceinline__ void run(
       const scalar_t* __restrict__ x,
       const void* __restrict__ idx,
@@ -418,34 +482,36 @@ struct WideReduce {
       const int* __restrict__ operm,
       scalar_t* __restrict__ out,
       int n,
-      int64_t /*num_tokens*/,
+      int64_t num_tokens,
       int hvec,
       ReduceWork w) {
     using acc_t = at::opmath_type<scalar_t>;
     using vec_t = Vec<scalar_t, V>;
     constexpr int NV = red_nv<V>();
-    const int64_t nitems = w.items;
     const int chunks = w.chunks;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const TokenSpan sp = block_span<kL>(w, num_tokens);
+    const int64_t nitems = kL == Lists::kBlock ? sp.t1 * chunks : w.items;
+    const int lane = threadIdx.x & 31;
     const vec_t* xv = reinterpret_cast<const vec_t*>(x);
     // Persistent warps: while an item's data loads are in flight, the next
     // item's (count, ell) loads are too, so the one metadata round trip per
     // item overlaps useful traffic (without this: 78 % of copy bandwidth at
     // fan-out 2).
-    const int64_t stride = int64_t(gridDim.x) * block_warps<kWarps>();
-    int64_t item = int64_t(blockIdx.x) * block_warps<kWarps>() + warp;
+    const Walk wk = warp_walk<kL, kWarps>(sp.t0 * chunks);
+    const int64_t stride = wk.stride;
+    int64_t item = wk.first;
     if (item >= nitems) return;  // warp-level only from here: no block barriers
     int64_t t = item / chunks;
-    int cnt = ws_load<kCoh>(counts + t);
-    int mine = lane < kEll ? ws_load<kCoh>(ell + t * kEll + lane) : 0;
+    int cnt = ws_load<kL>(counts + (t - sp.t0));
+    int mine = lane < kEll ? ws_load<kL>(ell + (t - sp.t0) * kEll + lane) : 0;
     for (;;) {
       const int64_t next = item + stride;
       int64_t tn = 0;
       int cnt_n = 0, mine_n = 0;
       if (next < nitems) {
         tn = next / chunks;
-        cnt_n = ws_load<kCoh>(counts + tn);
-        mine_n = lane < kEll ? ws_load<kCoh>(ell + tn * kEll + lane) : 0;
+        cnt_n = ws_load<kL>(counts + (tn - sp.t0));
+        mine_n = lane < kEll ? ws_load<kL>(ell + (tn - sp.t0) * kEll + lane) : 0;
       }
       const int j0 = int(item - t * chunks) * (32 * NV) + lane;
       acc_t acc[NV][V];
@@ -460,8 +526,8 @@ struct WideReduce {
         warp_accumulate<scalar_t, V, NV, U>(
             [&](int i) { return __shfl_sync(kFull, sorted, i); }, cnt, xv, gates, g32, hvec, j0, acc);
       } else {
-        accumulate_long_token<kCoh, scalar_t, V, NV, U>(t, cnt, mine, warp_sort_rows(), xv, idx, idx64,
-                                                        gates, g32, ooff, operm, n, hvec, j0, acc);
+        accumulate_long_token<kL, scalar_t, V, NV, U>(t, t - sp.t0, cnt, mine, warp_sort_rows(), xv, idx,
+                                                      idx64, gates, g32, ooff, operm, n, hvec, j0, acc);
       }
 
       cuda::store_row<scalar_t, V, NV>(out, t, hvec, j0, acc);
@@ -474,10 +540,10 @@ struct WideReduce {
   }
 
   // run() sums every token itself, the long ones included (per item).
-  template <bool kCoh, int kWarps>
+  template <Lists kL, int kWarps>
   static __device__ __forceinline__ void long_tokens(const int*, const scalar_t*, const void*, bool, const void*,
                                                      bool, const int*, const int*, const int*, const int*,
-                                                     scalar_t*, int, int64_t, int) {}
+                                                     scalar_t*, int, int64_t, int, ReduceWork) {}
 };
 
 // Short rows (16-byte vectors, hvec <= 64: H <= 256 for fp32, <= 512 for
@@ -523,8 +589,10 @@ struct ShortReduce {
                                            ? 640
                                            : 512;
   static constexpr int kFusedMinBlocks = 1;
+  static constexpr int kLocalThreads = kFusedThreads;  // the local kernel's block, one an SM
+  static constexpr int kLocalAlign = TPW;  // a local block's first token starts a token group
 
-  template <bool kCoh, int kWarps>
+  template <Lists kL, int kWarps>
   static __device__ __forceinline__ void run(
       const scalar_t* __restrict__ x,
       const void* __restrict__ idx,
@@ -539,15 +607,17 @@ struct ShortReduce {
       int n,
       int64_t num_tokens,
       int hvec,
-      ReduceWork /*w*/) {
+      ReduceWork w) {
     using acc_t = at::opmath_type<scalar_t>;
     using vec_t = Vec<scalar_t, V>;
     constexpr int L = 32 / TPW;  // lanes per token
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     const vec_t* xv = reinterpret_cast<const vec_t*>(x);
-    const int64_t ngroups = (num_tokens + TPW - 1) / TPW;
-    const int64_t stride = int64_t(gridDim.x) * block_warps<kWarps>();
-    int64_t grp = int64_t(blockIdx.x) * block_warps<kWarps>() + warp;
+    const TokenSpan sp = block_span<kL>(w, num_tokens);  // kBlock: t0 a multiple of TPW (kLocalAlign)
+    const int64_t ngroups = (sp.t1 + TPW - 1) / TPW;
+    const Walk wk = warp_walk<kL, kWarps>(sp.t0 / TPW);
+    const int64_t stride = wk.stride;
+    int64_t grp = wk.first;
     if (grp >= ngroups) return;  // warp-level only from here
 
     // Metadata lanes: token ms = lane / kEll of the group, its ell entry lane % kEll.
@@ -556,9 +626,9 @@ struct ShortReduce {
       const int64_t tk = g * TPW + ms;
       cnt = 0;
       mine = INT_MAX;
-      if (ms < TPW && tk < num_tokens) {
-        cnt = ws_load<kCoh>(counts + tk);
-        mine = ws_load<kCoh>(ell + tk * kEll + (lane & (kEll - 1)));
+      if (ms < TPW && tk < sp.t1) {
+        cnt = ws_load<kL>(counts + (tk - sp.t0));
+        mine = ws_load<kL>(ell + (tk - sp.t0) * kEll + (lane & (kEll - 1)));
       }
     };
     int cnt, mine;
@@ -611,7 +681,7 @@ struct ShortReduce {
           }
         }
       }
-      if (t < num_tokens && c_all <= kEll) {
+      if (t < sp.t1 && c_all <= kEll) {
         vec_t* orow = reinterpret_cast<vec_t*>(out) + t * hvec;
 #pragma unroll
         for (int k = 0; k < NV; ++k) {
@@ -632,16 +702,16 @@ struct ShortReduce {
   }
 
   // The tokens run() left (more than kEll rows), after it, whole warps.
-  template <bool kCoh, int kWarps>
+  template <Lists kL, int kWarps>
   static __device__ __forceinline__ void long_tokens(
       const int* flag, const scalar_t* __restrict__ x, const void* __restrict__ idx, bool idx64,
       const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
       const int* __restrict__ ooff, const int* __restrict__ operm, scalar_t* __restrict__ out, int n,
-      int64_t num_tokens, int hvec) {
+      int64_t num_tokens, int hvec, ReduceWork w) {
     constexpr int NVW = (NV * (32 / TPW) + 31) / 32;  // vectors per lane when the whole warp sums one token
-    reduce_long_tokens<kCoh, kWarps, scalar_t, V, NVW>(flag, reinterpret_cast<const Vec<scalar_t, V>*>(x), idx, idx64,
+    reduce_long_tokens<kL, kWarps, scalar_t, V, NVW>(flag, reinterpret_cast<const Vec<scalar_t, V>*>(x), idx, idx64,
                                                gates, g32, counts, ell, ooff, operm, out, n, num_tokens, hvec,
-                                               warp_sort_rows());
+                                               warp_sort_rows(), w);
   }
 };
 
@@ -698,9 +768,11 @@ struct LaneReduce {
   static constexpr int kMinBlocks = 6;
   static constexpr int kFusedThreads = 768;  // the fused kernel's block (see WideReduce): 6 x 128
   static constexpr int kFusedMinBlocks = 1;
+  static constexpr int kLocalThreads = kFusedThreads;  // the local kernel's block, one an SM
+  static constexpr int kLocalAlign = 1;  // a local block's first token: any (threads are per token)
   static constexpr int kPre = 4;  // ell entries read beside the count; the rest only where the count says
 
-  template <bool kCoh, int kWarps>
+  template <Lists kL, int kWarps>
   static __device__ __forceinline__ void run(
       const scalar_t* __restrict__ x,
       const void* __restrict__ /*idx*/,
@@ -715,28 +787,30 @@ struct LaneReduce {
       int /*n*/,
       int64_t num_tokens,
       int hvec,
-      ReduceWork /*w*/) {
+      ReduceWork w) {
     using acc_t = at::opmath_type<scalar_t>;
     using vec_t = Vec<scalar_t, V>;
     const vec_t* xv = reinterpret_cast<const vec_t*>(x);
     vec_t* ov = reinterpret_cast<vec_t*>(out);
     // Thread -> (token t0 + pass * per_pass, vectors j + LT k for k < NVT): LT threads a token,
-    // fixed per thread, no division in the loop.
+    // fixed per thread, no division in the loop. The grid's threads (kLaunch, kGrid) or this
+    // block's over its own tokens (kBlock).
+    const TokenSpan sp = block_span<kL>(w, num_tokens);
     const int lt = (hvec + NVT - 1) / NVT;
-    const int nthreads = int(gridDim.x) * blockDim.x;
-    const int per_pass = nthreads / lt;  // the host launches >= lt threads
-    const int gt = int(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int nthreads = kL == Lists::kBlock ? int(blockDim.x) : int(gridDim.x) * blockDim.x;
+    const int per_pass = nthreads / lt;  // the host launches >= lt threads (a block of them for kBlock)
+    const int gt = kL == Lists::kBlock ? int(threadIdx.x) : int(blockIdx.x) * blockDim.x + threadIdx.x;
     if (gt >= per_pass * lt) return;  // thread-level only from here
     const int j = gt % lt;
-    for (int64_t t = gt / lt; t < num_tokens; t += per_pass) {
-      const int* et = ell + t * kEll;
-      const int c = ws_load<kCoh>(counts + t);
+    for (int64_t t = sp.t0 + gt / lt; t < sp.t1; t += per_pass) {
+      const int* et = ell + (t - sp.t0) * kEll;
+      const int c = ws_load<kL>(counts + (t - sp.t0));
       int r[kEll];
 #pragma unroll
-      for (int e = 0; e < kPre; ++e) r[e] = ws_load<kCoh>(et + e);
+      for (int e = 0; e < kPre; ++e) r[e] = ws_load<kL>(et + e);
       if (c > kEll) continue;  // long_tokens() sums it
 #pragma unroll
-      for (int e = kPre; e < kEll; ++e) r[e] = e < c ? ws_load<kCoh>(et + e) : INT_MAX;
+      for (int e = kPre; e < kEll; ++e) r[e] = e < c ? ws_load<kL>(et + e) : INT_MAX;
 #pragma unroll
       for (int e = 0; e < kPre; ++e)
         if (e >= c) r[e] = INT_MAX;
@@ -789,15 +863,15 @@ struct LaneReduce {
 
   // The tokens run() left (more than kEll rows), after it: whole warps, 32-vector column chunks
   // (one vector a lane: this phase's registers count for the whole kernel).
-  template <bool kCoh, int kWarps>
+  template <Lists kL, int kWarps>
   static __device__ __forceinline__ void long_tokens(
       const int* flag, const scalar_t* __restrict__ x, const void* __restrict__ idx, bool idx64,
       const void* __restrict__ gates, bool g32, const int* __restrict__ counts, const int* __restrict__ ell,
       const int* __restrict__ ooff, const int* __restrict__ operm, scalar_t* __restrict__ out, int n,
-      int64_t num_tokens, int hvec) {
-    reduce_long_tokens<kCoh, kWarps, scalar_t, V, 1, true>(
+      int64_t num_tokens, int hvec, ReduceWork w) {
+    reduce_long_tokens<kL, kWarps, scalar_t, V, 1, true>(
         flag, reinterpret_cast<const Vec<scalar_t, V>*>(x), idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
-        num_tokens, hvec, warp_sort_rows());
+        num_tokens, hvec, warp_sort_rows(), w);
   }
 };
 
@@ -819,10 +893,10 @@ __global__ void __launch_bounds__(kRedWarps * 32, Red::kMinBlocks) scatter_reduc
     int64_t num_tokens,
     int hvec,
     ReduceWork w) {
-  Red::template run<false, kRedWarps>(x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
+  Red::template run<Lists::kLaunch, kRedWarps>(x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
                            num_tokens, hvec, w);
-  Red::template long_tokens<false, kRedWarps>(flag, x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
-                                   num_tokens, hvec);
+  Red::template long_tokens<Lists::kLaunch, kRedWarps>(flag, x, idx, idx64, gates, g32, counts, ell, ooff, operm,
+                                                        out, n, num_tokens, hvec, w);
 }
 
 // Phases 0-2 of the fused kernel (below): zero flag | counts and the overflow
@@ -847,7 +921,7 @@ __device__ __noinline__ void build_lists(
   if (__ldcg(flag) != 0) {
     alloc_overflow(counts, num_tokens, ooff, cursor);
     grid.sync();
-    place_rows<true>(idx, idx64, n, slot, ooff, operm);
+    place_rows<Lists::kGrid>(idx, idx64, n, slot, ooff, operm);
     grid.sync();
   }
 }
@@ -859,10 +933,10 @@ __device__ __noinline__ void build_lists(
 // H1024 bf16 25 us = 24 %, T65536 k2 H128 fp32 43 us = 56 %). Every phase is
 // grid-strided over a grid that is entirely resident (the cooperative launch
 // guarantees it), separated by grid.sync(), which also orders the workspace
-// writes before the next phase's reads (ws_load<true>: L2 reads):
+// writes before the next phase's reads (ws_load<kGrid>: L2 reads):
 //   0-2. build_lists: zero, count (count_rows, as the multi-kernel path),
 //        and, only if needed, overflow offsets (alloc_overflow) + place;
-//   3.   reduce (Red::run<true>, then Red::long_tokens<true>: the same code
+//   3.   reduce (Red::run<kGrid>, then Red::long_tokens<kGrid>: the same code
 //        as scatter_reduce_kernel<Red>).
 // Phases 0-2 need few registers; the kernel's count is its reducer's (one
 // instantiation per reducer: the short-row reducers' 72-128 registers stay
@@ -899,11 +973,147 @@ __global__ void __launch_bounds__(Red::kFusedThreads, Red::kFusedMinBlocks) scat
   build_lists(idx, idx64, n, num_tokens, flag, counts, ell, ooff, slot, operm, cursor);
   // warps a block: fixed for 128-thread blocks, else blockDim's (launch_fused sizes it)
   constexpr int kWarps = Red::kFusedThreads == kRedWarps * 32 ? kRedWarps : 0;
-  Red::template run<true, kWarps>(x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
+  Red::template run<Lists::kGrid, kWarps>(x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
                           num_tokens, hvec, w);
   // no barrier: the long tokens' rows are not the ones run() writes
-  Red::template long_tokens<true, kWarps>(flag, x, idx, idx64, gates, g32, counts, ell, ooff, operm, out, n,
-                                  num_tokens, hvec);
+  Red::template long_tokens<Lists::kGrid, kWarps>(flag, x, idx, idx64, gates, g32, counts, ell, ooff, operm, out,
+                                                   n, num_tokens, hvec, w);
+}
+
+// The local kernel (the default where token_idx is short: launch_local): no
+// workspace, no grid barrier, no global atomics. Each block owns a contiguous
+// run of tokens [t0, t1), reads ALL of token_idx (from L2: every block reads
+// it) and builds its tokens' lists in shared memory (BlockLists), then sums
+// them with the same reducer code (Red::run<kBlock>, long_tokens<kBlock>), so
+// the same bits. What it saves is what the fused kernel pays beyond its reduce
+// whatever the bytes: zeroing the counts, two grid barriers (~1.1 us each on
+// the H100 at one block an SM, bench/grid_barrier_cost.py) and a count with
+// global atomics (1-5 us); what it pays is each block's read of token_idx,
+// n x 4 or 8 bytes, which grows with n (launch_local's bound).
+constexpr int64_t kLocalMaxScanBytes = 32 * 1024;
+// Tokens a block at most: its lists are 4 x (3 + kEll) bytes a token of shared memory.
+constexpr int64_t kLocalMaxBlockTokens = 1024;
+
+// A local block's lists, after the sort scratch in dynamic shared memory: flag
+// (some token has more than kEll rows) | cursor (overflow segments) |
+// counts[bt] | fill[bt] (rows placed in a segment) | ell[bt][kEll] | ooff[bt]
+// | operm[n] (room for every row; used only past kEll rows a token).
+struct BlockLists {
+  int* flag;
+  int* cursor;
+  int* counts;
+  int* fill;
+  int* ell;
+  int* ooff;
+  int* operm;
+};
+
+__host__ __device__ constexpr size_t block_lists_bytes(int64_t bt, int n) {
+  return size_t(2 + bt * (3 + kEll) + n) * sizeof(int);
+}
+
+__device__ __forceinline__ BlockLists carve_block_lists(int* s, int64_t bt) {
+  BlockLists l;
+  l.flag = s;
+  l.cursor = s + 1;
+  l.counts = s + 2;
+  l.fill = l.counts + bt;
+  l.ell = l.fill + bt;
+  l.ooff = l.ell + bt * kEll;
+  l.operm = l.ooff + bt;
+  return l;
+}
+
+// The local kernel's lists for tokens [t0, t1): counts and ell as count_rows
+// builds them (shared-memory atomics: a row's slot is arbitrary, the reducers
+// sort), and, only when some token has more than kEll rows (flag, read after
+// the barrier: block-uniform), a segment of operm per such token with ALL its
+// rows (a second pass over token_idx cannot tell which rows the first put in
+// ell; the reducer sorts the segment, so the bits are those of ell + overflow).
+// Inlined: as a call (build_lists' way) ptxas gave the fp32 wide-row local
+// kernel 28 bytes of spills at 768 threads, inlined none and 2-10 fewer
+// registers in most local kernels (nvcc 13.0, sm_90).
+__device__ __forceinline__ void build_block_lists(
+    const void* __restrict__ idx, bool idx64, int n, int64_t t0, int64_t t1, BlockLists l) {
+  const int tb = int(t1 - t0);  // <= the block_tokens the lists were carved for
+  for (int i = threadIdx.x; i < tb; i += blockDim.x) l.counts[i] = l.fill[i] = 0;
+  if (threadIdx.x == 0) *l.flag = *l.cursor = 0;
+  __syncthreads();
+  // Every block reads all of token_idx, kU loads a thread in flight before the first compare,
+  // each block from its own starting row (a multiple of 32, rows wrapping around): in step,
+  // every SM would ask the same L2 lines at once. (The order rows are counted in is free: a
+  // row's slot is arbitrary anyway.)
+  constexpr int kU = 8;
+  const int rot = int(int64_t(blockIdx.x) * n / gridDim.x) & ~31;
+  auto row_at = [&](int i) { return i + rot < n ? i + rot : i + rot - n; };  // i < n
+  for (int base = 0; base < n; base += kU * int(blockDim.x)) {
+    int lt[kU];  // the row's token - t0, or -1: not this block's
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int i = base + u * int(blockDim.x) + int(threadIdx.x);
+      const int64_t t = i < n ? load_index(idx, row_at(i), idx64) : -1;
+      lt[u] = t >= t0 && t < t1 ? int(t - t0) : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (lt[u] >= 0) {
+        const int slot = atomicAdd(l.counts + lt[u], 1);
+        if (slot < kEll) {
+          l.ell[lt[u] * kEll + slot] = row_at(base + u * int(blockDim.x) + int(threadIdx.x));
+        } else if (slot == kEll) {
+          *l.flag = 1;  // benign race: every writer stores 1
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (*l.flag == 0) return;
+  // Segments: a warp scan of 32 tokens' counts (those past kEll), one atomicAdd a warp.
+  const int lane = threadIdx.x & 31;
+  for (int base = int(threadIdx.x >> 5) * 32; base < tb; base += int(blockDim.x)) {  // warp-uniform
+    const int lt = base + lane;
+    const int c = lt < tb ? l.counts[lt] : 0;
+    const int ov = c > kEll ? c : 0;
+    const int incl = cuda::warp_inclusive_scan(ov);
+    const int total = __shfl_sync(kFull, incl, 31);
+    if (total == 0) continue;
+    int b = 0;
+    if (lane == 31) b = atomicAdd(l.cursor, total);
+    b = __shfl_sync(kFull, b, 31);
+    if (ov > 0) l.ooff[lt] = b + incl - ov;
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < n; r += blockDim.x) {
+    const int64_t t = load_index(idx, r, idx64);
+    if (t >= t0 && t < t1) {
+      const int lt = int(t - t0);
+      if (l.counts[lt] > kEll) l.operm[l.ooff[lt] + atomicAdd(l.fill + lt, 1)] = r;
+    }
+  }
+  __syncthreads();
+}
+
+template <typename scalar_t, typename Red>
+__global__ void __launch_bounds__(Red::kLocalThreads, 1) scatter_large_local_kernel(
+    const scalar_t* __restrict__ x,
+    const void* __restrict__ idx,
+    bool idx64,
+    const void* __restrict__ gates,
+    bool g32,
+    scalar_t* __restrict__ out,
+    int n,
+    int64_t num_tokens,
+    int hvec,
+    ReduceWork w) {
+  cuda::await_prior_grids();  // before any load or store (pdl.cuh)
+  extern __shared__ int s_local[];
+  const BlockLists l = carve_block_lists(s_local + (blockDim.x >> 5) * kWarpSortCap, w.block_tokens);
+  const TokenSpan sp = block_span<Lists::kBlock>(w, num_tokens);
+  build_block_lists(idx, idx64, n, sp.t0, sp.t1, l);
+  Red::template run<Lists::kBlock, 0>(x, idx, idx64, gates, g32, l.counts, l.ell, l.ooff, l.operm, out, n,
+                                      num_tokens, hvec, w);
+  Red::template long_tokens<Lists::kBlock, 0>(l.flag, x, idx, idx64, gates, g32, l.counts, l.ell, l.ooff,
+                                              l.operm, out, n, num_tokens, hvec, w);
 }
 
 int grid_for(int64_t work, int threads) {
@@ -946,7 +1156,8 @@ bool cooperative_device(c10::DeviceIndex dev) {
   return cuda::device_attribute<cudaDevAttrCooperativeLaunch>(dev) != 0;
 }
 
-// The workspace the host carved (scatter_combine.cu), and the call's sizes.
+// The call's pointers and sizes, and the fused and multi-kernel forms'
+// workspace (carved by launch_with, only for them).
 template <typename scalar_t>
 struct LargeCall {
   const scalar_t* xp;
@@ -958,44 +1169,38 @@ struct LargeCall {
   int n;
   int64_t num_tokens;
   int hvec;
-  int64_t ntiles;
-  int* flag;
-  int* counts;
-  int* ell;
-  int* ooff;
-  int* slot;
-  int* operm;
-  int* tile_sums;
+  WorkspaceSource source;
   c10::DeviceIndex dev;
   cudaStream_t stream;
+  LargeWorkspace ws = {};
 };
 
 // The fallback: memset(counts) -> count -> tile sums -> scan -> place (the
 // last three return at once unless flag is set) -> reduce: 5-6 launches.
 template <typename scalar_t, typename Red>
 void launch_multi(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blocks) {
-  C10_CUDA_CHECK(cudaMemsetAsync(c.flag, 0, (1 + c.num_tokens) * sizeof(int), c.stream));
+  C10_CUDA_CHECK(cudaMemsetAsync(c.ws.flag, 0, (1 + c.num_tokens) * sizeof(int), c.stream));
   if (c.n > 0) {
     count_kernel<<<grid_for(c.n, 256), 256, 0, c.stream>>>(c.idx, c.idx64, c.n, c.num_tokens,
-                                                           c.counts, c.ell, c.slot, c.flag);
+                                                           c.ws.counts, c.ws.ell, c.ws.slot, c.ws.flag);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (c.ntiles > 1) {
-      tile_sum_kernel<<<static_cast<unsigned>(c.ntiles), kScanThreads, 0, c.stream>>>(
-          c.counts, c.num_tokens, c.tile_sums, c.flag);
+    if (c.ws.ntiles > 1) {
+      tile_sum_kernel<<<static_cast<unsigned>(c.ws.ntiles), kScanThreads, 0, c.stream>>>(
+          c.ws.counts, c.num_tokens, c.ws.tile_sums, c.ws.flag);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    scan_kernel<<<static_cast<unsigned>(c.ntiles), kScanThreads, 0, c.stream>>>(
-        c.counts, c.num_tokens, c.tile_sums, c.ooff, c.flag);
+    scan_kernel<<<static_cast<unsigned>(c.ws.ntiles), kScanThreads, 0, c.stream>>>(
+        c.ws.counts, c.num_tokens, c.ws.tile_sums, c.ws.ooff, c.ws.flag);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    place_kernel<<<grid_for(c.n, 256), 256, 0, c.stream>>>(c.idx, c.idx64, c.n, c.slot, c.ooff,
-                                                           c.operm, c.flag);
+    place_kernel<<<grid_for(c.n, 256), 256, 0, c.stream>>>(c.idx, c.idx64, c.n, c.ws.slot, c.ws.ooff,
+                                                           c.ws.operm, c.ws.flag);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   constexpr auto kernel = scatter_reduce_kernel<scalar_t, Red>;
   const Residency& res = residency<kernel, kRedWarps * 32>(c.dev);
   const int64_t grid = std::min<int64_t>(reduce_blocks, int64_t(res.sms) * std::max(res.per_sm, 1));
   kernel<<<static_cast<unsigned>(grid), kRedWarps * 32, sort_smem_bytes(kRedWarps * 32), c.stream>>>(
-      c.xp, c.idx, c.idx64, c.gates, c.g32, c.flag, c.counts, c.ell, c.ooff, c.operm, c.op, c.n,
+      c.xp, c.idx, c.idx64, c.gates, c.g32, c.ws.flag, c.ws.counts, c.ws.ell, c.ws.ooff, c.ws.operm, c.op, c.n,
       c.num_tokens, c.hvec, w);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -1038,8 +1243,8 @@ bool launch_fused(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blo
   // The overflow cursor: tile_sums[0] (the workspace has >= 1 tile; the
   // fused path has no tile sums of its own).
   const cudaError_t err = cudaLaunchKernelEx(
-      &cfg, kernel, c.xp, c.idx, c.idx64, c.gates, c.g32, c.flag, c.counts, c.ell, c.ooff, c.slot,
-      c.operm, c.tile_sums, c.op, c.n, c.num_tokens, c.hvec, w);
+      &cfg, kernel, c.xp, c.idx, c.idx64, c.gates, c.g32, c.ws.flag, c.ws.counts, c.ws.ell, c.ws.ooff, c.ws.slot,
+      c.ws.operm, c.ws.tile_sums, c.op, c.n, c.num_tokens, c.hvec, w);
   if (err == cudaErrorCooperativeLaunchTooLarge) {
     (void)cudaGetLastError();  // not sticky: clear it, run the fallback
     return false;
@@ -1049,9 +1254,46 @@ bool launch_fused(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blo
   return true;
 }
 
+// The local kernel where it takes the call: false (nothing launched) where the sizes say the
+// fused kernel is cheaper (n x index bytes > kLocalMaxScanBytes, unless `forced`), or where it
+// cannot run: more than kLocalMaxBlockTokens tokens a block, or its shared memory past what a
+// block may opt in to on this device. One block an SM (kLocalThreads), each owning a
+// contiguous run of a multiple of Red::kLocalAlign tokens.
 template <typename scalar_t, typename Red>
-void launch_with(const LargeCall<scalar_t>& c, bool fused, ReduceWork w, int64_t reduce_blocks) {
-  if (fused && launch_fused<scalar_t, Red>(c, w, reduce_blocks)) return;
+bool launch_local(const LargeCall<scalar_t>& c, ReduceWork w, bool forced) {
+  const int64_t index_bytes = int64_t(c.n) * (c.idx64 ? 8 : 4);
+  if (!forced && index_bytes > kLocalMaxScanBytes) return false;
+  constexpr auto kernel = scatter_large_local_kernel<scalar_t, Red>;
+  constexpr int kThreads = Red::kLocalThreads;
+  const int sms = cuda::device_attribute<cudaDevAttrMultiProcessorCount>(c.dev);
+  constexpr int64_t kAlign = Red::kLocalAlign;
+  const int64_t per_sm = (c.num_tokens + sms - 1) / sms;
+  const int64_t bt = (per_sm + kAlign - 1) / kAlign * kAlign;
+  if (bt > kLocalMaxBlockTokens) return false;
+  const size_t smem = sort_smem_bytes(kThreads) + block_lists_bytes(bt, c.n);
+  const int optin = cuda::device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(c.dev);
+  if (smem > size_t(optin)) return false;
+  static std::once_flag opted[C10_COMPILE_TIME_MAX_GPUS];  // the kernel may take all of it, once a device
+  std::call_once(opted[c.dev], [&] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+  });
+  w.block_tokens = bt;
+  cuda::launch(kernel, dim3(static_cast<unsigned>((c.num_tokens + bt - 1) / bt)), dim3(kThreads), smem, c.stream,
+               cuda::pdl_wanted(), c.xp, c.idx, c.idx64, c.gates, c.g32, c.op, c.n, c.num_tokens, c.hvec, w);
+  return true;
+}
+
+// The form: the local kernel where it takes the call (above), else the fused kernel where the
+// device runs it, else the multi-kernel fallback; `form` forces one where it can run. The
+// fused and multi-kernel forms' workspace is carved here, only for them.
+template <typename scalar_t, typename Red>
+void launch_with(LargeCall<scalar_t> c, LargeForm form, ReduceWork w, int64_t reduce_blocks) {
+  if ((form == LargeForm::kAuto || form == LargeForm::kLocal) &&
+      launch_local<scalar_t, Red>(c, w, form == LargeForm::kLocal)) {
+    return;
+  }
+  c.ws = c.source.carve(c.source.ctx);
+  if (form != LargeForm::kMulti && launch_fused<scalar_t, Red>(c, w, reduce_blocks)) return;
   launch_multi<scalar_t, Red>(c, w, reduce_blocks);
 }
 
@@ -1067,12 +1309,9 @@ constexpr int kLaneU = 2;
 
 template <typename scalar_t, int V>
 void launch_large(const scalar_t* xp, const void* idx, bool idx64, const void* gates, bool g32,
-                  scalar_t* op, int n, int64_t num_tokens, int hvec, int64_t ntiles, int* flag,
-                  int* counts, int* ell, int* ooff, int* slot, int* operm, int* tile_sums,
-                  bool fused, c10::DeviceIndex dev, cudaStream_t stream) {
-  const LargeCall<scalar_t> c{xp,     idx,   idx64, gates, g32,  op,    n,         num_tokens, hvec,
-                              ntiles, flag, counts, ell,   ooff, slot,  operm, tile_sums,  dev,
-                              stream};
+                  scalar_t* op, int n, int64_t num_tokens, int hvec, WorkspaceSource ws,
+                  LargeForm form, c10::DeviceIndex dev, cudaStream_t stream) {
+  const LargeCall<scalar_t> c{xp, idx, idx64, gates, g32, op, n, num_tokens, hvec, ws, dev, stream};
   if constexpr (V == 8) {
     // Lane reduce at mean fan-out in (1.5, 2], rows of <= kLaneMaxVec vectors. Why there: its
     // loads in flight an SM grow with the rows a token (6 blocks x 128 threads x 32 B a row, up
@@ -1086,7 +1325,7 @@ void launch_large(const scalar_t* xp, const void* idx, bool idx64, const void* g
     if (hvec <= kLaneMaxVec && 2 * int64_t(n) > 3 * num_tokens && int64_t(n) <= 2 * num_tokens) {
       const int64_t threads = num_tokens * ((hvec + kLaneNVT - 1) / kLaneNVT);  // >= one token's
       const int64_t blocks = (threads + kRedWarps * 32 - 1) / (kRedWarps * 32);
-      launch_with<scalar_t, LaneReduce<scalar_t, V, kLaneNVT, kLaneU>>(c, fused, ReduceWork{threads, 0},
+      launch_with<scalar_t, LaneReduce<scalar_t, V, kLaneNVT, kLaneU>>(c, form, ReduceWork{threads, 0},
                                                                        blocks);
       return;
     }
@@ -1100,7 +1339,7 @@ void launch_large(const scalar_t* xp, const void* idx, bool idx64, const void* g
         constexpr int TPW = decltype(tpw)::value, NV = decltype(nv)::value;
         const int64_t groups = (num_tokens + TPW - 1) / TPW;
         launch_with<scalar_t, ShortReduce<scalar_t, V, TPW, NV, 8 / NV>>(
-            c, fused, ReduceWork{groups, 0}, (groups + kRedWarps - 1) / kRedWarps);
+            c, form, ReduceWork{groups, 0}, (groups + kRedWarps - 1) / kRedWarps);
       };
       using c1 = std::integral_constant<int, 1>;
       using c2 = std::integral_constant<int, 2>;
@@ -1117,7 +1356,7 @@ void launch_large(const scalar_t* xp, const void* idx, bool idx64, const void* g
   const int64_t nitems = num_tokens * chunks;
   // U = 4 (more rows in flight) measured slower at fan-out 8: 361 vs 293 us
   // for the reduce, because 126 registers left 16 warps per SM; so U = 2.
-  launch_with<scalar_t, WideReduce<scalar_t, V, 2>>(c, fused, ReduceWork{nitems, chunks},
+  launch_with<scalar_t, WideReduce<scalar_t, V, 2>>(c, form, ReduceWork{nitems, chunks},
                                                     (nitems + kRedWarps - 1) / kRedWarps);
 }
 
