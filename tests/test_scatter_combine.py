@@ -346,12 +346,12 @@ def test_cuda_graph_capture_large_path(path, h, dtype, monkeypatch):
 
 @pytest.mark.cuda
 def test_cuda_large_path_is_one_launch(monkeypatch):
-    """The large path is one kernel: the local one while token_idx is at most 64 KB
-    (scatter_combine_large.cu, kLocalMaxScanBytes), the fused cooperative one past that, and
-    either where forced (OPREG_SCATTER_COMBINE_LARGE); the forced fallback launches its
-    memset, count, scan, place and reduce kernels. A forced local form the local kernel
-    cannot take (more than 1024 tokens a block; rows past its shared memory) runs the fused
-    kernel."""
+    """The large path is one kernel: the local one while token_idx is at most 16 KB and
+    there are at least 4 tokens an SM (scatter_combine_large.cu, launch_local), the fused
+    cooperative one otherwise, and either where forced (OPREG_SCATTER_COMBINE_LARGE); the
+    forced fallback launches its memset, count, scan, place and reduce kernels. A forced local
+    form the local kernel cannot take (more than 1024 tokens a block; rows past its shared
+    memory) runs the fused kernel."""
     skip_without("cuda")
 
     def device_ops(args, form: str | None) -> list[str]:
@@ -363,18 +363,25 @@ def test_cuda_large_path_is_one_launch(monkeypatch):
     def only(names: list[str], kernel: str) -> None:
         assert len(names) == 1 and kernel in names[0], (kernel, names)
 
-    short = make_inputs(8192, 2, 128, torch.bfloat16, torch.int32, "random", "cuda")  # 64 KB of int32
+    short = make_inputs(4096, 1, 128, torch.bfloat16, torch.int32, "random", "cuda")  # 16 KB of int32
     only(device_ops(short, None), "scatter_large_local_kernel")
     only(device_ops(short, "fused"), "scatter_large_fused_kernel")
     only(device_ops(short, "local"), "scatter_large_local_kernel")
-    longer = make_inputs(8192, 2, 128, torch.bfloat16, torch.int64, "random", "cuda")  # 128 KB of int64
-    only(device_ops(longer, None), "scatter_large_fused_kernel")
-    only(device_ops(longer, "local"), "scatter_large_local_kernel")
+    for longer in (make_inputs(4096, 1, 128, torch.bfloat16, torch.int64, "random", "cuda"),  # 32 KB
+                   make_inputs(8192, 2, 128, torch.bfloat16, torch.int32, "random", "cuda")):  # 64 KB
+        only(device_ops(longer, None), "scatter_large_fused_kernel")
+        only(device_ops(longer, "local"), "scatter_large_local_kernel")
+    # fewer tokens than 4 an SM (the large path forced): blocks of 4 tokens would leave SMs idle
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    few = make_inputs(2 * sms, 8, 4096, torch.bfloat16, torch.int32, "random", "cuda")
+    with monkeypatch.context() as m:
+        m.setenv(PATH_ENV, "large")
+        only(device_ops(few, None), "scatter_large_fused_kernel")
+        only(device_ops(few, "local"), "scatter_large_local_kernel")
     multi = device_ops(short, "multi")
     assert not any("scatter_large" in k and "kernel" in k for k in multi), multi
     for name in ("count_kernel", "scan_kernel", "place_kernel", "scatter_reduce_kernel"):
         assert any(name in k for k in multi), (name, multi)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     x, idx, g, _ = make_inputs(1024, 8, 128, torch.bfloat16, torch.int32, "random", "cuda")
     only(device_ops((x, idx, g, sms * 1024 + 1), "local"), "scatter_large_fused_kernel")
     only(device_ops(make_inputs(32768, 2, 64, torch.bfloat16, torch.int32, "random", "cuda"), "local"),

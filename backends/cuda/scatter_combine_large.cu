@@ -104,7 +104,7 @@ __device__ __forceinline__ int ws_load(const int* p) {
 // What a reducer is given besides the pointers: the wide-row reducer's work
 // items (token, column chunk) and chunks per token (the short-row reducer
 // needs neither: it walks num_tokens), and the tokens a block owns in the
-// local kernel (block_tokens, a multiple of the reducer's kLocalAlign; 0 elsewhere).
+// local kernel (block_tokens, a multiple of 4; 0 elsewhere).
 struct ReduceWork {
   int64_t items;
   int chunks;
@@ -463,11 +463,9 @@ struct WideReduce {
                                                                         : kRedWarps * 32;
   static constexpr int kFusedMinBlocks = kFusedThreads > kRedWarps * 32 ? 1 : kMinBlocks;
   // The local kernel's block, one an SM (each block reads all of token_idx, so one an SM reads
-  // it the fewest times): the fused block where that is one an SM, else 768 threads for 16-bit
-  // rows (the fused kernel's 24 warps an SM; ptxas fits the local kernel's bf16 reducer in 80
-  // registers without spills, nvcc 13.0, sm_90) and 512 unvectorised.
-  static constexpr int kLocalThreads = kFusedThreads > kRedWarps * 32 ? kFusedThreads : V > 1 ? 768 : 512;
-  static constexpr int kLocalAlign = 1;  // a local block's first token: any (items are per token)
+  // it the fewest times): the fused block where that is one an SM, else 640 threads for 16-bit
+  // rows (the 20 warps of the fused block measured above, no spills) and 512 unvectorised.
+  static constexpr int kLocalThreads = kFusedThreads > kRedWarps * 32 ? kFusedThreads : V > 1 ? 640 : 512;
 
   template <Lists kL, int kWarps>
   static __device__ __forceinline__ void run(
@@ -590,7 +588,6 @@ struct ShortReduce {
                                            : 512;
   static constexpr int kFusedMinBlocks = 1;
   static constexpr int kLocalThreads = kFusedThreads;  // the local kernel's block, one an SM
-  static constexpr int kLocalAlign = TPW;  // a local block's first token starts a token group
 
   template <Lists kL, int kWarps>
   static __device__ __forceinline__ void run(
@@ -613,7 +610,7 @@ struct ShortReduce {
     constexpr int L = 32 / TPW;  // lanes per token
     const int lane = threadIdx.x & 31;
     const vec_t* xv = reinterpret_cast<const vec_t*>(x);
-    const TokenSpan sp = block_span<kL>(w, num_tokens);  // kBlock: t0 a multiple of TPW (kLocalAlign)
+    const TokenSpan sp = block_span<kL>(w, num_tokens);  // kBlock: t0 a multiple of 4, so of TPW
     const int64_t ngroups = (sp.t1 + TPW - 1) / TPW;
     const Walk wk = warp_walk<kL, kWarps>(sp.t0 / TPW);
     const int64_t stride = wk.stride;
@@ -769,7 +766,6 @@ struct LaneReduce {
   static constexpr int kFusedThreads = 768;  // the fused kernel's block (see WideReduce): 6 x 128
   static constexpr int kFusedMinBlocks = 1;
   static constexpr int kLocalThreads = kFusedThreads;  // the local kernel's block, one an SM
-  static constexpr int kLocalAlign = 1;  // a local block's first token: any (threads are per token)
   static constexpr int kPre = 4;  // ell entries read beside the count; the rest only where the count says
 
   template <Lists kL, int kWarps>
@@ -989,8 +985,17 @@ __global__ void __launch_bounds__(Red::kFusedThreads, Red::kFusedMinBlocks) scat
 // whatever the bytes: zeroing the counts, two grid barriers (~1.1 us each on
 // the H100 at one block an SM, bench/grid_barrier_cost.py) and a count with
 // global atomics (1-5 us); what it pays is each block's read of token_idx,
-// n x 4 or 8 bytes, which grows with n (launch_local's bound).
-constexpr int64_t kLocalMaxScanBytes = 32 * 1024;
+// n x 4 or 8 bytes, which grows with n, and, where the tokens give fewer
+// blocks than SMs, the idle SMs. launch_local takes a call where neither
+// outweighs the saving. H100, each form forced, in CUDA graphs (bench/
+// scatter_paths.py --max-rows 65536, bench/RESULTS.md, seventy-fifth session;
+// int32 indices), local / fused: n <= 4096 (<= 16 KB) 0.47-0.98 wherever the
+// blocks cover the SMs (T4096 k1 H1024 bf16 7.2 against 10.6 us), 1.06-1.28
+// at T <= 256 with H4096 k8 (16-64 blocks); n = 8192 (32 KB) 0.81-1.11;
+// n = 16384 (64 KB) 1.03-1.35; n = 32768 1.08-2.24. (Not yet timed: blocks
+// starting their scans at different rows, so that the SMs do not ask the same
+// L2 lines at once, which may move the bound up.)
+constexpr int64_t kLocalMaxScanBytes = 16 * 1024;
 // Tokens a block at most: its lists are 4 x (3 + kEll) bytes a token of shared memory.
 constexpr int64_t kLocalMaxBlockTokens = 1024;
 
@@ -1030,36 +1035,29 @@ __device__ __forceinline__ BlockLists carve_block_lists(int* s, int64_t bt) {
 // the barrier: block-uniform), a segment of operm per such token with ALL its
 // rows (a second pass over token_idx cannot tell which rows the first put in
 // ell; the reducer sorts the segment, so the bits are those of ell + overflow).
-// Inlined: as a call (build_lists' way) ptxas gave the fp32 wide-row local
-// kernel 28 bytes of spills at 768 threads, inlined none and 2-10 fewer
-// registers in most local kernels (nvcc 13.0, sm_90).
-__device__ __forceinline__ void build_block_lists(
+// Not inlined, for the reducer's registers (build_lists says why).
+__device__ __noinline__ void build_block_lists(
     const void* __restrict__ idx, bool idx64, int n, int64_t t0, int64_t t1, BlockLists l) {
   const int tb = int(t1 - t0);  // <= the block_tokens the lists were carved for
   for (int i = threadIdx.x; i < tb; i += blockDim.x) l.counts[i] = l.fill[i] = 0;
   if (threadIdx.x == 0) *l.flag = *l.cursor = 0;
   __syncthreads();
-  // Every block reads all of token_idx, kU loads a thread in flight before the first compare,
-  // each block from its own starting row (a multiple of 32, rows wrapping around): in step,
-  // every SM would ask the same L2 lines at once. (The order rows are counted in is free: a
-  // row's slot is arbitrary anyway.)
+  // Every block reads all of token_idx: kU loads a thread in flight before the first compare.
   constexpr int kU = 8;
-  const int rot = int(int64_t(blockIdx.x) * n / gridDim.x) & ~31;
-  auto row_at = [&](int i) { return i + rot < n ? i + rot : i + rot - n; };  // i < n
   for (int base = 0; base < n; base += kU * int(blockDim.x)) {
-    int lt[kU];  // the row's token - t0, or -1: not this block's
+    int64_t t[kU];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const int i = base + u * int(blockDim.x) + int(threadIdx.x);
-      const int64_t t = i < n ? load_index(idx, row_at(i), idx64) : -1;
-      lt[u] = t >= t0 && t < t1 ? int(t - t0) : -1;
+      const int r = base + u * int(blockDim.x) + int(threadIdx.x);
+      t[u] = r < n ? load_index(idx, r, idx64) : -1;
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      if (lt[u] >= 0) {
-        const int slot = atomicAdd(l.counts + lt[u], 1);
+      if (t[u] >= t0 && t[u] < t1) {
+        const int lt = int(t[u] - t0);
+        const int slot = atomicAdd(l.counts + lt, 1);
         if (slot < kEll) {
-          l.ell[lt[u] * kEll + slot] = row_at(base + u * int(blockDim.x) + int(threadIdx.x));
+          l.ell[lt * kEll + slot] = base + u * int(blockDim.x) + int(threadIdx.x);
         } else if (slot == kEll) {
           *l.flag = 1;  // benign race: every writer stores 1
         }
@@ -1255,10 +1253,10 @@ bool launch_fused(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blo
 }
 
 // The local kernel where it takes the call: false (nothing launched) where the sizes say the
-// fused kernel is cheaper (n x index bytes > kLocalMaxScanBytes, unless `forced`), or where it
-// cannot run: more than kLocalMaxBlockTokens tokens a block, or its shared memory past what a
-// block may opt in to on this device. One block an SM (kLocalThreads), each owning a
-// contiguous run of a multiple of Red::kLocalAlign tokens.
+// fused kernel is cheaper (unless `forced`: n x index bytes > kLocalMaxScanBytes, or fewer
+// tokens than 4 an SM, where blocks of 4 leave SMs idle), or where it cannot run: more than kLocalMaxBlockTokens tokens a block, or
+// its shared memory past what a block may opt in to on this device. One block an SM
+// (kLocalThreads), each owning a contiguous run of a multiple of 4 tokens.
 template <typename scalar_t, typename Red>
 bool launch_local(const LargeCall<scalar_t>& c, ReduceWork w, bool forced) {
   const int64_t index_bytes = int64_t(c.n) * (c.idx64 ? 8 : 4);
@@ -1266,10 +1264,10 @@ bool launch_local(const LargeCall<scalar_t>& c, ReduceWork w, bool forced) {
   constexpr auto kernel = scatter_large_local_kernel<scalar_t, Red>;
   constexpr int kThreads = Red::kLocalThreads;
   const int sms = cuda::device_attribute<cudaDevAttrMultiProcessorCount>(c.dev);
-  constexpr int64_t kAlign = Red::kLocalAlign;
   const int64_t per_sm = (c.num_tokens + sms - 1) / sms;
-  const int64_t bt = (per_sm + kAlign - 1) / kAlign * kAlign;
-  if (bt > kLocalMaxBlockTokens) return false;
+  const int64_t bt = std::max<int64_t>(4, (per_sm + 3) / 4 * 4);
+  const int64_t blocks = (c.num_tokens + bt - 1) / bt;
+  if (bt > kLocalMaxBlockTokens || (!forced && c.num_tokens < 4 * int64_t(sms))) return false;
   const size_t smem = sort_smem_bytes(kThreads) + block_lists_bytes(bt, c.n);
   const int optin = cuda::device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(c.dev);
   if (smem > size_t(optin)) return false;
@@ -1278,7 +1276,7 @@ bool launch_local(const LargeCall<scalar_t>& c, ReduceWork w, bool forced) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
   });
   w.block_tokens = bt;
-  cuda::launch(kernel, dim3(static_cast<unsigned>((c.num_tokens + bt - 1) / bt)), dim3(kThreads), smem, c.stream,
+  cuda::launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), smem, c.stream,
                cuda::pdl_wanted(), c.xp, c.idx, c.idx64, c.gates, c.g32, c.op, c.n, c.num_tokens, c.hvec, w);
   return true;
 }
