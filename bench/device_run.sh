@@ -15,7 +15,9 @@
 #                                          short rows (SC_ONLY, default " H128 ": the short-row reducers);
 #                                          with SC_ALT=<file> (in the tree) that sweep again with the file
 #                                          built as backends/cuda/scatter_combine_large.cu: a back-to-back
-#                                          A/B on one machine (bench/sweep_diff.py; <= 5 min)
+#                                          A/B on one machine (bench/sweep_diff.py; <= 5 min); or,
+#                                          with SC_FORM_B=multi|fused|local, the B sweep with the large
+#                                          path forced into that form (OPREG_SCATTER_COMBINE_LARGE)
 #   STAGE=moe bash bench/device_run.sh     the MoE layer: the block vs HF's grouped_mm + Inductor over
 #                                          TOKENS_MOE (default 64,4096,16384), host vs GPU time eager and
 #                                          compiled (moe_profile.py --inductor), the GEMMs per config
@@ -214,6 +216,9 @@ if [ "$STAGE" = scatter ]; then
     sc_sweep sweep_sc_b
     cp /tmp/sc_large_a.cu backends/cuda/scatter_combine_large.cu
     python3 -m opreg build --only cuda >/dev/null 2>&1
+    python3 bench/sweep_diff.py "$OUT/sweep_sc_a.json" "$OUT/sweep_sc_b.json" | tail -4
+  elif [ -n "${SC_FORM_B:-}" ]; then
+    OPREG_SCATTER_COMBINE_LARGE="$SC_FORM_B" sc_sweep sweep_sc_b
     python3 bench/sweep_diff.py "$OUT/sweep_sc_a.json" "$OUT/sweep_sc_b.json" | tail -4
   fi
   echo "scatter_combine's CUDA tests: $(tail -1 "$OUT/sc_tests.log")"
