@@ -344,6 +344,19 @@ def test_cuda_graph_capture_large_path(path, h, dtype, monkeypatch):
         assert not torch.equal(captured, eager)
 
 
+def _kernels(args, env: dict[str, str | None], monkeypatch) -> list[str]:
+    """The CUDA kernels one call of the op launches, with ``env``'s variables set (None: as is)."""
+    with monkeypatch.context() as m:
+        for var, value in env.items():
+            if value is not None:
+                m.setenv(var, value)
+        return cuda_kernels(lambda: OP(*args))
+
+
+def _only(names: list[str], kernel: str) -> None:
+    assert len(names) == 1 and kernel in names[0], (kernel, names)
+
+
 @pytest.mark.cuda
 def test_cuda_large_path_is_one_launch(monkeypatch):
     """The large path is one kernel: the local one while token_idx is at most 16 KB and
@@ -355,14 +368,9 @@ def test_cuda_large_path_is_one_launch(monkeypatch):
     skip_without("cuda")
 
     def device_ops(args, form: str | None) -> list[str]:
-        with monkeypatch.context() as m:
-            if form is not None:
-                m.setenv(LARGE_PATH_ENV, form)
-            return cuda_kernels(lambda: OP(*args))
+        return _kernels(args, {LARGE_PATH_ENV: form}, monkeypatch)
 
-    def only(names: list[str], kernel: str) -> None:
-        assert len(names) == 1 and kernel in names[0], (kernel, names)
-
+    only = _only
     short = make_inputs(4096, 1, 128, torch.bfloat16, torch.int32, "random", "cuda")  # 16 KB of int32
     only(device_ops(short, None), "scatter_large_local_kernel")
     only(device_ops(short, "fused"), "scatter_large_fused_kernel")
@@ -386,16 +394,6 @@ def test_cuda_large_path_is_one_launch(monkeypatch):
     only(device_ops((x, idx, g, sms * 1024 + 1), "local"), "scatter_large_fused_kernel")
     only(device_ops(make_inputs(32768, 2, 64, torch.bfloat16, torch.int32, "random", "cuda"), "local"),
          "scatter_large_fused_kernel")
-
-
-@pytest.mark.cuda
-def test_cuda_large_form_override_rejects_unknown(monkeypatch):
-    """A misspelt OPREG_SCATTER_COMBINE_LARGE is an error naming it, not the sizes' choice."""
-    skip_without("cuda")
-    monkeypatch.setenv(LARGE_PATH_ENV, "fussed")
-    x, idx, g, t = make_inputs(8192, 2, 128, torch.float32, torch.int32, "random", "cuda")
-    with pytest.raises(ValueError, match=LARGE_PATH_ENV):
-        OP(x, idx, g, t)
 
 
 # The one-launch paths (backends/cuda/scatter_combine_tiny.cu: a warp per token, each reading
@@ -448,12 +446,14 @@ def test_cuda_one_launch_paths_same_bits(t, fanout, h, dtype, idx_dtype, monkeyp
 
 
 @pytest.mark.cuda
-def test_cuda_path_override_rejects_unknown(monkeypatch):
-    """A misspelt OPREG_SCATTER_COMBINE_PATH is an error naming it, not the sizes' choice."""
+@pytest.mark.parametrize("var,value,t", [(PATH_ENV, "tinny", 64), (LARGE_PATH_ENV, "fussed", 8192)])
+def test_cuda_path_override_rejects_unknown(var, value, t, monkeypatch):
+    """A misspelt OPREG_SCATTER_COMBINE_PATH (read on every call) or OPREG_SCATTER_COMBINE_LARGE
+    (read on the large path's calls) is an error naming it, not the sizes' choice."""
     skip_without("cuda")
-    monkeypatch.setenv(PATH_ENV, "tinny")
-    x, idx, g, t = make_inputs(64, 2, 16, torch.float32, torch.int32, "random", "cuda")
-    with pytest.raises(ValueError, match=PATH_ENV):
+    monkeypatch.setenv(var, value)
+    x, idx, g, t = make_inputs(t, 2, 16, torch.float32, torch.int32, "random", "cuda")
+    with pytest.raises(ValueError, match=var):
         OP(x, idx, g, t)
 
 
@@ -466,14 +466,9 @@ def test_cuda_forward_path_kernels(monkeypatch):
     skip_without("cuda")
 
     def kernels(args, path: str | None) -> list[str]:
-        with monkeypatch.context() as m:
-            if path is not None:
-                m.setenv(PATH_ENV, path)
-            return cuda_kernels(lambda: OP(*args))
+        return _kernels(args, {PATH_ENV: path}, monkeypatch)
 
-    def only(names: list[str], kernel: str) -> None:
-        assert len(names) == 1 and kernel in names[0], (kernel, names)
-
+    only = _only
     few = make_inputs(16, 2, 128, torch.float32, torch.int32, "random", "cuda")
     seeds = make_inputs(1536, 2, 128, torch.float32, torch.int32, "random", "cuda")
     only(kernels(few, None), "scatter_tiny_kernel")
