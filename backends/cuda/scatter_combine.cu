@@ -29,12 +29,12 @@
 //    tokens with > 1024 rows (degenerate routing) instead rescan token_idx in
 //    row order: slower, equally deterministic.
 //    Where token_idx is short (<= 16 KB, >= 4 tokens an SM) it runs as ONE
-//    launch of the local kernel: each block (one an SM) reads all of token_idx and builds the
-//    lists of its own run of tokens in shared memory, then sums them: no
-//    workspace, no grid barrier. Elsewhere as ONE cooperative launch (grid.sync()
-//    between the phases, the grid = every co-resident block, capped by the
-//    work) wherever the device supports cooperative launch and one block fits
-//    an SM: the 5-6 launches of the multi-kernel form cost several us of host
+//    launch of the local kernel: each block (one an SM) reads all of
+//    token_idx and builds the lists of its own run of tokens in shared
+//    memory, then sums them: no workspace, no grid barrier. Elsewhere as ONE
+//    cooperative launch (grid.sync() between the phases, the grid = every
+//    co-resident block, capped by the work) wherever the device supports
+//    cooperative launch and one block fits an SM: the 5-6 launches of the multi-kernel form cost several us of host
 //    time each on the H200 box, which made calls host-bound (20-35 us where
 //    the bytes need 5-10, e.g. T16384 k8 H128 bf16 at 23-26 % of copy
 //    bandwidth). The multi-kernel form (memset, count, tile sums + scan,
@@ -43,7 +43,7 @@
 //    tests compare the three bit for bit). All run the same reducer code.
 //  No host sync anywhere, so CUDA-graph capture works (cooperative kernels
 //  are capturable: CUDA 12+ has cooperative kernel graph nodes; the tests
-//  capture and replay both large forms).
+//  capture and replay each large form).
 //
 // Indices outside [0, num_tokens) are ignored (their rows contribute nothing;
 // backward gives them zero gradients). With OPREG_CHECK_INDICES=1 in the
