@@ -1254,9 +1254,10 @@ bool launch_fused(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blo
 
 // The local kernel where it takes the call: false (nothing launched) where the sizes say the
 // fused kernel is cheaper (unless `forced`: n x index bytes > kLocalMaxScanBytes, or fewer
-// tokens than 4 an SM, where blocks of 4 leave SMs idle), or where it cannot run: more than kLocalMaxBlockTokens tokens a block, or
-// its shared memory past what a block may opt in to on this device. One block an SM
-// (kLocalThreads), each owning a contiguous run of a multiple of 4 tokens.
+// tokens than 4 an SM, where blocks of 4 leave SMs idle), or where it cannot run: more than
+// kLocalMaxBlockTokens tokens a block, or its shared memory past what a block may opt in to
+// on this device. One block an SM (kLocalThreads), each owning a contiguous run of a
+// multiple of 4 tokens.
 template <typename scalar_t, typename Red>
 bool launch_local(const LargeCall<scalar_t>& c, ReduceWork w, bool forced) {
   const int64_t index_bytes = int64_t(c.n) * (c.idx64 ? 8 : 4);
