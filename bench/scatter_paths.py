@@ -13,8 +13,9 @@ hide the device.
 
 ``--evaluate`` needs no GPU: the choice as this checkout has it
 (backends/common/scatter_combine_paths.h, compiled with the host's C++ compiler through
-tests/cpp/scatter_combine_picks.cpp) picks a path per shape of an earlier run's JSON, and each
-pick is charged that run's time of the path forced; prints where the pick differs from that
+tests/cpp/scatter_combine_picks.cpp) picks a path per shape of an earlier run's JSON (for the
+large path, its form where that run timed the forms), and each pick is charged that run's time
+of the path forced; prints where the pick differs from that
 run's own (auto's path: the forced one nearest its time) and what it costs there, and the
 picks > 3 % behind the fastest forced path.
 
@@ -92,9 +93,15 @@ def evaluate(path: str) -> int:
     lines = "".join(f"{t[1:]} {k[1:]} {h[1:]} {elt[d]}\n" for t, k, h, d in shapes)
     picks = _paths.host_picks("scatter_combine_picks.cpp", lines, ENV)
     moved, behind, count = [], [], {}
-    for row, pick in zip(rows, picks):
+    for row, line in zip(rows, picks):
         us = row["us"]
-        forced = {p: us[p] for p in PATHS if p in us}
+        # "large local" / "large fused": the large path's form, charged its own forced time
+        # where the run timed the forms (FORMS: they then stand for "large", which is one of
+        # them), else the large path's as that run picked it
+        kind, _, form = line.partition(" ")
+        forms = [f for f in FORMS if f in us]
+        pick = form if form and forms else kind
+        forced = {p: us[p] for p in (*PATHS, *FORMS) if p in us and not (forms and p == "large")}
         count[pick] = count.get(pick, 0) + 1
         before = min(forced, key=lambda p: abs(forced[p] - us["auto"]))
         best = min(forced, key=forced.__getitem__)

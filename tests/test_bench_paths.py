@@ -81,7 +81,8 @@ def load_bench(name: str):
 
 @pytest.mark.parametrize("bench, data", [
     ("cat_linear_paths", "cat_linear_paths_h100_2026-12-05.json"),
-    ("scatter_paths", "scatter_paths_h100_2026-12-05.json")])
+    ("scatter_paths", "scatter_paths_h100_2026-12-05.json"),
+    ("scatter_paths", "scatter_paths_forms_h100_2026-12-07.json")])
 def test_evaluate_a_kept_run(paths, bench, data, capsys):
     """--evaluate (no GPU: the path choice compiled with the host's C++ compiler) on a run kept
     in bench/data: every shape gets a pick; a GEMM pick charged more than eager's time is marked
@@ -90,6 +91,8 @@ def test_evaluate_a_kept_run(paths, bench, data, capsys):
     out = capsys.readouterr().out
     rows = len(json.loads((ROOT / "bench" / "data" / data).read_text())["rows"])
     assert f"{rows} shapes of " in out
+    if "forms" in data:  # the large path's forms timed: its picks are charged as local / fused
+        assert "'local': " in out and "'fused': " in out and "'large'" not in out
     if bench == "cat_linear_paths":
         losses = [line for line in out.splitlines() if line.startswith("  R")]
         gemm = [line for line in losses if line.split()[5] == "gemm"]

@@ -506,13 +506,19 @@ def test_forward_path_picks(tmp_path):
         (256, 1, 4096, 2): "small",   # 2048 warps: the tiny path 4.19 against 3.65 (H200)
         (1024, 2, 1024, 4): "small",  # 2^22 reads: the tiny path 6.06 against 5.03 (H100)
         (1536, 2, 128, 4): "small",   # the seeds' size: 4.1 against the tiny path's 4.6
-        (4096, 1, 128, 4): "large",   # 2^21 small-path reads: 6.3 against its 8.7 (H100)
-        (4096, 8, 128, 2): "large",   # N = 32768 > the small path's 8192 rows
+        # the large path's local form: token_idx <= 16 KB and >= 4 tokens an SM (H100, each form
+        # forced: T4096 k1 H128 fp32 4.0 us against the fused kernel's 6.0, the small path's 8.5)
+        (4096, 1, 128, 4): "large local",
+        (4096, 2, 1024, 2): "large fused",  # 32 KB of int32: local / fused 0.81-1.11 there
+        (4096, 8, 128, 2): "large fused",   # N = 32768 > the small path's 8192 rows; 128 KB
         (16, 1, 12, 2): "tiny",       # rows of 24 bytes (no 16-byte vectors): one chunk
     }
     assert _path_picks(list(shapes), {}, tmp_path) == list(shapes.values())
     # forced where the path can take the call; a forced small call past 8192 rows runs large
     forced = _path_picks([(1536, 2, 128, 4), (4096, 8, 128, 2)], {PATH_ENV: "tiny"}, tmp_path)
     assert forced == ["tiny", "tiny"]
-    assert _path_picks([(16, 8, 128, 2), (4096, 8, 128, 2)], {PATH_ENV: "small"}, tmp_path) == ["small", "large"]
-    assert _path_picks([(16, 8, 128, 2)], {PATH_ENV: "large"}, tmp_path) == ["large"]
+    assert _path_picks([(16, 8, 128, 2), (4096, 8, 128, 2)], {PATH_ENV: "small"}, tmp_path) == \
+        ["small", "large fused"]
+    # forced large at 16 tokens: too few for a local block on every SM
+    assert _path_picks([(16, 8, 128, 2), (1536, 2, 128, 4)], {PATH_ENV: "large"}, tmp_path) == \
+        ["large fused", "large local"]

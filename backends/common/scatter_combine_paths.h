@@ -1,7 +1,8 @@
 // Which CUDA forward path opreg::scatter_combine runs (backends/cuda/scatter_combine.cu, the
 // map of the paths at its top): the tiny kernel (a warp per token, every warp scanning all of
 // token_idx), the small kernel (a block per 8 tokens, every block scanning it), or the large
-// path (count, place, reduce: one cooperative launch). Plain C++ on sizes only: no CUDA, no
+// path (its local kernel, a block an SM scanning it, or count, place, reduce in one
+// cooperative launch). Plain C++ on sizes only: no CUDA, no
 // data, no sync, so that the choice can be compiled and checked on any machine
 // (tests/cpp/scatter_combine_picks.cpp: tests/test_scatter_combine.py, and
 // bench/scatter_paths.py --evaluate against an earlier run's forced paths).
@@ -60,6 +61,25 @@ constexpr int64_t kSmallMaxWork = int64_t(3) << 18;
 // forty-eighth session's run: bench/data/scatter_paths_h100_2026-12-05.json).
 constexpr int64_t kTinyMaxWork = int64_t(1) << 20;
 constexpr int64_t kTinyMaxWarps = 1024;
+
+// Within the large path: its local form (backends/cuda/scatter_combine_large.cu, one block an
+// SM, each reading all of token_idx and building its own tokens' lists in shared memory) or
+// its fused cooperative kernel. The local form saves what the fused kernel pays beyond its
+// reduce whatever the bytes (zeroing the counts, two grid barriers, the count's global
+// atomics) and pays each block's read of token_idx, n x index bytes, and, where there are
+// fewer than 4 tokens an SM (a block owns a multiple of 4), the SMs left without a block.
+// H100, each form forced in CUDA graphs (bench/scatter_paths.py --max-rows 65536, 103 shapes,
+// int32 indices; bench/data/scatter_paths_forms_h100_2026-12-07.json), local / fused: <= 16
+// KB 0.47-0.98 wherever the blocks cover the SMs (T4096 k1 H1024 bf16 7.2 against 10.6 us),
+// 1.06-1.28 at T <= 256 with H4096 k8 (16-64 blocks); 32 KB 0.81-1.11; 64 KB 1.03-1.35; 128 KB
+// 1.08-2.24.
+constexpr int64_t kLocalMaxScanBytes = 16 * 1024;
+constexpr int64_t kLocalMinTokensPerSm = 4;
+
+// Does the local form pay for n rows of index_bytes indices into t tokens on sms SMs?
+inline bool local_pays(int64_t n, int64_t index_bytes, int64_t t, int64_t sms) {
+  return double(n) * double(index_bytes) <= double(kLocalMaxScanBytes) && t >= kLocalMinTokensPerSm * sms;
+}
 
 enum class Path { kAuto, kTiny, kSmall, kLarge };
 

@@ -2,7 +2,7 @@
 // paths of scatter_combine_tiny.cu / _small.cu do not take; the host picks and
 // calls launch_large, scatter_combine.cu). Three forms, the same reducer code
 // and the same bits (the choice is in launch_with):
-//  * local (the default where token_idx is at most kLocalMaxScanBytes): ONE
+//  * local (the default where token_idx is short: paths::local_pays): ONE
 //    launch, no workspace, no grid barrier: each block reads all of token_idx
 //    and builds its own tokens' lists in shared memory, then sums them;
 //  * fused (the default otherwise): ONE cooperative launch, grid.sync()
@@ -981,21 +981,12 @@ __global__ void __launch_bounds__(Red::kFusedThreads, Red::kFusedMinBlocks) scat
 // run of tokens [t0, t1), reads ALL of token_idx (from L2: every block reads
 // it) and builds its tokens' lists in shared memory (BlockLists), then sums
 // them with the same reducer code (Red::run<kBlock>, long_tokens<kBlock>), so
-// the same bits. What it saves is what the fused kernel pays beyond its reduce
-// whatever the bytes: zeroing the counts, two grid barriers (~1.1 us each on
-// the H100 at one block an SM, bench/grid_barrier_cost.py) and a count with
-// global atomics (1-5 us); what it pays is each block's read of token_idx,
-// n x 4 or 8 bytes, which grows with n, and, where the tokens give fewer
-// blocks than SMs, the idle SMs. launch_local takes a call where neither
-// outweighs the saving. H100, each form forced, in CUDA graphs (bench/
-// scatter_paths.py --max-rows 65536, bench/RESULTS.md, seventy-fifth session;
-// int32 indices), local / fused: n <= 4096 (<= 16 KB) 0.47-0.98 wherever the
-// blocks cover the SMs (T4096 k1 H1024 bf16 7.2 against 10.6 us), 1.06-1.28
-// at T <= 256 with H4096 k8 (16-64 blocks); n = 8192 (32 KB) 0.81-1.11;
-// n = 16384 (64 KB) 1.03-1.35; n = 32768 1.08-2.24. (Not yet timed: blocks
-// starting their scans at different rows, so that the SMs do not ask the same
-// L2 lines at once, which may move the bound up.)
-constexpr int64_t kLocalMaxScanBytes = 16 * 1024;
+// the same bits. Where it pays against the fused kernel is a rule on sizes
+// (paths::local_pays, backends/common/scatter_combine_paths.h, with the H100's
+// figures). (Not yet timed: blocks starting their scans at different rows, so
+// that the SMs do not ask the same L2 lines at once, which may move its bound
+// up: bench/candidates/scatter_local_scan.diff.)
+//
 // Tokens a block at most: its lists are 4 x (3 + kEll) bytes a token of shared memory.
 constexpr int64_t kLocalMaxBlockTokens = 1024;
 
@@ -1253,22 +1244,20 @@ bool launch_fused(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blo
 }
 
 // The local kernel where it takes the call: false (nothing launched) where the sizes say the
-// fused kernel is cheaper (unless `forced`: n x index bytes > kLocalMaxScanBytes, or fewer
-// tokens than 4 an SM, where blocks of 4 leave SMs idle), or where it cannot run: more than
-// kLocalMaxBlockTokens tokens a block, or its shared memory past what a block may opt in to
-// on this device. One block an SM (kLocalThreads), each owning a contiguous run of a
-// multiple of 4 tokens.
+// fused kernel is cheaper (paths::local_pays; not asked when `forced`), or where it cannot
+// run: more than kLocalMaxBlockTokens tokens a block, or its shared memory past what a block
+// may opt in to on this device. One block an SM (kLocalThreads), each owning a contiguous run
+// of a multiple of 4 tokens (paths::kLocalMinTokensPerSm).
 template <typename scalar_t, typename Red>
 bool launch_local(const LargeCall<scalar_t>& c, ReduceWork w, bool forced) {
-  const int64_t index_bytes = int64_t(c.n) * (c.idx64 ? 8 : 4);
-  if (!forced && index_bytes > kLocalMaxScanBytes) return false;
+  const int sms = cuda::device_attribute<cudaDevAttrMultiProcessorCount>(c.dev);
+  if (!forced && !paths::local_pays(c.n, c.idx64 ? 8 : 4, c.num_tokens, sms)) return false;
   constexpr auto kernel = scatter_large_local_kernel<scalar_t, Red>;
   constexpr int kThreads = Red::kLocalThreads;
-  const int sms = cuda::device_attribute<cudaDevAttrMultiProcessorCount>(c.dev);
   const int64_t per_sm = (c.num_tokens + sms - 1) / sms;
   const int64_t bt = std::max<int64_t>(4, (per_sm + 3) / 4 * 4);
   const int64_t blocks = (c.num_tokens + bt - 1) / bt;
-  if (bt > kLocalMaxBlockTokens || (!forced && c.num_tokens < 4 * int64_t(sms))) return false;
+  if (bt > kLocalMaxBlockTokens) return false;
   const size_t smem = sort_smem_bytes(kThreads) + block_lists_bytes(bt, c.n);
   const int optin = cuda::device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(c.dev);
   if (smem > size_t(optin)) return false;

@@ -1,9 +1,10 @@
 // What backends/common/scatter_combine_paths.h picks, for tests/test_scatter_combine.py and
 // bench/scatter_paths.py --evaluate on any machine (the choice is plain C++ on sizes: no CUDA).
 // Reads lines "T k H elt" (T tokens, k rows each: N = T k; rows of H elements of elt bytes;
-// token_idx 16-byte aligned, rows in 16-byte vectors where H elt is a multiple of 16) and
-// writes the forward's path for each: tiny, small or large. OPREG_SCATTER_COMBINE_PATH is
-// read as the op reads it.
+// token_idx 16-byte aligned int32, rows in 16-byte vectors where H elt is a multiple of 16) and
+// writes the forward's path for each: tiny, small, or large with its form, "large local" or
+// "large fused" (on 132 SMs: the H100's and the H200's). OPREG_SCATTER_COMBINE_PATH is read
+// as the op reads it; OPREG_SCATTER_COMBINE_LARGE is not read (it forces a form, not a choice).
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -11,6 +12,8 @@
 #include "scatter_combine_paths.h"
 
 namespace p = opreg::scatter_combine_paths;
+
+constexpr long long kSms = 132;  // the H100's and the H200's SMs
 
 static p::Path forced() {
   const char* e = std::getenv("OPREG_SCATTER_COMBINE_PATH");
@@ -29,7 +32,8 @@ int main() {
     const long long v = (h * elt) % 16 == 0 ? 16 / elt : 1, n = t * k;
     const long long gy = p::column_chunks(h / v, v);
     const p::Path path = p::choose_forward(n, t, gy, gy <= 65535, n <= p::kSmallMaxRows && gy <= 65535, f);
-    std::printf("%s\n", path == p::Path::kTiny ? "tiny" : path == p::Path::kSmall ? "small" : "large");
+    const char* large = p::local_pays(n, 4, t, kSms) ? "large local" : "large fused";
+    std::printf("%s\n", path == p::Path::kTiny ? "tiny" : path == p::Path::kSmall ? "small" : large);
   }
   return 0;
 }
