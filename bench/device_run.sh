@@ -17,7 +17,11 @@
 #                                          built as backends/cuda/scatter_combine_large.cu: a back-to-back
 #                                          A/B on one machine (bench/sweep_diff.py; <= 5 min); or,
 #                                          with SC_FORM_B=multi|fused|local, the B sweep with the large
-#                                          path forced into that form (OPREG_SCATTER_COMBINE_LARGE)
+#                                          path forced into that form (OPREG_SCATTER_COMBINE_LARGE);
+#                                          then, with SC_CAND=<diff> (bench/candidates/), each path
+#                                          and form forced at the shapes of SC_ROWS (N = T k), tree
+#                                          and candidate (its CUDA tests between), and
+#                                          `scatter_paths.py --compare` (SC_S=0 skips the sweeps)
 #   STAGE=moe bash bench/device_run.sh     the MoE layer: the block vs HF's grouped_mm + Inductor over
 #                                          TOKENS_MOE (default 64,4096,16384), host vs GPU time eager and
 #                                          compiled (moe_profile.py --inductor), the GEMMs per config
@@ -208,18 +212,45 @@ if [ "$STAGE" = scatter ]; then
       --only "${SC_ONLY:- H128 }" --budget-s ${SC_S:-100} --json "$OUT/$1.json" > "$OUT/$1.log" 2>&1
     grep -E "in a CUDA graph|sweep took" "$OUT/$1.log"
   }
-  sc_sweep sweep_sc_a
-  if [ -n "${SC_ALT:-}" ]; then
-    cp backends/cuda/scatter_combine_large.cu /tmp/sc_large_a.cu
-    cp "$SC_ALT" backends/cuda/scatter_combine_large.cu
-    python3 -m opreg build --only cuda 2>&1 | tail -1
-    sc_sweep sweep_sc_b
-    cp /tmp/sc_large_a.cu backends/cuda/scatter_combine_large.cu
-    python3 -m opreg build --only cuda >/dev/null 2>&1
-    python3 bench/sweep_diff.py "$OUT/sweep_sc_a.json" "$OUT/sweep_sc_b.json" | tail -4
-  elif [ -n "${SC_FORM_B:-}" ]; then
-    OPREG_SCATTER_COMBINE_LARGE="$SC_FORM_B" sc_sweep sweep_sc_b
-    python3 bench/sweep_diff.py "$OUT/sweep_sc_a.json" "$OUT/sweep_sc_b.json" | tail -4
+  if [ "${SC_S:-100}" != 0 ]; then  # SC_S=0: no sweep (SC_CAND's runs only)
+    sc_sweep sweep_sc_a
+    if [ -n "${SC_ALT:-}" ]; then
+      cp backends/cuda/scatter_combine_large.cu /tmp/sc_large_a.cu
+      cp "$SC_ALT" backends/cuda/scatter_combine_large.cu
+      python3 -m opreg build --only cuda 2>&1 | tail -1
+      sc_sweep sweep_sc_b
+      cp /tmp/sc_large_a.cu backends/cuda/scatter_combine_large.cu
+      python3 -m opreg build --only cuda >/dev/null 2>&1
+      python3 bench/sweep_diff.py "$OUT/sweep_sc_a.json" "$OUT/sweep_sc_b.json" | tail -4
+    elif [ -n "${SC_FORM_B:-}" ]; then
+      OPREG_SCATTER_COMBINE_LARGE="$SC_FORM_B" sc_sweep sweep_sc_b
+      python3 bench/sweep_diff.py "$OUT/sweep_sc_a.json" "$OUT/sweep_sc_b.json" | tail -4
+    fi
+  fi
+  if [ -n "${SC_CAND:-}" ]; then
+    # a candidate diff against backends/cuda/scatter_combine_large.cu (bench/candidates/): the
+    # paths and the large path's forms forced (bench/scatter_paths.py) at the shapes whose
+    # N = T k is in SC_ROWS, the tree's file, then the candidate's after its CUDA tests; then
+    # scatter_paths.py --compare on the two (B / A per form, local / fused by token_idx's bytes)
+    sc_paths() {  # $1: the run's name (its log and JSON in $OUT)
+      timeout ${SC_PATHS_S:-150} python3 bench/scatter_paths.py --max-rows 65536 --reps ${SC_REPS:-10} \
+        --rows "${SC_ROWS:-2048,3072,4096,8192,16384}" --json "$OUT/$1.json" > "$OUT/$1.log" 2>&1
+      grep -E "shapes;" "$OUT/$1.log"
+    }
+    sc_paths paths_tree
+    cp backends/cuda/scatter_combine_large.cu /tmp/sc_large_tree.cu
+    if patch -s backends/cuda/scatter_combine_large.cu "$SC_CAND"; then
+      python3 -m opreg build --only cuda 2>&1 | tail -1
+      python3 -m pytest -q -n ${PYTEST_WORKERS:-14} --dist load tests/test_scatter_combine.py -k cuda \
+        > "$OUT/sc_cand_tests.log" 2>&1
+      echo "scatter_combine's CUDA tests with $SC_CAND: $(tail -1 "$OUT/sc_cand_tests.log")"
+      sc_paths paths_cand
+      cp /tmp/sc_large_tree.cu backends/cuda/scatter_combine_large.cu
+      python3 -m opreg build --only cuda >/dev/null 2>&1
+      python3 bench/scatter_paths.py --compare "$OUT/paths_tree.json" "$OUT/paths_cand.json" | head -24
+    else
+      echo "SC_CAND=$SC_CAND does not apply to backends/cuda/scatter_combine_large.cu"
+    fi
   fi
   echo "scatter_combine's CUDA tests: $(tail -1 "$OUT/sc_tests.log")"
   rm -f "$OUT/install.log"

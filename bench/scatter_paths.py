@@ -10,6 +10,13 @@ hide the device.
 
     python bench/scatter_paths.py [--json out.json] [--only 'T1536 k2 H128 fp32,...'] [--max-rows N]
     python bench/scatter_paths.py --evaluate bench/data/scatter_paths_h100_2026-12-05.json
+    python bench/scatter_paths.py --compare A.json B.json
+
+``--rows 4096,8192`` keeps the shapes with N = T k among those (with ``--max-rows``).
+``--compare`` needs no GPU: two runs' shared shapes, each variant's time in B over A (a kernel
+candidate built in B, the tree in A: ``STAGE=scatter SC_CAND=...`` in bench/device_run.sh), and
+local / fused in each run, by token_idx's bytes (int32): what the local form's bound
+(backends/common/scatter_combine_paths.h, ``local_pays``) is set from.
 
 ``--evaluate`` needs no GPU: the choice as this checkout has it
 (backends/common/scatter_combine_paths.h, compiled with the host's C++ compiler through
@@ -33,6 +40,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -85,6 +93,42 @@ def measure(shape: tuple[int, int, int, str], reps: int) -> dict[str, Any]:
     return _paths.measure(f"T{t} k{k} H{h} {d}", variants, ENV, want, TOL[d], PATHS, reps, floors)
 
 
+def compare(path_a: str, path_b: str) -> int:
+    """Run B against run A (no GPU): per variant both timed, B / A, and local / fused in each,
+    geometric means by token_idx's bytes; then the shapes where a variant moved by > 3 %, the most first."""
+    runs = [{r["shape"]: r["us"] for r in json.loads(Path(p).read_text())["rows"]} for p in (path_a, path_b)]
+    common = [s for s in runs[0] if s in runs[1]]
+    if not common:
+        raise SystemExit(f"--compare: {path_a} and {path_b} share no shape")
+
+    def idx_kb(shape: str) -> int:  # "T4096 k2 H1024 bf16": N = T k int32 indices
+        t, k = (int(w[1:]) for w in shape.split()[:2])
+        return -(-t * k * 4 // 1024)
+
+    def gmean(xs: list[float]) -> float:
+        return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+    names = [n for n in ("auto", "large", *FORMS) if all(n in run[s] for run in runs for s in common)]
+    print(f"{len(common)} shapes in both; B / A per variant, local / fused in A and in B (geometric means)")
+    print(f"{'token_idx':>10} {'shapes':>6} " + " ".join(f"{n + ' B/A':>10}" for n in names)
+          + f" {'local/fused A':>14} {'B':>6}")
+    moved = []
+    for kb in sorted({idx_kb(s) for s in common}):
+        group = [s for s in common if idx_kb(s) == kb]
+        cols = " ".join(f"{gmean([runs[1][s][n] / runs[0][s][n] for s in group]):10.3f}" for n in names)
+        lf = [f"{gmean([run[s]['local'] / run[s]['fused'] for s in group]):.3f}" if {"local", "fused"} <= set(names)
+              else "-" for run in runs]
+        print(f"{kb:>7} KB {len(group):>6} {cols} {lf[0]:>14} {lf[1]:>6}")
+    for s in common:
+        for n in names:
+            q = runs[1][s][n] / runs[0][s][n]
+            if abs(q - 1) > 0.03:
+                moved.append((abs(math.log(q)), f"  {s:<22} {n:<6} {runs[0][s][n]:7.2f} -> {runs[1][s][n]:7.2f} us "
+                                                f"({q:.3f})"))
+    print(f"moved by > 3 % (the most first): {len(moved)}", *(m for _, m in sorted(moved, reverse=True)), sep="\n")
+    return 0
+
+
 def evaluate(path: str) -> int:
     """This checkout's picks, charged the forced paths' times of the run in ``path``."""
     rows = json.loads(Path(path).read_text())["rows"]
@@ -124,13 +168,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--only", help="comma-separated shapes as printed, e.g. 'T1536 k2 H128 fp32'")
     p.add_argument("--max-rows", type=int, default=32768, help="shapes with N = T k up to this")
+    p.add_argument("--rows", help="comma-separated N = T k: only the shapes with these, e.g. 4096,8192")
     p.add_argument("--evaluate", metavar="JSON", help="no GPU: this checkout's choice against an earlier run")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="no GPU: run B's times against run A's")
     a = p.parse_args(argv)
     if a.evaluate:
         return evaluate(a.evaluate)
+    if a.compare:
+        return compare(*a.compare)
     rows = []
     names = ("auto", "no_pdl", *PATHS, *FORMS, "eager", "copy", "gather")
     todo = _paths.only(shapes(a.max_rows), a.only, lambda s: f"T{s[0]} k{s[1]} H{s[2]} {s[3]}")
+    if a.rows:
+        want = {int(n) for n in a.rows.split(",")}
+        todo = [s for s in todo if s[0] * s[1] in want]
+        if not todo:
+            raise SystemExit(f"--rows {a.rows}: no shape (up to --max-rows {a.max_rows}) has N = T k among them")
     print(_paths.header(names, 22), flush=True)
     for s in todo:
         rows.append(measure(s, a.reps))

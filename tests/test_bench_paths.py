@@ -121,3 +121,28 @@ def test_bits_are_the_replays(paths, monkeypatch):
     r = paths.measure("R32 B1", variants, "OPREG_TEST_PATH", x.double(), 1.0, ["dot", "gemm"], 3)
     assert r["bits"]["auto"] == r["bits"]["gemm"] != r["bits"]["dot"]
     assert r["auto~"] == "gemm"
+
+
+def test_compare_two_scatter_runs(tmp_path, capsys):
+    """--compare (no GPU): B / A per variant and local / fused in each run, by token_idx's
+    bytes; a form made 10 % slower in B at the 32 KB shapes shows there and only there."""
+    data = json.loads((ROOT / "bench" / "data" / "scatter_paths_forms_h100_2026-12-07.json").read_text())
+    slowed = []
+    for r in data["rows"]:
+        t, k = (int(w[1:]) for w in r["shape"].split()[:2])
+        if t * k * 4 == 32 * 1024:
+            r["us"]["local"] *= 1.1
+            slowed.append(r["shape"])
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text((ROOT / "bench" / "data" / "scatter_paths_forms_h100_2026-12-07.json").read_text())
+    b.write_text(json.dumps(data))
+    assert slowed and load_bench("scatter_paths").main(["--compare", str(a), str(b)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    table = {line.split()[0]: line.split() for line in out if line.split()[1:2] == ["KB"]}
+    # kb "KB" shapes auto large fused local (B / A), local / fused in A and in B
+    assert table["32"][2] == str(len(slowed)) and table["32"][6] == "1.100"
+    assert float(table["32"][8]) == pytest.approx(1.1 * float(table["32"][7]), abs=2e-3)
+    assert all(row[6] == "1.000" for kb, row in table.items() if kb != "32")
+    assert f"moved by > 3 % (the most first): {len(slowed)}" in out
+    with pytest.raises(SystemExit, match="no shape"):
+        load_bench("scatter_paths").main(["--rows", "3"])
