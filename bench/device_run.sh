@@ -247,7 +247,9 @@ if [ "$STAGE" = scatter ]; then
       sc_paths paths_cand
       cp /tmp/sc_large_tree.cu backends/cuda/scatter_combine_large.cu
       python3 -m opreg build --only cuda >/dev/null 2>&1
-      python3 bench/scatter_paths.py --compare "$OUT/paths_tree.json" "$OUT/paths_cand.json" | head -24
+      # into a file first: `| head` closed the pipe on the list of moved shapes (BrokenPipeError)
+      python3 bench/scatter_paths.py --compare "$OUT/paths_tree.json" "$OUT/paths_cand.json" > "$OUT/compare.log" 2>&1
+      head -30 "$OUT/compare.log"
     else
       echo "SC_CAND=$SC_CAND does not apply to backends/cuda/scatter_combine_large.cu"
     fi

@@ -72,8 +72,13 @@ constexpr int64_t kTinyMaxWarps = 1024;
 // int32 indices; bench/data/scatter_paths_forms_h100_2026-12-07.json), local / fused: <= 16
 // KB 0.47-0.98 wherever the blocks cover the SMs (T4096 k1 H1024 bf16 7.2 against 10.6 us),
 // 1.06-1.28 at T <= 256 with H4096 k8 (16-64 blocks); 32 KB 0.81-1.11; 64 KB 1.03-1.35; 128 KB
-// 1.08-2.24.
-constexpr int64_t kLocalMaxScanBytes = 16 * 1024;
+// 1.08-2.24. Then each block's scan started at its own row (the SMs no longer ask the same L2
+// lines in step) and 16-bit wide rows got 768-thread blocks: on 37 shapes with N = T k in
+// {2048 .. 16384} (H100, bench/scatter_paths.py --rows, tree and change in one call), local /
+// fused at 32 KB 0.91-0.99 at 11 of 12 shapes (T4096 k2 H1024 bf16 9.25 against 11.21 us) and
+// 1.09 at T1024 k8 H128 bf16 (8.38 against 7.69); at 64 KB 0.98-1.01 on wide rows, 1.15-1.38
+// on H128. So the bound is 32 KB.
+constexpr int64_t kLocalMaxScanBytes = 32 * 1024;
 constexpr int64_t kLocalMinTokensPerSm = 4;
 
 // Does the local form pay for n rows of index_bytes indices into t tokens on sms SMs?

@@ -104,7 +104,7 @@ __device__ __forceinline__ int ws_load(const int* p) {
 // What a reducer is given besides the pointers: the wide-row reducer's work
 // items (token, column chunk) and chunks per token (the short-row reducer
 // needs neither: it walks num_tokens), and the tokens a block owns in the
-// local kernel (block_tokens, a multiple of 4; 0 elsewhere).
+// local kernel (block_tokens, a multiple of the reducer's kLocalAlign; 0 elsewhere).
 struct ReduceWork {
   int64_t items;
   int chunks;
@@ -463,9 +463,11 @@ struct WideReduce {
                                                                         : kRedWarps * 32;
   static constexpr int kFusedMinBlocks = kFusedThreads > kRedWarps * 32 ? 1 : kMinBlocks;
   // The local kernel's block, one an SM (each block reads all of token_idx, so one an SM reads
-  // it the fewest times): the fused block where that is one an SM, else 640 threads for 16-bit
-  // rows (the 20 warps of the fused block measured above, no spills) and 512 unvectorised.
-  static constexpr int kLocalThreads = kFusedThreads > kRedWarps * 32 ? kFusedThreads : V > 1 ? 640 : 512;
+  // it the fewest times): the fused block where that is one an SM, else 768 threads for 16-bit
+  // rows (the fused kernel's 24 warps an SM; ptxas fits the local kernel's bf16 reducer in 80
+  // registers without spills, nvcc 13.0, sm_90) and 512 unvectorised.
+  static constexpr int kLocalThreads = kFusedThreads > kRedWarps * 32 ? kFusedThreads : V > 1 ? 768 : 512;
+  static constexpr int kLocalAlign = 1;  // a local block's first token: any (items are per token)
 
   template <Lists kL, int kWarps>
   static __device__ __forceinline__ void run(
@@ -588,6 +590,7 @@ struct ShortReduce {
                                            : 512;
   static constexpr int kFusedMinBlocks = 1;
   static constexpr int kLocalThreads = kFusedThreads;  // the local kernel's block, one an SM
+  static constexpr int kLocalAlign = TPW;  // a local block's first token starts a token group
 
   template <Lists kL, int kWarps>
   static __device__ __forceinline__ void run(
@@ -610,7 +613,7 @@ struct ShortReduce {
     constexpr int L = 32 / TPW;  // lanes per token
     const int lane = threadIdx.x & 31;
     const vec_t* xv = reinterpret_cast<const vec_t*>(x);
-    const TokenSpan sp = block_span<kL>(w, num_tokens);  // kBlock: t0 a multiple of 4, so of TPW
+    const TokenSpan sp = block_span<kL>(w, num_tokens);  // kBlock: t0 a multiple of TPW (kLocalAlign)
     const int64_t ngroups = (sp.t1 + TPW - 1) / TPW;
     const Walk wk = warp_walk<kL, kWarps>(sp.t0 / TPW);
     const int64_t stride = wk.stride;
@@ -766,6 +769,7 @@ struct LaneReduce {
   static constexpr int kFusedThreads = 768;  // the fused kernel's block (see WideReduce): 6 x 128
   static constexpr int kFusedMinBlocks = 1;
   static constexpr int kLocalThreads = kFusedThreads;  // the local kernel's block, one an SM
+  static constexpr int kLocalAlign = 1;  // a local block's first token: any (threads are per token)
   static constexpr int kPre = 4;  // ell entries read beside the count; the rest only where the count says
 
   template <Lists kL, int kWarps>
@@ -983,9 +987,11 @@ __global__ void __launch_bounds__(Red::kFusedThreads, Red::kFusedMinBlocks) scat
 // them with the same reducer code (Red::run<kBlock>, long_tokens<kBlock>), so
 // the same bits. Where it pays against the fused kernel is a rule on sizes
 // (paths::local_pays, backends/common/scatter_combine_paths.h, with the H100's
-// figures). (Not yet timed: blocks starting their scans at different rows, so
-// that the SMs do not ask the same L2 lines at once, which may move its bound
-// up: bench/candidates/scatter_local_scan.diff.)
+// figures). Each block starts its scan at its own row (build_block_lists): in
+// step, every SM asked the same L2 lines at once, and the form lost to the fused
+// kernel at 32 KB of token_idx on the wide rows (H100, local / fused, T1024 k8
+// H4096 bf16 1.115 -> 0.959, T16384 k1 H1024 bf16 1.148 -> 0.982 with the
+// rotation and 768-thread bf16 blocks; bench/RESULTS.md, seventy-seventh session).
 //
 // Tokens a block at most: its lists are 4 x (3 + kEll) bytes a token of shared memory.
 constexpr int64_t kLocalMaxBlockTokens = 1024;
@@ -1026,29 +1032,36 @@ __device__ __forceinline__ BlockLists carve_block_lists(int* s, int64_t bt) {
 // the barrier: block-uniform), a segment of operm per such token with ALL its
 // rows (a second pass over token_idx cannot tell which rows the first put in
 // ell; the reducer sorts the segment, so the bits are those of ell + overflow).
-// Not inlined, for the reducer's registers (build_lists says why).
-__device__ __noinline__ void build_block_lists(
+// Inlined: as a call (build_lists' way) ptxas gave the fp32 wide-row local
+// kernel 28 bytes of spills at 768 threads, inlined none and 2-10 fewer
+// registers in most local kernels (nvcc 13.0, sm_90).
+__device__ __forceinline__ void build_block_lists(
     const void* __restrict__ idx, bool idx64, int n, int64_t t0, int64_t t1, BlockLists l) {
   const int tb = int(t1 - t0);  // <= the block_tokens the lists were carved for
   for (int i = threadIdx.x; i < tb; i += blockDim.x) l.counts[i] = l.fill[i] = 0;
   if (threadIdx.x == 0) *l.flag = *l.cursor = 0;
   __syncthreads();
-  // Every block reads all of token_idx: kU loads a thread in flight before the first compare.
+  // Every block reads all of token_idx, kU loads a thread in flight before the first compare,
+  // each block from its own starting row (a multiple of 32, rows wrapping around): in step,
+  // every SM would ask the same L2 lines at once. (The order rows are counted in is free: a
+  // row's slot is arbitrary anyway.)
   constexpr int kU = 8;
+  const int rot = int(int64_t(blockIdx.x) * n / gridDim.x) & ~31;
+  auto row_at = [&](int i) { return i + rot < n ? i + rot : i + rot - n; };  // i < n
   for (int base = 0; base < n; base += kU * int(blockDim.x)) {
-    int64_t t[kU];
+    int lt[kU];  // the row's token - t0, or -1: not this block's
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const int r = base + u * int(blockDim.x) + int(threadIdx.x);
-      t[u] = r < n ? load_index(idx, r, idx64) : -1;
+      const int i = base + u * int(blockDim.x) + int(threadIdx.x);
+      const int64_t t = i < n ? load_index(idx, row_at(i), idx64) : -1;
+      lt[u] = t >= t0 && t < t1 ? int(t - t0) : -1;
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      if (t[u] >= t0 && t[u] < t1) {
-        const int lt = int(t[u] - t0);
-        const int slot = atomicAdd(l.counts + lt, 1);
+      if (lt[u] >= 0) {
+        const int slot = atomicAdd(l.counts + lt[u], 1);
         if (slot < kEll) {
-          l.ell[lt * kEll + slot] = base + u * int(blockDim.x) + int(threadIdx.x);
+          l.ell[lt[u] * kEll + slot] = row_at(base + u * int(blockDim.x) + int(threadIdx.x));
         } else if (slot == kEll) {
           *l.flag = 1;  // benign race: every writer stores 1
         }
@@ -1247,7 +1260,7 @@ bool launch_fused(const LargeCall<scalar_t>& c, ReduceWork w, int64_t reduce_blo
 // fused kernel is cheaper (paths::local_pays; not asked when `forced`), or where it cannot
 // run: more than kLocalMaxBlockTokens tokens a block, or its shared memory past what a block
 // may opt in to on this device. One block an SM (kLocalThreads), each owning a contiguous run
-// of a multiple of 4 tokens (paths::kLocalMinTokensPerSm).
+// of a multiple of Red::kLocalAlign tokens.
 template <typename scalar_t, typename Red>
 bool launch_local(const LargeCall<scalar_t>& c, ReduceWork w, bool forced) {
   const int sms = cuda::device_attribute<cudaDevAttrMultiProcessorCount>(c.dev);
@@ -1255,7 +1268,8 @@ bool launch_local(const LargeCall<scalar_t>& c, ReduceWork w, bool forced) {
   constexpr auto kernel = scatter_large_local_kernel<scalar_t, Red>;
   constexpr int kThreads = Red::kLocalThreads;
   const int64_t per_sm = (c.num_tokens + sms - 1) / sms;
-  const int64_t bt = std::max<int64_t>(4, (per_sm + 3) / 4 * 4);
+  constexpr int64_t kAlign = Red::kLocalAlign;
+  const int64_t bt = (per_sm + kAlign - 1) / kAlign * kAlign;
   const int64_t blocks = (c.num_tokens + bt - 1) / bt;
   if (bt > kLocalMaxBlockTokens) return false;
   const size_t smem = sort_smem_bytes(kThreads) + block_lists_bytes(bt, c.n);
