@@ -66,8 +66,9 @@ constexpr int64_t kTinyMaxWarps = 1024;
 // SM, each reading all of token_idx and building its own tokens' lists in shared memory) or
 // its fused cooperative kernel. The local form saves what the fused kernel pays beyond its
 // reduce whatever the bytes (zeroing the counts, two grid barriers, the count's global
-// atomics) and pays each block's read of token_idx, n x index bytes, and, where there are
-// fewer than 4 tokens an SM (a block owns a multiple of 4), the SMs left without a block.
+// atomics) and pays each block's read of token_idx, n x index bytes: where there are fewer
+// than 4 tokens an SM, a whole scan for little reduce (and below one an SM, SMs left idle; the
+// local blocks then owned multiples of 4 tokens, so T <= 256 ran 16-64 blocks).
 // H100, each form forced in CUDA graphs (bench/scatter_paths.py --max-rows 65536, 103 shapes,
 // int32 indices; bench/data/scatter_paths_forms_h100_2026-12-07.json), local / fused: <= 16
 // KB 0.47-0.98 wherever the blocks cover the SMs (T4096 k1 H1024 bf16 7.2 against 10.6 us),
