@@ -305,6 +305,31 @@ def test_cuda_wide_rows_same_bits_as_every_path(fanout, h, dtype, order, idx_dty
     _check_large_call(x, idx, g, t, dtype, idx_dtype, monkeypatch)
 
 
+# token_idx not 16-byte aligned (a slice one element into its buffer) and of a length that is not
+# a multiple of 4: the large path's forms read it row by row where vector loads would be
+# misaligned; the same bits as the same indices in a buffer of their own.
+@pytest.mark.cuda
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("t,fanout,h,dtype", [(4099, 2, 128, torch.bfloat16), (8195, 1, 1024, torch.float32)],
+                         ids=str)
+def test_cuda_large_path_unaligned_index_same_bits(t, fanout, h, dtype, idx_dtype, monkeypatch):
+    skip_without("cuda")
+    # 8198 and 8195 rows (_routing's long token needs > 7168), neither a multiple of 4
+    idx = _routing(t, fanout, "random", idx_dtype).cuda()
+    n = idx.numel()
+    x = torch.randn(n, h, dtype=dtype, device="cuda")
+    g = (torch.rand(n, device="cuda") + 0.1).to(dtype)
+    buf = torch.empty(n + 1, dtype=idx_dtype, device="cuda")
+    buf[1:] = idx
+    unaligned = buf[1:]
+    assert unaligned.data_ptr() % 16 != 0 and idx.data_ptr() % 16 == 0
+    with monkeypatch.context() as m:
+        m.setenv(PATH_ENV, "large")
+        out = _check_large_call(x, idx, g, t, dtype, idx_dtype, monkeypatch)
+        for form in LARGE_FORMS:
+            assert torch.equal(_form(form, x, unaligned, g, t, monkeypatch), out), form
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("path", LARGE_FORMS)
 @pytest.mark.parametrize("h,dtype", [(128, torch.bfloat16), (1000, torch.float32)], ids=str)
