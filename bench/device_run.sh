@@ -18,10 +18,12 @@
 #                                          A/B on one machine (bench/sweep_diff.py; <= 5 min); or,
 #                                          with SC_FORM_B=multi|fused|local, the B sweep with the large
 #                                          path forced into that form (OPREG_SCATTER_COMBINE_LARGE);
-#                                          then, with SC_CAND=<diff> (bench/candidates/), each path
-#                                          and form forced at the shapes of SC_ROWS (N = T k), tree
-#                                          and candidate (its CUDA tests between), and
-#                                          `scatter_paths.py --compare` (SC_S=0 skips the sweeps)
+#                                          then, with SC_CAND="<diff> ..." (bench/candidates/), each path
+#                                          and form forced at the shapes of SC_ROWS (N = T k), the tree
+#                                          once, then each candidate (its CUDA tests first), and
+#                                          `scatter_paths.py --compare` of each against the tree
+#                                          (SC_S=0 skips the sweeps; check a candidate's spills first:
+#                                          bench/ptxas_report.py --patch)
 #   STAGE=moe bash bench/device_run.sh     the MoE layer: the block vs HF's grouped_mm + Inductor over
 #                                          TOKENS_MOE (default 64,4096,16384), host vs GPU time eager and
 #                                          compiled (moe_profile.py --inductor), the GEMMs per config
@@ -239,20 +241,24 @@ if [ "$STAGE" = scatter ]; then
     }
     sc_paths paths_tree
     cp backends/cuda/scatter_combine_large.cu /tmp/sc_large_tree.cu
-    if patch -s backends/cuda/scatter_combine_large.cu "$SC_CAND"; then
-      python3 -m opreg build --only cuda 2>&1 | tail -1
-      python3 -m pytest -q -n ${PYTEST_WORKERS:-14} --dist load tests/test_scatter_combine.py -k cuda \
-        > "$OUT/sc_cand_tests.log" 2>&1
-      echo "scatter_combine's CUDA tests with $SC_CAND: $(tail -1 "$OUT/sc_cand_tests.log")"
-      sc_paths paths_cand
+    for cand in $SC_CAND; do  # several: each against the tree, one machine start for all
+      c=$(basename "$cand" .diff)
+      if patch -s backends/cuda/scatter_combine_large.cu "$cand"; then
+        python3 -m opreg build --only cuda 2>&1 | tail -1
+        python3 -m pytest -q -n ${PYTEST_WORKERS:-14} --dist load tests/test_scatter_combine.py -k cuda \
+          > "$OUT/tests_$c.log" 2>&1
+        echo "scatter_combine's CUDA tests with $cand: $(tail -1 "$OUT/tests_$c.log")"
+        sc_paths "paths_$c"
+        # into a file first: `| head` closed the pipe on the list of moved shapes (BrokenPipeError)
+        python3 bench/scatter_paths.py --compare "$OUT/paths_tree.json" "$OUT/paths_$c.json" \
+          > "$OUT/compare_$c.log" 2>&1
+        head -30 "$OUT/compare_$c.log"
+      else
+        echo "SC_CAND: $cand does not apply to backends/cuda/scatter_combine_large.cu"
+      fi
       cp /tmp/sc_large_tree.cu backends/cuda/scatter_combine_large.cu
-      python3 -m opreg build --only cuda >/dev/null 2>&1
-      # into a file first: `| head` closed the pipe on the list of moved shapes (BrokenPipeError)
-      python3 bench/scatter_paths.py --compare "$OUT/paths_tree.json" "$OUT/paths_cand.json" > "$OUT/compare.log" 2>&1
-      head -30 "$OUT/compare.log"
-    else
-      echo "SC_CAND=$SC_CAND does not apply to backends/cuda/scatter_combine_large.cu"
-    fi
+    done
+    python3 -m opreg build --only cuda >/dev/null 2>&1
   fi
   echo "scatter_combine's CUDA tests: $(tail -1 "$OUT/sc_tests.log")"
   rm -f "$OUT/install.log"
