@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     src = args.source.resolve()
     if not src.is_file():
         raise SystemExit(f"source: {src} is not a file")
+    if args.patch and not shutil.which("c++filt"):
+        # the anonymous namespace's mangled name differs by file: only demangled names match
+        raise SystemExit("--patch needs c++filt (binutils) to match a kernel across the two files")
     nvcc, flags = nvcc_command()
     with tempfile.TemporaryDirectory() as tmp:
         runs = {"tree": src}
@@ -141,7 +144,6 @@ def main(argv: list[str] | None = None) -> int:
             if p.returncode != 0:
                 sys.stdout.write(logs[k])
                 raise SystemExit(f"nvcc failed on the {k} file ({runs[k]})")
-    # Keyed by demangled name: the anonymous namespace's mangled name differs by file path.
     kernels = {k: by_short_name(parse_ptxas(v)) for k, v in logs.items()}
     checked = kernels["patched" if args.patch else "tree"]
     rx = re.compile(args.match)
@@ -181,6 +183,7 @@ def by_short_name(kernels: dict[str, Kernel]) -> dict[str, Kernel]:
             name, i = f"{short[mangled]} #{i}", i + 1
         out[name] = k
     return out
+
 
 if __name__ == "__main__":
     sys.exit(main())
