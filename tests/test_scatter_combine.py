@@ -384,7 +384,7 @@ def _only(names: list[str], kernel: str) -> None:
 
 @pytest.mark.cuda
 def test_cuda_large_path_is_one_launch(monkeypatch):
-    """The large path is one kernel: the local one while token_idx is at most 32 KB and
+    """The large path is one kernel: the local one while token_idx is at most 64 KB and
     there are at least 4 tokens an SM (scatter_combine_large.cu, launch_local), the fused
     cooperative one otherwise, and either where forced (OPREG_SCATTER_COMBINE_LARGE); the
     forced fallback launches its memset, count, scan, place and reduce kernels. A forced local
@@ -400,10 +400,11 @@ def test_cuda_large_path_is_one_launch(monkeypatch):
     only(device_ops(short, None), "scatter_large_local_kernel")
     only(device_ops(short, "fused"), "scatter_large_fused_kernel")
     only(device_ops(short, "local"), "scatter_large_local_kernel")
-    at_bound = make_inputs(4096, 2, 1024, torch.bfloat16, torch.int32, "random", "cuda")  # 32 KB
-    only(device_ops(at_bound, None), "scatter_large_local_kernel")
-    for longer in (make_inputs(8192, 1, 128, torch.bfloat16, torch.int64, "random", "cuda"),  # 64 KB
-                   make_inputs(8192, 2, 128, torch.bfloat16, torch.int32, "random", "cuda")):  # 64 KB
+    for at_bound in (make_inputs(8192, 1, 128, torch.bfloat16, torch.int64, "random", "cuda"),  # 64 KB
+                     make_inputs(16384, 1, 128, torch.bfloat16, torch.int32, "random", "cuda")):  # 64 KB
+        only(device_ops(at_bound, None), "scatter_large_local_kernel")
+    for longer in (make_inputs(8192, 2, 128, torch.bfloat16, torch.int64, "random", "cuda"),  # 128 KB
+                   make_inputs(16384, 2, 128, torch.bfloat16, torch.int32, "random", "cuda")):  # 128 KB
         only(device_ops(longer, None), "scatter_large_fused_kernel")
         only(device_ops(longer, "local"), "scatter_large_local_kernel")
     # fewer tokens than 4 an SM (the large path forced): blocks of 4 tokens would leave SMs idle
@@ -533,12 +534,13 @@ def test_forward_path_picks(tmp_path):
         (256, 1, 4096, 2): "small",   # 2048 warps: the tiny path 4.19 against 3.65 (H200)
         (1024, 2, 1024, 4): "small",  # 2^22 reads: the tiny path 6.06 against 5.03 (H100)
         (1536, 2, 128, 4): "small",   # the seeds' size: 4.1 against the tiny path's 4.6
-        # the large path's local form: token_idx <= 32 KB and >= 4 tokens an SM (H100, each form
-        # forced: T4096 k1 H128 fp32 4.0 us against the fused kernel's 6.0, the small path's 8.5)
+        # the large path's local form: token_idx <= 64 KB and >= 4 tokens an SM (H100, each form
+        # forced: T4096 k1 H128 fp32 3.3 us against the fused kernel's 6.0, the small path's 8.4)
         (4096, 1, 128, 4): "large local",
-        (4096, 2, 1024, 2): "large local",  # 32 KB of int32: 9.25 us against the fused kernel's 11.21
-        (8192, 2, 1024, 2): "large fused",  # 64 KB: local / fused 0.98-1.01 wide, 1.15-1.38 at H128
-        (4096, 8, 128, 2): "large fused",   # N = 32768 > the small path's 8192 rows; 128 KB
+        (4096, 2, 1024, 2): "large local",   # 32 KB of int32: 7.7 us against the fused kernel's 11.4
+        (16384, 1, 1024, 2): "large local",  # 64 KB: 30.1 us against the fused kernel's 33.7
+        (8192, 4, 1024, 2): "large fused",   # 128 KB: local / fused 1.08-2.24 before the 16-byte scan
+        (4096, 8, 128, 2): "large fused",    # N = 32768 > the small path's 8192 rows; 128 KB
         (16, 1, 12, 2): "tiny",       # rows of 24 bytes (no 16-byte vectors): one chunk
     }
     assert _path_picks(list(shapes), {}, tmp_path) == list(shapes.values())

@@ -78,8 +78,14 @@ constexpr int64_t kTinyMaxWarps = 1024;
 // {2048 .. 16384} (H100, bench/scatter_paths.py --rows, tree and change in one call), local /
 // fused at 32 KB 0.91-0.99 at 11 of 12 shapes (T4096 k2 H1024 bf16 9.25 against 11.21 us) and
 // 1.09 at T1024 k8 H128 bf16 (8.38 against 7.69); at 64 KB 0.98-1.01 on wide rows, 1.15-1.38
-// on H128. So the bound is 32 KB.
-constexpr int64_t kLocalMaxScanBytes = 32 * 1024;
+// on H128. So the bound was 32 KB. Then the scan read token_idx in 16-byte loads, 2 a thread in
+// flight (build_block_lists): on 42 shapes with N in {1024 .. 16384} (H100, 2026-12-07,
+// bench/data/scatter_paths_scan_vec2_{tree,cand}_h100_2026-12-07.json, forms forced, one
+// call) the local form 0.60-0.99x of its time before, and at 64 KB (T16384 k1, the sweep's
+// only N there) local / fused H128 0.76-0.82, H1024 0.89-0.98, H4096 0.97-0.99. So the bound is
+// 64 KB: the scan reads the same bytes whatever the fan-out; k = 2 and 8 at 64 KB are not
+// measured yet (bench/RESULTS.md, "Not yet run").
+constexpr int64_t kLocalMaxScanBytes = 64 * 1024;
 constexpr int64_t kLocalMinTokensPerSm = 4;
 
 // Does the local form pay for n rows of index_bytes indices into t tokens on sms SMs?

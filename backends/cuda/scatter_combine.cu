@@ -28,7 +28,7 @@
 //    registers for <= 8 rows, in shared memory up to 1024) before summing;
 //    tokens with > 1024 rows (degenerate routing) instead rescan token_idx in
 //    row order: slower, equally deterministic.
-//    Where token_idx is short (<= 32 KB, >= 4 tokens an SM) it runs as ONE
+//    Where token_idx is short (<= 64 KB, >= 4 tokens an SM) it runs as ONE
 //    launch of the local kernel: each block (one an SM) reads all of
 //    token_idx and builds the lists of its own run of tokens in shared
 //    memory, then sums them: no workspace, no grid barrier. Elsewhere as ONE
