@@ -23,7 +23,8 @@
 #                                          once, then each candidate (its CUDA tests first), and
 #                                          `scatter_paths.py --compare` of each against the tree
 #                                          (SC_S=0 skips the sweeps; check a candidate's spills first:
-#                                          bench/ptxas_report.py --patch)
+#                                          bench/ptxas_report.py --patch); SC_ROWS alone: the tree's
+#                                          paths and forms forced at those N only
 #   STAGE=moe bash bench/device_run.sh     the MoE layer: the block vs HF's grouped_mm + Inductor over
 #                                          TOKENS_MOE (default 64,4096,16384), host vs GPU time eager and
 #                                          compiled (moe_profile.py --inductor), the GEMMs per config
@@ -229,11 +230,12 @@ if [ "$STAGE" = scatter ]; then
       python3 bench/sweep_diff.py "$OUT/sweep_sc_a.json" "$OUT/sweep_sc_b.json" | tail -4
     fi
   fi
-  if [ -n "${SC_CAND:-}" ]; then
+  if [ -n "${SC_CAND:-}" ] || [ -n "${SC_ROWS:-}" ]; then
     # a candidate diff against backends/cuda/scatter_combine_large.cu (bench/candidates/): the
     # paths and the large path's forms forced (bench/scatter_paths.py) at the shapes whose
     # N = T k is in SC_ROWS, the tree's file, then the candidate's after its CUDA tests; then
-    # scatter_paths.py --compare on the two (B / A per form, local / fused by token_idx's bytes)
+    # scatter_paths.py --compare on the two (B / A per form, local / fused by token_idx's bytes).
+    # SC_ROWS without SC_CAND: the tree's run only (--evaluate it here for the bounds)
     sc_paths() {  # $1: the run's name (its log and JSON in $OUT)
       timeout ${SC_PATHS_S:-150} python3 bench/scatter_paths.py --max-rows 65536 --reps ${SC_REPS:-10} \
         --rows "${SC_ROWS:-2048,3072,4096,8192,16384}" --json "$OUT/$1.json" > "$OUT/$1.log" 2>&1
@@ -241,7 +243,7 @@ if [ "$STAGE" = scatter ]; then
     }
     sc_paths paths_tree
     cp backends/cuda/scatter_combine_large.cu /tmp/sc_large_tree.cu
-    for cand in $SC_CAND; do  # several: each against the tree, one machine start for all
+    for cand in ${SC_CAND:-}; do  # several: each against the tree, one machine start for all
       c=$(basename "$cand" .diff)
       if patch -s backends/cuda/scatter_combine_large.cu "$cand"; then
         python3 -m opreg build --only cuda 2>&1 | tail -1

@@ -2,7 +2,7 @@
 (``ptxas -v``): a kernel candidate's check before it spends device time.
 
     python bench/ptxas_report.py backends/cuda/scatter_combine_large.cu \\
-        [--patch bench/candidates/local_scan_vec.diff] [--arch 9.0] [--match local_kernel] [--all]
+        [--patch bench/candidates/<file>.diff] [--arch 9.0] [--match local_kernel] [--all]
 
 The nvcc flags are the CUDA library's own (its ``build.ninja``; the library is built first
 where there is none, ~80 s on 2 cores). With ``--patch`` the file is compiled as the tree has it
