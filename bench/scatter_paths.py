@@ -27,8 +27,9 @@ run's own (auto's path: the forced one nearest its time) and what it costs there
 picks > 3 % behind the fastest forced path.
 
 Shapes: T x fan-out x H over the one-launch paths' range (N = T k <= 32768; ``--max-rows``
-65536 adds T2048, T8192 and T16384: the large path's local form at and past its 64 KB bound,
-N = 16384 at each fan-out), fp32 and bf16,
+65536 adds T768, between 4 tokens an SM and 1024, where the local form takes the small path's
+shapes, and T2048, T8192 and T16384: the local form at and past its 64 KB bound, N = 16384 at
+each fan-out), fp32 and bf16,
 int32 indices in expert order (an MoE dispatch's), plus the seeds' T1536 k2 H128 fp32. Every
 variant's output is checked against the float64 reference first; each variant is timed twice,
 the order reversed the second time, and keeps the better time (``_paths.measure``). Two floors
@@ -64,7 +65,7 @@ FORMS = ("fused", "local")  # the large path's forms (backends/cuda/scatter_comb
 
 
 def shapes(max_rows: int = 32768) -> list[tuple[int, int, int, str]]:
-    ts = (16, 64, 256, 1024, 4096) + ((2048, 8192, 16384) if max_rows > 32768 else ())
+    ts = (16, 64, 256, 1024, 4096) + ((768, 2048, 8192, 16384) if max_rows > 32768 else ())
     grid = itertools.product(ts, (1, 2, 8), (128, 1024, 4096), DTYPES)
     out = [s for s in grid if s[0] * s[1] <= max_rows]
     return [(1536, 2, 128, "fp32"), *out]

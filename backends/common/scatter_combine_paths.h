@@ -104,9 +104,22 @@ inline bool product_at_most(int64_t a, int64_t b, int64_t c, int64_t limit) {
 // The forward's path for n rows into t tokens, gy column chunks: `forced` (OPREG_SCATTER_COMBINE_PATH,
 // kAuto when unset) where that path can take the call, else the sizes' choice. tiny_ok: the
 // tiny kernel can take it (token_idx 16-byte aligned, gy and t within its grid); small_ok: the
-// small kernel can (n <= kSmallMaxRows, gy within its grid). A forced tiny call the tiny
-// kernel cannot take runs the small one where it can.
-inline Path choose_forward(int64_t n, int64_t t, int64_t gy, bool tiny_ok, bool small_ok, Path forced) {
+// small kernel can (n <= kSmallMaxRows, gy within its grid); local: the large path would run
+// its local form (local_pays on this device). A forced tiny call the tiny kernel cannot take
+// runs the small one where it can.
+//
+// Where the large path runs its local form, the small path is not chosen: kSmallMaxWork weighs
+// the small path's scans against the fused kernel's fixed cost, which the local form does not
+// pay (each of its blocks scans token_idx once, as each small block does, and there is one an
+// SM where the small path has t / 8 x gy). H100, each path forced in CUDA graphs, local / small
+// at every shape both take with t >= 4 an SM: T1024 k1-k2 H128-H4096 0.87-1.02 (T1024 k2 H128
+// fp32 2.88 against 3.33 us; T1024 k1 H1024 bf16 3.56 against 3.48), k8 0.47-0.68
+// (bench/data/scatter_paths_scan_vec2_cand_h100_2026-12-07.json); the seeds' T1536 k2 H128
+// fp32 3.55 against 3.86 before the local scan's 16-byte loads, which made the local form
+// faster everywhere (bench/data/scatter_paths_forms_h100_2026-12-07.json). Not measured: T
+// between 4 an SM (528) and 1024 (bench/RESULTS.md, "Not yet run").
+inline Path choose_forward(int64_t n, int64_t t, int64_t gy, bool tiny_ok, bool small_ok, bool local,
+                           Path forced) {
   if (tiny_ok && (forced == Path::kTiny ||
                   (forced == Path::kAuto && product_at_most(n, t, gy, kTinyMaxWork) &&
                    double(t) * double(gy) <= double(kTinyMaxWarps)))) {
@@ -114,7 +127,7 @@ inline Path choose_forward(int64_t n, int64_t t, int64_t gy, bool tiny_ok, bool 
   }
   const int64_t gx = (t + kSmallTok - 1) / kSmallTok;
   if (small_ok && (forced == Path::kSmall || forced == Path::kTiny ||
-                   (forced == Path::kAuto && product_at_most(n, gx, gy, kSmallMaxWork)))) {
+                   (forced == Path::kAuto && !local && product_at_most(n, gx, gy, kSmallMaxWork)))) {
     return Path::kSmall;
   }
   return Path::kLarge;
