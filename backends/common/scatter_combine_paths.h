@@ -112,9 +112,9 @@ inline bool product_at_most(int64_t a, int64_t b, int64_t c, int64_t limit) {
 // the small path's scans against the fused kernel's fixed cost, which the local form does not
 // pay (each of its blocks scans token_idx once, as each small block does, and there is one an
 // SM where the small path has t / 8 x gy). H100, each path forced in CUDA graphs, local / small
-// at every shape both take with t >= 4 an SM: T1024 k1-k2 H128-H4096 0.87-1.02 (T1024 k2 H128
-// fp32 2.88 against 3.33 us; T1024 k1 H1024 bf16 3.56 against 3.48), k8 0.47-0.68
-// (bench/data/scatter_paths_scan_vec2_cand_h100_2026-12-07.json); the seeds' T1536 k2 H128
+// at the 30 shapes both take with t >= 4 an SM: 0.18-1.02, above 0.97 only at T1024 k1-k2
+// H1024 (0.98-1.02: T1024 k1 H1024 bf16 3.56 against 3.48 us; T1024 k2 H128 fp32 2.88 against
+// 3.33) (bench/data/scatter_paths_scan_vec2_cand_h100_2026-12-07.json); the seeds' T1536 k2 H128
 // fp32 3.55 against 3.86 before the local scan's 16-byte loads, which made the local form
 // faster everywhere (bench/data/scatter_paths_forms_h100_2026-12-07.json). Not measured: T
 // between 4 an SM (528) and 1024 (bench/RESULTS.md, "Not yet run").
