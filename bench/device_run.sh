@@ -24,7 +24,9 @@
 #                                          `scatter_paths.py --compare` of each against the tree
 #                                          (SC_S=0 skips the sweeps; check a candidate's spills first:
 #                                          bench/ptxas_report.py --patch); SC_ROWS alone: the tree's
-#                                          paths and forms forced at those N only
+#                                          paths and forms forced at those N only; a candidate applies
+#                                          with `patch -p1` (kernels, path rules, tests); SC_CAND_SWEEP=<s>:
+#                                          the op's whole sweep with each candidate applied
 #   STAGE=moe bash bench/device_run.sh     the MoE layer: the block vs HF's grouped_mm + Inductor over
 #                                          TOKENS_MOE (default 64,4096,16384), host vs GPU time eager and
 #                                          compiled (moe_profile.py --inductor), the GEMMs per config
@@ -231,21 +233,22 @@ if [ "$STAGE" = scatter ]; then
     fi
   fi
   if [ -n "${SC_CAND:-}" ] || [ -n "${SC_ROWS:-}" ]; then
-    # a candidate diff against backends/cuda/scatter_combine_large.cu (bench/candidates/): the
-    # paths and the large path's forms forced (bench/scatter_paths.py) at the shapes whose
-    # N = T k is in SC_ROWS, the tree's file, then the candidate's after its CUDA tests; then
-    # scatter_paths.py --compare on the two (B / A per form, local / fused by token_idx's bytes).
-    # SC_ROWS without SC_CAND: the tree's run only (--evaluate it here for the bounds)
+    # a candidate diff from the repository root (bench/candidates/; `patch -p1`, so it may touch
+    # the kernels, the path rules and their tests): the paths and the large path's forms forced
+    # (bench/scatter_paths.py) at the shapes whose N = T k is in SC_ROWS, the tree's, then the
+    # candidate's after its CUDA tests; then scatter_paths.py --compare on the two (B / A per
+    # form, local / fused by token_idx's bytes); SC_CAND_SWEEP=<s>: then the op's whole sweep
+    # (bench/sweep.py, that budget) with the candidate applied. SC_ROWS without SC_CAND: the
+    # tree's run only (--evaluate it here for the bounds)
     sc_paths() {  # $1: the run's name (its log and JSON in $OUT)
       timeout ${SC_PATHS_S:-150} python3 bench/scatter_paths.py --max-rows 65536 --reps ${SC_REPS:-10} \
         --rows "${SC_ROWS:-2048,3072,4096,8192,16384}" --json "$OUT/$1.json" > "$OUT/$1.log" 2>&1
       grep -E "shapes;" "$OUT/$1.log"
     }
     sc_paths paths_tree
-    cp backends/cuda/scatter_combine_large.cu /tmp/sc_large_tree.cu
     for cand in ${SC_CAND:-}; do  # several: each against the tree, one machine start for all
       c=$(basename "$cand" .diff)
-      if patch -s backends/cuda/scatter_combine_large.cu "$cand"; then
+      if patch -s -p1 < "$cand"; then
         python3 -m opreg build --only cuda 2>&1 | tail -1
         python3 -m pytest -q -n ${PYTEST_WORKERS:-14} --dist load tests/test_scatter_combine.py -k cuda \
           > "$OUT/tests_$c.log" 2>&1
@@ -255,10 +258,15 @@ if [ "$STAGE" = scatter ]; then
         python3 bench/scatter_paths.py --compare "$OUT/paths_tree.json" "$OUT/paths_$c.json" \
           > "$OUT/compare_$c.log" 2>&1
         head -30 "$OUT/compare_$c.log"
+        if [ -n "${SC_CAND_SWEEP:-}" ]; then
+          timeout $((SC_CAND_SWEEP + 30)) python3 bench/sweep.py --ops scatter_combine --inductor none \
+            --budget-s "$SC_CAND_SWEEP" --json "$OUT/sweep_$c.json" > "$OUT/sweep_$c.log" 2>&1
+          tail -8 "$OUT/sweep_$c.log"
+        fi
+        patch -s -R -p1 < "$cand"
       else
-        echo "SC_CAND: $cand does not apply to backends/cuda/scatter_combine_large.cu"
+        echo "SC_CAND: $cand does not apply to the tree"
       fi
-      cp /tmp/sc_large_tree.cu backends/cuda/scatter_combine_large.cu
     done
     python3 -m opreg build --only cuda >/dev/null 2>&1
   fi

@@ -27,9 +27,9 @@ run's own (auto's path: the forced one nearest its time) and what it costs there
 picks > 3 % behind the fastest forced path.
 
 Shapes: T x fan-out x H over the one-launch paths' range (N = T k <= 32768; ``--max-rows``
-65536 adds T768, between 4 tokens an SM and 1024, where the local form takes the small path's
-shapes, and T2048, T8192 and T16384: the local form at and past its 64 KB bound, N = 16384 at
-each fan-out), fp32 and bf16,
+65536 adds T768, between 4 tokens an SM and 1024, where bench/candidates/local_scan_dispatch.diff
+runs the local form in place of the small path, and T2048, T8192 and T16384: the local form
+past its bound, N = 16384 (64 KB of int32) at each fan-out), fp32 and bf16,
 int32 indices in expert order (an MoE dispatch's), plus the seeds' T1536 k2 H128 fp32. Every
 variant's output is checked against the float64 reference first; each variant is timed twice,
 the order reversed the second time, and keeps the better time (``_paths.measure``). Two floors
