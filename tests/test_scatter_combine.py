@@ -384,7 +384,7 @@ def _only(names: list[str], kernel: str) -> None:
 
 @pytest.mark.cuda
 def test_cuda_large_path_is_one_launch(monkeypatch):
-    """The large path is one kernel: the local one while token_idx is at most 32 KB and
+    """The large path is one kernel: the local one while token_idx is at most 64 KB and
     there are at least 4 tokens an SM (scatter_combine_large.cu, launch_local), the fused
     cooperative one otherwise, and either where forced (OPREG_SCATTER_COMBINE_LARGE); the
     forced fallback launches its memset, count, scan, place and reduce kernels. A forced local
@@ -400,12 +400,16 @@ def test_cuda_large_path_is_one_launch(monkeypatch):
     only(device_ops(short, None), "scatter_large_local_kernel")
     only(device_ops(short, "fused"), "scatter_large_fused_kernel")
     only(device_ops(short, "local"), "scatter_large_local_kernel")
-    at_bound = make_inputs(4096, 2, 1024, torch.bfloat16, torch.int32, "random", "cuda")  # 32 KB
-    only(device_ops(at_bound, None), "scatter_large_local_kernel")
-    for longer in (make_inputs(8192, 1, 128, torch.bfloat16, torch.int64, "random", "cuda"),  # 64 KB
-                   make_inputs(8192, 2, 128, torch.bfloat16, torch.int32, "random", "cuda")):  # 64 KB
-        only(device_ops(longer, None), "scatter_large_fused_kernel")
-        only(device_ops(longer, "local"), "scatter_large_local_kernel")
+    for at_bound in (make_inputs(8192, 1, 128, torch.bfloat16, torch.int64, "random", "cuda"),  # 64 KB
+                     make_inputs(16384, 1, 128, torch.bfloat16, torch.int32, "random", "cuda")):  # 64 KB
+        only(device_ops(at_bound, None), "scatter_large_local_kernel")
+    longer = make_inputs(8192, 2, 128, torch.bfloat16, torch.int64, "random", "cuda")  # 128 KB
+    only(device_ops(longer, None), "scatter_large_fused_kernel")
+    only(device_ops(longer, "local"), "scatter_large_local_kernel")
+    # 128 KB of int32 is 32768 rows: the overflow area alone (4 bytes a row) plus the lane
+    # reducer's 24 warps of sort scratch pass a block's 227 KB, so only the default is pinned
+    only(device_ops(make_inputs(16384, 2, 128, torch.bfloat16, torch.int32, "random", "cuda"), None),
+         "scatter_large_fused_kernel")
     # fewer tokens than 4 an SM (the large path forced): blocks of 4 tokens would leave SMs idle
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     few = make_inputs(2 * sms, 8, 4096, torch.bfloat16, torch.int32, "random", "cuda")
@@ -487,9 +491,9 @@ def test_cuda_path_override_rejects_unknown(var, value, t, monkeypatch):
 @pytest.mark.cuda
 def test_cuda_forward_path_kernels(monkeypatch):
     """Which kernel each choice launches (so the same-bits test above compares paths that
-    really ran): the sizes pick the tiny kernel at T16 k2 H128 and the small one at the
-    seeds' T1536 k2 H128; each forced path runs its own kernel; a misaligned token_idx sends
-    a forced tiny call to the small kernel."""
+    really ran): the sizes pick the tiny kernel at T16 k2 H128 and the large path's local
+    kernel at the seeds' T1536 k2 H128 (>= 4 tokens an SM); each forced path runs its own
+    kernel; a misaligned token_idx sends a forced tiny call to the small kernel."""
     skip_without("cuda")
 
     def kernels(args, path: str | None) -> list[str]:
@@ -499,7 +503,7 @@ def test_cuda_forward_path_kernels(monkeypatch):
     few = make_inputs(16, 2, 128, torch.float32, torch.int32, "random", "cuda")
     seeds = make_inputs(1536, 2, 128, torch.float32, torch.int32, "random", "cuda")
     only(kernels(few, None), "scatter_tiny_kernel")
-    only(kernels(seeds, None), "scatter_small_kernel")
+    only(kernels(seeds, None), "scatter_large_local_kernel")
     for path, kernel in (("tiny", "scatter_tiny_kernel"), ("small", "scatter_small_kernel"),
                          ("large", "scatter_large_local_kernel")):
         only(kernels(seeds, path), kernel)
@@ -508,7 +512,8 @@ def test_cuda_forward_path_kernels(monkeypatch):
     buf[1:] = idx
     only(kernels((x, buf[1:], g, t), "tiny"), "scatter_small_kernel")
     # the tiny kernel up to 2^20 index reads in at most 1024 warps (T256 k8 H128), not past
-    # 1024 warps (T256 k1 H4096 bf16: 2048): backends/common/scatter_combine_paths.h
+    # 1024 warps (T256 k1 H4096 bf16: 2048, too few tokens for the local form: the small kernel):
+    # backends/common/scatter_combine_paths.h
     only(kernels(make_inputs(256, 8, 128, torch.float32, torch.int32, "random", "cuda"), None),
          "scatter_tiny_kernel")
     only(kernels(make_inputs(256, 1, 4096, torch.bfloat16, torch.int32, "random", "cuda"), None),
@@ -531,14 +536,18 @@ def test_forward_path_picks(tmp_path):
         (256, 8, 128, 4): "tiny",     # 2^19 reads, 256 warps: 3.85 against 4.58 (H100)
         (1024, 1, 128, 2): "tiny",    # 2^20 reads, 1024 warps: 2.62 against 3.30 (H100)
         (256, 1, 4096, 2): "small",   # 2048 warps: the tiny path 4.19 against 3.65 (H200)
-        (1024, 2, 1024, 4): "small",  # 2^22 reads: the tiny path 6.06 against 5.03 (H100)
-        (1536, 2, 128, 4): "small",   # the seeds' size: 4.1 against the tiny path's 4.6
-        # the large path's local form: token_idx <= 32 KB and >= 4 tokens an SM (H100, each form
-        # forced: T4096 k1 H128 fp32 4.0 us against the fused kernel's 6.0, the small path's 8.5)
+        (512, 4, 1024, 4): "small",   # 2^21 reads; 512 tokens, < 4 an SM: no local form
+        # >= 4 tokens an SM: the local form, not the small path (H100: T1024 k2 H1024 fp32 4.62
+        # us against 4.72, the tiny path 5.83; the seeds' size 3.55 against 3.86, the tiny 4.36)
+        (1024, 2, 1024, 4): "large local",
+        (1536, 2, 128, 4): "large local",
+        # the large path's local form: token_idx <= 64 KB and >= 4 tokens an SM (H100, each form
+        # forced: T4096 k1 H128 fp32 3.3 us against the fused kernel's 6.0, the small path's 8.4)
         (4096, 1, 128, 4): "large local",
-        (4096, 2, 1024, 2): "large local",  # 32 KB of int32: 9.25 us against the fused kernel's 11.21
-        (8192, 2, 1024, 2): "large fused",  # 64 KB: local / fused 0.98-1.01 wide, 1.15-1.38 at H128
-        (4096, 8, 128, 2): "large fused",   # N = 32768 > the small path's 8192 rows; 128 KB
+        (4096, 2, 1024, 2): "large local",   # 32 KB of int32: 7.7 us against the fused kernel's 11.4
+        (16384, 1, 1024, 2): "large local",  # 64 KB: 30.1 us against the fused kernel's 33.7
+        (8192, 4, 1024, 2): "large fused",   # 128 KB: local / fused 1.08-2.24 before the 16-byte scan
+        (4096, 8, 128, 2): "large fused",    # N = 32768 > the small path's 8192 rows; 128 KB
         (16, 1, 12, 2): "tiny",       # rows of 24 bytes (no 16-byte vectors): one chunk
     }
     assert _path_picks(list(shapes), {}, tmp_path) == list(shapes.values())

@@ -78,8 +78,16 @@ constexpr int64_t kTinyMaxWarps = 1024;
 // {2048 .. 16384} (H100, bench/scatter_paths.py --rows, tree and change in one call), local /
 // fused at 32 KB 0.91-0.99 at 11 of 12 shapes (T4096 k2 H1024 bf16 9.25 against 11.21 us) and
 // 1.09 at T1024 k8 H128 bf16 (8.38 against 7.69); at 64 KB 0.98-1.01 on wide rows, 1.15-1.38
-// on H128. So the bound is 32 KB.
-constexpr int64_t kLocalMaxScanBytes = 32 * 1024;
+// on H128. So the bound was 32 KB. Then the scan read token_idx in 16-byte loads, 2 a thread in
+// flight (build_block_lists): on 42 shapes with N in {1024 .. 16384} (H100, 2026-12-07,
+// bench/data/scatter_paths_scan_vec2_{tree,cand}_h100_2026-12-07.json, forms forced, one
+// call) the local form 0.60-0.99x of its time before, and at 64 KB (T16384 k1, the sweep's
+// only N there) local / fused H128 0.76-0.82, H1024 0.89-0.98, H4096 0.97-0.99. So the bound is
+// 64 KB. Checked in a second call with the bound at 64 KB (H100, 2026-12-07,
+// bench/data/scatter_paths_local64_h100_2026-12-07.json, int32 indices): local / fused at
+// 64 KB 0.75-0.99 at all 18 shapes (T2048 k8, T8192 k2, T16384 k1; H128 0.75-0.93), at
+// 128 KB (T4096 k8, T16384 k2) 0.97-1.22 (H128 k8 1.09-1.22).
+constexpr int64_t kLocalMaxScanBytes = 64 * 1024;
 constexpr int64_t kLocalMinTokensPerSm = 4;
 
 // Does the local form pay for n rows of index_bytes indices into t tokens on sms SMs?
@@ -98,9 +106,23 @@ inline bool product_at_most(int64_t a, int64_t b, int64_t c, int64_t limit) {
 // The forward's path for n rows into t tokens, gy column chunks: `forced` (OPREG_SCATTER_COMBINE_PATH,
 // kAuto when unset) where that path can take the call, else the sizes' choice. tiny_ok: the
 // tiny kernel can take it (token_idx 16-byte aligned, gy and t within its grid); small_ok: the
-// small kernel can (n <= kSmallMaxRows, gy within its grid). A forced tiny call the tiny
-// kernel cannot take runs the small one where it can.
-inline Path choose_forward(int64_t n, int64_t t, int64_t gy, bool tiny_ok, bool small_ok, Path forced) {
+// small kernel can (n <= kSmallMaxRows, gy within its grid); local: the large path would run
+// its local form (local_pays on this device). A forced tiny call the tiny kernel cannot take
+// runs the small one where it can.
+//
+// Where the large path runs its local form, the small path is not chosen: kSmallMaxWork weighs
+// the small path's scans against the fused kernel's fixed cost, which the local form does not
+// pay (each of its blocks scans token_idx once, as each small block does, and there is one an
+// SM where the small path has t / 8 x gy). H100, each path forced in CUDA graphs, local / small
+// at the 30 shapes both take with t >= 4 an SM: 0.18-1.02, above 0.97 only at T1024 k1-k2
+// H1024 (0.98-1.02: T1024 k1 H1024 bf16 3.56 against 3.48 us; T1024 k2 H128 fp32 2.88 against
+// 3.33) (bench/data/scatter_paths_scan_vec2_cand_h100_2026-12-07.json); the seeds' T1536 k2 H128
+// fp32 3.55 against 3.86 before the local scan's 16-byte loads, which made the local form
+// faster everywhere (bench/data/scatter_paths_forms_h100_2026-12-07.json). With both rules in
+// (bench/data/scatter_paths_local64_h100_2026-12-07.json): local / small 0.65-0.99 at the
+// 12 T768 shapes (5.8 tokens an SM), and the seeds' 3.06 against 3.90 us.
+inline Path choose_forward(int64_t n, int64_t t, int64_t gy, bool tiny_ok, bool small_ok, bool local,
+                           Path forced) {
   if (tiny_ok && (forced == Path::kTiny ||
                   (forced == Path::kAuto && product_at_most(n, t, gy, kTinyMaxWork) &&
                    double(t) * double(gy) <= double(kTinyMaxWarps)))) {
@@ -108,7 +130,7 @@ inline Path choose_forward(int64_t n, int64_t t, int64_t gy, bool tiny_ok, bool 
   }
   const int64_t gx = (t + kSmallTok - 1) / kSmallTok;
   if (small_ok && (forced == Path::kSmall || forced == Path::kTiny ||
-                   (forced == Path::kAuto && product_at_most(n, gx, gy, kSmallMaxWork)))) {
+                   (forced == Path::kAuto && !local && product_at_most(n, gx, gy, kSmallMaxWork)))) {
     return Path::kSmall;
   }
   return Path::kLarge;

@@ -12,11 +12,12 @@
 //    token_idx 16-byte aligned): ONE launch, no shared memory, no barrier: a warp per token
 //    reads all of token_idx in 16-byte loads and ballots out its rows in row order
 //    (scatter_combine_tiny.cu). The bounds and the choice: backends/common/scatter_combine_paths.h.
-//  * small (N <= 8192 and little total index-scan work): ONE launch. Each
+//  * small (N <= 8192, little total index-scan work, and fewer than 4 tokens an SM or
+//    token_idx past the large path's local form): ONE launch. Each
 //    block owns 8 tokens, reads all of token_idx itself (redundant across
 //    blocks, served by L2) and compacts the rows of its tokens in row order (a block-wide scan of per-thread counts
 //    over contiguous row ranges keeps the order stable), then one warp per
-//    token gathers and sums. This is what makes 1536 x 2 x 128 one kernel.
+//    token gathers and sums. (The seeds' 1536 x 2 x 128 runs the local form.)
 //  * large: zero counts -> count (integer atomicAdd; its return value is
 //    the row's slot within its token; slots < 8 are written straight into a
 //    fixed-width table ell[t][8]) -> overflow offsets + place (only rows
@@ -28,7 +29,7 @@
 //    registers for <= 8 rows, in shared memory up to 1024) before summing;
 //    tokens with > 1024 rows (degenerate routing) instead rescan token_idx in
 //    row order: slower, equally deterministic.
-//    Where token_idx is short (<= 32 KB, >= 4 tokens an SM) it runs as ONE
+//    Where token_idx is short (<= 64 KB, >= 4 tokens an SM) it runs as ONE
 //    launch of the local kernel: each block (one an SM) reads all of
 //    token_idx and builds the lists of its own run of tokens in shared
 //    memory, then sums them: no workspace, no grid barrier. Elsewhere as ONE
@@ -164,7 +165,10 @@ void launch_forward(
   const bool tiny_ok = cuda::aligned16(idx.const_data_ptr()) && gy_small <= 65535 &&
                        num_tokens < INT_MAX;
   const bool small_ok = n <= kSmallMaxRows && gy_small <= 65535;
-  const paths::Path path = paths::choose_forward(n, num_tokens, gy_small, tiny_ok, small_ok, forced_forward_path());
+  const int sms = cuda::device_attribute<cudaDevAttrMultiProcessorCount>(x.get_device());
+  const bool local = paths::local_pays(n, idx64 ? 8 : 4, num_tokens, sms);  // the large path's local form
+  const paths::Path path =
+      paths::choose_forward(n, num_tokens, gy_small, tiny_ok, small_ok, local, forced_forward_path());
   if (path == paths::Path::kTiny) {
     launch_tiny<scalar_t, V>(xp, idx.const_data_ptr(), idx64, g.const_data_ptr(), g32, op, n,
                              num_tokens, hvec, gy_small, stream);

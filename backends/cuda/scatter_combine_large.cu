@@ -1047,25 +1047,72 @@ __device__ __forceinline__ void build_block_lists(
   // row's slot is arbitrary anyway.)
   constexpr int kU = 8;
   const int rot = int(int64_t(blockIdx.x) * n / gridDim.x) & ~31;
-  auto row_at = [&](int i) { return i + rot < n ? i + rot : i + rot - n; };  // i < n
-  for (int base = 0; base < n; base += kU * int(blockDim.x)) {
+  // One row's filing: counts, ell and the flag as count_rows files them.
+  auto file = [&](int lt, int row) {
+    const int slot = atomicAdd(l.counts + lt, 1);
+    if (slot < kEll) {
+      l.ell[lt * kEll + slot] = row;
+    } else if (slot == kEll) {
+      *l.flag = 1;  // benign race: every writer stores 1
+    }
+  };
+  // 16-byte loads where token_idx is 16-byte aligned (4 int32 or 2 int64 rows a load, kV loads a
+  // thread in flight): a quarter of the scalar loads (ncu, H100: the scan 1.5-4.6 us of a 10-15
+  // us kernel at 1024-8192 rows, bench/RESULTS.md, seventy-eighth session). kV = 2, not 4: with 4
+  // ptxas spilled 16 bytes in the bf16 wide-row local kernel at its 80-register cap (nvcc 13.0,
+  // sm_90), which ran 14-27 % slower (seventy-ninth session). Rows past the last whole vector:
+  // one by one below.
+  int vrows = 0;  // rows the vector loop covers: a multiple of the rows a vector holds
+  if (cuda::aligned16(idx)) {
+    constexpr int kV = 2;
+    const int per = idx64 ? 2 : 4;
+    const int nvec = n / per;
+    vrows = nvec * per;
+    const int vrot = nvec > 0 ? (rot / per) % nvec : 0;  // rot: a multiple of 32 rows
+    const int4* iv = static_cast<const int4*>(idx);
+    for (int base = 0; base < nvec; base += kV * int(blockDim.x)) {
+      int4 v[kV];
+      int vi[kV];
+#pragma unroll
+      for (int u = 0; u < kV; ++u) {
+        const int i = base + u * int(blockDim.x) + int(threadIdx.x);
+        vi[u] = i < nvec ? (i + vrot < nvec ? i + vrot : i + vrot - nvec) : -1;
+        if (vi[u] >= 0) v[u] = __ldg(iv + vi[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kV; ++u) {
+        if (vi[u] < 0) continue;
+        int64_t t[4] = {};
+        if (idx64) {
+          t[0] = int64_t((uint64_t(uint32_t(v[u].y)) << 32) | uint32_t(v[u].x));
+          t[1] = int64_t((uint64_t(uint32_t(v[u].w)) << 32) | uint32_t(v[u].z));
+        } else {
+          t[0] = v[u].x;
+          t[1] = v[u].y;
+          t[2] = v[u].z;
+          t[3] = v[u].w;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // unrolled: t[] stays in registers
+          if (e < per && t[e] >= t0 && t[e] < t1) file(int(t[e] - t0), vi[u] * per + e);
+        }
+      }
+    }
+  }
+  // The rest (all of token_idx where it is not 16-byte aligned): kU rows a thread in flight.
+  const int rn = n - vrows;
+  auto row_at = [&](int i) { return vrows + (i + rot < rn ? i + rot : (i + rot) % rn); };  // i < rn
+  for (int base = 0; base < rn; base += kU * int(blockDim.x)) {
     int lt[kU];  // the row's token - t0, or -1: not this block's
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int i = base + u * int(blockDim.x) + int(threadIdx.x);
-      const int64_t t = i < n ? load_index(idx, row_at(i), idx64) : -1;
+      const int64_t t = i < rn ? load_index(idx, row_at(i), idx64) : -1;
       lt[u] = t >= t0 && t < t1 ? int(t - t0) : -1;
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      if (lt[u] >= 0) {
-        const int slot = atomicAdd(l.counts + lt[u], 1);
-        if (slot < kEll) {
-          l.ell[lt[u] * kEll + slot] = row_at(base + u * int(blockDim.x) + int(threadIdx.x));
-        } else if (slot == kEll) {
-          *l.flag = 1;  // benign race: every writer stores 1
-        }
-      }
+      if (lt[u] >= 0) file(lt[u], row_at(base + u * int(blockDim.x) + int(threadIdx.x)));
     }
   }
   __syncthreads();

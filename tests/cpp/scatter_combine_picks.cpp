@@ -31,8 +31,9 @@ int main() {
   while (std::scanf("%lld %lld %lld %lld", &t, &k, &h, &elt) == 4) {
     const long long v = (h * elt) % 16 == 0 ? 16 / elt : 1, n = t * k;
     const long long gy = p::column_chunks(h / v, v);
-    const p::Path path = p::choose_forward(n, t, gy, gy <= 65535, n <= p::kSmallMaxRows && gy <= 65535, f);
-    const char* large = p::local_pays(n, 4, t, kSms) ? "large local" : "large fused";
+    const bool local = p::local_pays(n, 4, t, kSms);
+    const p::Path path = p::choose_forward(n, t, gy, gy <= 65535, n <= p::kSmallMaxRows && gy <= 65535, local, f);
+    const char* large = local ? "large local" : "large fused";
     std::printf("%s\n", path == p::Path::kTiny ? "tiny" : path == p::Path::kSmall ? "small" : large);
   }
   return 0;
