@@ -15,7 +15,7 @@ hide the device.
 ``--rows 4096,8192`` keeps the shapes with N = T k among those (with ``--max-rows``).
 ``--compare`` needs no GPU: two runs' shared shapes, each variant's time in B over A (a kernel
 candidate built in B, the tree in A: ``STAGE=scatter SC_CAND=...`` in bench/device_run.sh), and
-local / fused in each run, by token_idx's bytes (int32): what the local form's bound
+local / fused in each run, by token_idx's bytes: what the local form's bound
 (backends/common/scatter_combine_paths.h, ``local_pays``) is set from.
 
 ``--evaluate`` needs no GPU: the choice as this checkout has it
@@ -27,10 +27,11 @@ run's own (auto's path: the forced one nearest its time) and what it costs there
 picks > 3 % behind the fastest forced path.
 
 Shapes: T x fan-out x H over the one-launch paths' range (N = T k <= 32768; ``--max-rows``
-65536 adds T768, between 4 tokens an SM and 1024, where bench/candidates/local_scan_dispatch.diff
-runs the local form in place of the small path, and T2048, T8192 and T16384: the local form
-past its bound, N = 16384 (64 KB of int32) at each fan-out), fp32 and bf16,
-int32 indices in expert order (an MoE dispatch's), plus the seeds' T1536 k2 H128 fp32. Every
+65536 adds T768, between 4 tokens an SM and 1024, where the local form runs in place of the
+small path, and T2048, T8192 and T16384: N = 16384 (the local form's 64 KB bound in int32)
+at each fan-out, 32768 past it), fp32 and bf16, int32 indices in expert order (an MoE
+dispatch's; ``--index int64``: int64, the shapes named "... int64", so that the local form's
+bound in bytes is checked at half the rows), plus the seeds' T1536 k2 H128 fp32. Every
 variant's output is checked against the float64 reference first; each variant is timed twice,
 the order reversed the second time, and keeps the better time (``_paths.measure``). Two floors
 beside them, timed the same way: ``copy``, a copy of the rows (one round trip to memory, no dependence), and
@@ -71,12 +72,23 @@ def shapes(max_rows: int = 32768) -> list[tuple[int, int, int, str]]:
     return [(1536, 2, 128, "fp32"), *out]
 
 
-def measure(shape: tuple[int, int, int, str], reps: int) -> dict[str, Any]:
+def label(shape: tuple[int, int, int, str], index: str = "int32") -> str:
+    """"T1536 k2 H128 fp32", with " int64" after it for int64 indices."""
+    t, k, h, d = shape
+    return f"T{t} k{k} H{h} {d}" + (" int64" if index == "int64" else "")
+
+
+def index_bytes(label: str) -> int:
+    return 8 if label.endswith(" int64") else 4
+
+
+def measure(shape: tuple[int, int, int, str], reps: int, index: str = "int32") -> dict[str, Any]:
     t, k, h, d = shape
     dt = DTYPES[d]
     n = t * k
     expert = torch.randint(0, 64, (n,), device="cuda")
-    idx = torch.arange(t, device="cuda").repeat_interleave(k)[torch.sort(expert, stable=True).indices].int()
+    idx = torch.arange(t, device="cuda").repeat_interleave(k)[torch.sort(expert, stable=True).indices]
+    idx = idx.long() if index == "int64" else idx.int()
     x = torch.randn(n, h, device="cuda", dtype=dt)
     g = torch.rand(n, device="cuda", dtype=dt)
     want = reference(x.double(), idx, g.double(), t)
@@ -92,7 +104,7 @@ def measure(shape: tuple[int, int, int, str], reps: int) -> dict[str, Any]:
     variants.update({f: ({ENV: "large", "OPREG_SCATTER_COMBINE_LARGE": f}, op) for f in FORMS})
     rows = torch.empty_like(x)
     floors = {"copy": lambda: rows.copy_(x), "gather": lambda: torch.index_select(x, 0, idx, out=rows)}
-    return _paths.measure(f"T{t} k{k} H{h} {d}", variants, ENV, want, TOL[d], PATHS, reps, floors)
+    return _paths.measure(label(shape, index), variants, ENV, want, TOL[d], PATHS, reps, floors)
 
 
 def compare(path_a: str, path_b: str) -> int:
@@ -103,9 +115,9 @@ def compare(path_a: str, path_b: str) -> int:
     if not common:
         raise SystemExit(f"--compare: {path_a} and {path_b} share no shape")
 
-    def idx_kb(shape: str) -> int:  # "T4096 k2 H1024 bf16": N = T k int32 indices
+    def idx_kb(shape: str) -> int:  # "T4096 k2 H1024 bf16[ int64]": N = T k indices
         t, k = (int(w[1:]) for w in shape.split()[:2])
-        return -(-t * k * 4 // 1024)
+        return -(-t * k * index_bytes(shape) // 1024)
 
     def gmean(xs: list[float]) -> float:
         return math.exp(sum(math.log(x) for x in xs) / len(xs))
@@ -125,7 +137,7 @@ def compare(path_a: str, path_b: str) -> int:
         for n in names:
             q = runs[1][s][n] / runs[0][s][n]
             if abs(q - 1) > 0.03:
-                moved.append((abs(math.log(q)), f"  {s:<22} {n:<6} {runs[0][s][n]:7.2f} -> {runs[1][s][n]:7.2f} us "
+                moved.append((abs(math.log(q)), f"  {s:<26} {n:<6} {runs[0][s][n]:7.2f} -> {runs[1][s][n]:7.2f} us "
                                                 f"({q:.3f})"))
     print(f"moved by > 3 % (the most first): {len(moved)}", *(m for _, m in sorted(moved, reverse=True)), sep="\n")
     return 0
@@ -135,8 +147,9 @@ def evaluate(path: str) -> int:
     """This checkout's picks, charged the forced paths' times of the run in ``path``."""
     rows = json.loads(Path(path).read_text())["rows"]
     elt = {"fp32": 4, "bf16": 2}
-    shapes = [r["shape"].split() for r in rows]  # "T1536 k2 H128 fp32"
-    lines = "".join(f"{t[1:]} {k[1:]} {h[1:]} {elt[d]}\n" for t, k, h, d in shapes)
+    shapes = [r["shape"].split()[:4] for r in rows]  # "T1536 k2 H128 fp32[ int64]"
+    lines = "".join(f"{t[1:]} {k[1:]} {h[1:]} {elt[d]} {index_bytes(r['shape'])}\n"
+                    for (t, k, h, d), r in zip(shapes, rows))
     picks = _paths.host_picks("scatter_combine_picks.cpp", lines, ENV)
     moved, behind, count = [], [], {}
     for row, line in zip(rows, picks):
@@ -152,10 +165,10 @@ def evaluate(path: str) -> int:
         before = min(forced, key=lambda p: abs(forced[p] - us["auto"]))
         best = min(forced, key=forced.__getitem__)
         if pick != before:
-            moved.append(f"  {row['shape']:<22} {before} -> {pick}: {forced[before]:6.2f} -> {forced[pick]:6.2f} us "
+            moved.append(f"  {row['shape']:<26} {before} -> {pick}: {forced[before]:6.2f} -> {forced[pick]:6.2f} us "
                          f"({forced[pick] / forced[before]:.3f})")
         if forced[pick] > 1.03 * forced[best]:
-            behind.append(f"  {row['shape']:<22} {pick} {forced[pick]:6.2f} us, {best} {forced[best]:6.2f} "
+            behind.append(f"  {row['shape']:<26} {pick} {forced[pick]:6.2f} us, {best} {forced[best]:6.2f} "
                           f"({forced[pick] / forced[best]:.3f})")
     print(f"{len(rows)} shapes of {path}: this checkout's picks {count}, each charged that run's time of the "
           f"path forced")
@@ -173,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", help="comma-separated N = T k: only the shapes with these, e.g. 4096,8192")
     p.add_argument("--evaluate", metavar="JSON", help="no GPU: this checkout's choice against an earlier run")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="no GPU: run B's times against run A's")
+    p.add_argument("--index", choices=("int32", "int64"), default="int32", help="token_idx's dtype")
     a = p.parse_args(argv)
     if a.evaluate:
         return evaluate(a.evaluate)
@@ -180,16 +194,17 @@ def main(argv: list[str] | None = None) -> int:
         return compare(*a.compare)
     rows = []
     names = ("auto", "no_pdl", *PATHS, *FORMS, "eager", "copy", "gather")
-    todo = _paths.only(shapes(a.max_rows), a.only, lambda s: f"T{s[0]} k{s[1]} H{s[2]} {s[3]}")
+    todo = _paths.only(shapes(a.max_rows), a.only, lambda s: label(s, a.index))
     if a.rows:
         want = {int(n) for n in a.rows.split(",")}
         todo = [s for s in todo if s[0] * s[1] in want]
         if not todo:
             raise SystemExit(f"--rows {a.rows}: no shape (up to --max-rows {a.max_rows}) has N = T k among them")
-    print(_paths.header(names, 22), flush=True)
+    width = 22 if a.index == "int32" else 28
+    print(_paths.header(names, width), flush=True)
     for s in todo:
-        rows.append(measure(s, a.reps))
-        print(_paths.line(rows[-1], names, 22), flush=True)
+        rows.append(measure(s, a.reps, a.index))
+        print(_paths.line(rows[-1], names, width), flush=True)
     _paths.report(rows, a.json, no_pdl_paths=("large",))
     return 0
 

@@ -146,3 +146,26 @@ def test_compare_two_scatter_runs(tmp_path, capsys):
     assert f"moved by > 3 % (the most first): {len(slowed)}" in out
     with pytest.raises(SystemExit, match="no shape"):
         load_bench("scatter_paths").main(["--rows", "3"])
+
+
+def test_evaluate_counts_index_bytes(tmp_path, capsys):
+    """--evaluate with int64 shapes ("... int64", ``--index int64``): the local form's bound is
+    in token_idx's bytes, so the N = 16384 shapes it takes in int32 (64 KB) go to the fused
+    kernel in int64 (128 KB), and no other shape moves there."""
+    kept = ROOT / "bench" / "data" / "scatter_paths_local64_h100_2026-12-07.json"
+    data = json.loads(kept.read_text())
+    for r in data["rows"]:
+        r["shape"] += " int64"
+    wide = tmp_path / "int64.json"
+    wide.write_text(json.dumps(data))
+    bench = load_bench("scatter_paths")
+    to_fused = {}  # the shapes whose pick moved from that run's own (local) to fused
+    for path in (kept, wide):
+        assert bench.main(["--evaluate", str(path)]) == 0
+        out = capsys.readouterr().out
+        to_fused[path] = {line.split(" local -> fused")[0].strip().removesuffix(" int64")
+                          for line in out.splitlines() if " local -> fused" in line}
+    n16k = {r["shape"].removesuffix(" int64") for r in data["rows"]
+            if r["shape"].startswith(("T2048 k8 ", "T8192 k2 ", "T16384 k1 "))}
+    assert len(n16k) == 18
+    assert to_fused[wide] - to_fused[kept] == n16k and not to_fused[kept] & n16k

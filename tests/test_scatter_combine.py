@@ -520,10 +520,10 @@ def test_cuda_forward_path_kernels(monkeypatch):
          "scatter_small_kernel")
 
 
-def _path_picks(shapes: list[tuple[int, int, int, int]], env: dict[str, str], tmp_path) -> list[str]:
-    """backends/common/scatter_combine_paths.h's forward paths for (T, k, H, element bytes)
-    shapes, through tests/cpp's harness compiled here."""
-    lines = "".join(f"{t} {k} {h} {e}\n" for t, k, h, e in shapes)
+def _path_picks(shapes: list[tuple[int, ...]], env: dict[str, str], tmp_path) -> list[str]:
+    """backends/common/scatter_combine_paths.h's forward paths for (T, k, H, element bytes[,
+    index bytes: 4 unless given]) shapes, through tests/cpp's harness compiled here."""
+    lines = "".join(" ".join(map(str, s)) + "\n" for s in shapes)
     return host_picks("scatter_combine_picks.cpp", lines, PATH_ENV, env, tmp_path)
 
 
@@ -538,7 +538,7 @@ def test_forward_path_picks(tmp_path):
         (256, 1, 4096, 2): "small",   # 2048 warps: the tiny path 4.19 against 3.65 (H200)
         (512, 4, 1024, 4): "small",   # 2^21 reads; 512 tokens, < 4 an SM: no local form
         # >= 4 tokens an SM: the local form, not the small path (H100: T1024 k2 H1024 fp32 4.62
-        # us against 4.72, the tiny path 5.83; the seeds' size 3.55 against 3.86, the tiny 4.36)
+        # us against 4.72, the tiny path 5.83; the seeds' size 3.06 against 3.90, the tiny 4.37)
         (1024, 2, 1024, 4): "large local",
         (1536, 2, 128, 4): "large local",
         # the large path's local form: token_idx <= 64 KB and >= 4 tokens an SM (H100, each form
@@ -547,7 +547,9 @@ def test_forward_path_picks(tmp_path):
         (4096, 2, 1024, 2): "large local",   # 32 KB of int32: 7.7 us against the fused kernel's 11.4
         (16384, 1, 1024, 2): "large local",  # 64 KB: 30.1 us against the fused kernel's 33.7
         (8192, 4, 1024, 2): "large fused",   # 128 KB: local / fused 1.08-2.24 before the 16-byte scan
-        (4096, 8, 128, 2): "large fused",    # N = 32768 > the small path's 8192 rows; 128 KB
+        (4096, 8, 128, 2): "large fused",    # N = 32768 > the small path's 8192 rows; 128 KB: 10.5 / 8.6
+        (8192, 1, 128, 2, 8): "large local",  # the bound is in bytes: 64 KB of int64
+        (8192, 2, 128, 2, 8): "large fused",  # 128 KB of int64
         (16, 1, 12, 2): "tiny",       # rows of 24 bytes (no 16-byte vectors): one chunk
     }
     assert _path_picks(list(shapes), {}, tmp_path) == list(shapes.values())
