@@ -44,6 +44,8 @@ from typing import Any, Callable
 import torch
 
 from opreg.backends.triton import moe_experts as F
+from opreg.backends.triton import moe_routing
+from opreg.backends.triton import moe_tiles
 from opreg.backends.triton import tune
 from opreg.testing.timing import graph_us, median_us
 
@@ -62,7 +64,7 @@ KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "
 def timed(label: str, call: Callable[[], Any], flops: float, reps: int) -> float:
     try:
         us = median_us(call, reps, True)
-    except F.triton.runtime.errors.OutOfResources as e:  # e.g. shared memory
+    except moe_tiles.triton.runtime.errors.OutOfResources as e:  # e.g. shared memory
         print(f"  {label}: does not fit ({str(e)[:90]})")
         return float("inf")
     print(f"  {label}: {us:8.1f} us {flops / us / 1e6:5.0f} TF/s", end="")
@@ -77,7 +79,7 @@ def one(name: str, t: int, reps: int) -> None:
     f1, f2 = 2 * s * h * 2 * i, 2 * s * i * h
     print(f"\n{name} T={t} (E {e}, H {h}, I {i}, k {k})")
     for bm in sorted({c[0] for c in GEMM1}, reverse=True):
-        spi, be, tables = F.routing_tables(ids, e, bm)
+        spi, be, tables = moe_routing.routing_tables(ids, e, bm)
         routing = dict(rw=rw, sorted_pair_ids=spi, block_expert=be, shift=tables[4], top_k=k)
         real = slice(0, int(tables[0, -1]))  # the sorted rows in use (unpadded)
         first = None
@@ -172,7 +174,7 @@ def gluon_ab(name: str, t: int, rounds: int, reps: int) -> None:
     d2 = F.pick_config("gemm2", s / e, h, i, torch.bfloat16, block_m=d1["BLOCK_M"])
     g2 = {**d2, "BLOCK_M": G1.BLOCK_M}
     print(f"\n{name} T={t} (E {e}, H {h}, I {i}, k {k}): the table's GEMM1 {d1}")
-    spi, be, tables = F.routing_tables(ids, e, G1.BLOCK_M)
+    spi, be, tables = moe_routing.routing_tables(ids, e, G1.BLOCK_M)
     flat = tables.reshape(-1)
     xs = F.sorted_rows(x, rw, spi, be, tables, k, False)
     routing = dict(rw=rw, sorted_pair_ids=spi, block_expert=be, shift=tables[4], top_k=k)
@@ -295,7 +297,7 @@ def dgrad2_ab(name: str, t: int, reps: int) -> None:
     ids, rw, w2 = args[1], args[2], args[5]
     s = t * k
     print(f"\n{name} T={t} (E {e}, H {h}, I {i}, k {k}): GEMM2's dgrad, {2 * s * h * i / 1e9:.0f} GFLOP")
-    spi, be, tables = F.routing_tables(ids, e, G1.BLOCK_M)
+    spi, be, tables = moe_routing.routing_tables(ids, e, G1.BLOCK_M)
     flat = tables.reshape(-1)
     dout = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
     a2 = F.sorted_rows(dout, rw, spi, be, tables, k, False)
@@ -341,7 +343,7 @@ def main() -> None:
                    "(the module docstring)")
     p.add_argument("--rounds", type=int, default=9, help="with --half-tail or --gluon: interleaved rounds")
     a = p.parse_args()
-    if not torch.cuda.is_available() or F.interpreting():
+    if not torch.cuda.is_available() or moe_tiles.interpreting():
         p.error("needs a CUDA GPU (the interpreter's times mean nothing)")
     for name in a.configs:
         for t in (int(v) for v in a.tokens.split(",")):

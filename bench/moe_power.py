@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from opreg.backends.triton import moe_experts as F
+from opreg.backends.triton import moe_tiles
 from opreg.backends.triton import tune
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -86,7 +87,7 @@ def main() -> None:
         for label, cfg in cands.items():
             try:
                 got = F.fused_experts_forward(*args, configs=cfg)
-            except F.triton.runtime.errors.OutOfResources as err:
+            except moe_tiles.triton.runtime.errors.OutOfResources as err:
                 print(f"{name} {label}: does not fit ({str(err)[:80]})")
                 continue
             same = torch.equal(got, want)

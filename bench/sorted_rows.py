@@ -18,6 +18,7 @@ import statistics
 import torch
 
 from opreg.backends.triton import moe_experts as F
+from opreg.backends.triton import moe_routing
 from opreg.backends.triton import tune
 
 TILES = [(32, 128, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8), (64, 128, 8), (4, 1024, 4)]
@@ -57,7 +58,7 @@ def main() -> None:
     for name in a.configs:
         e, h, i, k = tune.SHAPES[name]
         x, ids, rw = tune.inputs(e, h, i, k, a.tokens, torch.bfloat16, "cuda")[:3]
-        spi, be, tables = F.routing_tables(ids, e, 128)
+        spi, be, tables = moe_routing.routing_tables(ids, e, 128)
         used = int(tables[0, -1])  # the sorted rows written (unpadded)
         moved = used * h * 2 + a.tokens * k * h * 2  # written + read (bytes)
         want = F.sorted_rows(x, rw, spi, be, tables, k, False, tile=F.ROWS_TILE)[:used]

@@ -32,10 +32,11 @@ try:
     from opreg.backends.triton import moe_experts as TM
     from opreg.backends.triton import moe_experts_backward as B
     from opreg.backends.triton import moe_experts_train as TR
+    from opreg.backends.triton import moe_tiles as TT
 except ImportError:  # pragma: no cover - the package itself imports without triton
-    L = TM = B = TR = None
+    L = TM = B = TR = TT = None
 
-HAVE_TRITON = TM is not None and TM.triton is not None
+HAVE_TRITON = TM is not None and TT.triton is not None
 FORWARD = ["_route_count_kernel", "_route_scan_kernel", "_route_place_kernel", "_moe_gemm", "_moe_gemm",
            "_combine_kernel"]
 

@@ -37,10 +37,12 @@ from opreg.testing import OpTestSuite, Sample, assert_matches  # noqa: E402
 
 try:
     from opreg.backends.triton import moe_experts as TM
+    from opreg.backends.triton import moe_routing as RT
+    from opreg.backends.triton import moe_tiles as TT
 except ImportError:  # pragma: no cover - the package itself imports without triton
-    TM = None
+    TM = RT = TT = None
 
-HAVE_TRITON = TM is not None and TM.triton is not None
+HAVE_TRITON = TM is not None and TT.triton is not None
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 GATES = ["silu", "gelu", "gelu_tanh", "relu", "relu2", "sigmoid"]
 
@@ -214,11 +216,11 @@ CASE_IDS = [f"{name}/{dt}" for name, c in CASES.items() for dt in c["dtypes"]]
 ROUTING = {"routing 13x2 E4 bm16": (13, 2, 4, 16), "routing 1x8 E128 bm16": (1, 8, 128, 16),
            "routing 40x3 E5 bm4": (40, 3, 5, 4), "routing 0x2 E4": (0, 2, 4, 16),
            "routing 7x1 E1": (7, 1, 1, 16), "routing 300x2 E3 bm16": (300, 2, 3, 16),
-           # one program over several chunks (TM.ROUTE_ONE_PROGRAM_CHUNKS): 4 chunks exactly,
+           # one program over several chunks (RT.ROUTE_ONE_PROGRAM_CHUNKS): 4 chunks exactly,
            # then the smallest three-kernel case (5 chunks, ragged)
            "routing 64x8 E128 bm16": (64, 8, 128, 16), "routing 50x5 E7 bm4": (50, 5, 7, 4),
            "routing 129x4 E6 bm8": (129, 4, 6, 8),
-           # 22 chunks of TM.ROUTE_CHUNK = 128 pairs: the scan kernel takes CB = 8192 // 512 = 16
+           # 22 chunks of RT.ROUTE_CHUNK = 128 pairs: the scan kernel takes CB = 8192 // 512 = 16
            # chunks at a time, so two passes (and E is not a power of 2)
            "routing 700x4 E300 bm16": (700, 4, 300, 16)}
 ALL_IDS = CASE_IDS + list(ROUTING)
@@ -303,10 +305,10 @@ def run_case(case_id: str, seed: int, device: str = "cpu") -> None:
 
 def _check_routing(ids: torch.Tensor, e: int, bm: int) -> None:
     """routing_tables against a plain-Python model of the padded, expert-sorted list."""
-    sorted_ids, block_expert, tables = TM.routing_tables(ids, e, bm)
+    sorted_ids, block_expert, tables = RT.routing_tables(ids, e, bm)
     s = ids.numel()
     flat = ids.reshape(-1).tolist()
-    nb = TM.num_blocks(s, e, bm)
+    nb = RT.num_blocks(s, e, bm)
     assert sorted_ids.dtype == block_expert.dtype == torch.int32
     assert sorted_ids.shape == (nb * bm,) and block_expert.shape == (nb,)
     want = []  # the valid pairs by expert, each run in increasing pair order, padded
@@ -363,7 +365,7 @@ def _fix_old_interpreter() -> None:
 def _fast_device_calls() -> None:
     """Triton's interpreter re-patches the language modules a @jit function's globals hold
     (``inspect.getmembers`` over each) on every call of a @jit helper from a kernel
-    (``_tile``, ``_mma``, ``_gate``, triton's own ``sigmoid``...), once per program: 22 % of
+    (``program_tile``, ``routed_mma``, ``gate_tile``, triton's own ``sigmoid``...), once per program: 22 % of
     the backward child's time (2026-12-01, triton 3.8), though the launch around those calls
     keeps whatever was patched until it ends. So inside a launch each module's globals are
     patched once (the first call from functions of that module), and the launch still
@@ -461,7 +463,7 @@ def _no_idle_overflow_check() -> None:
 def interpreter_child(case_ids: list[str], run: Callable[[str, int], None]) -> None:
     """An interpreter child's body: ``run(case_id, seed)`` for every case, one JSON verdict
     per case on the last line (this file's and the backward's children)."""
-    assert TM.interpreting(), "TRITON_INTERPRET=1 must be set before the kernels are imported"
+    assert TT.interpreting(), "TRITON_INTERPRET=1 must be set before the kernels are imported"
     _fix_old_interpreter()
     _fast_device_calls()
     _fast_np_dtype()

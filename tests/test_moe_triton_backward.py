@@ -38,10 +38,11 @@ from opreg.testing.timing import captured  # noqa: E402
 try:
     from opreg.backends.triton import moe_experts as TM
     from opreg.backends.triton import moe_experts_backward as TB
+    from opreg.backends.triton import moe_tiles as TT
 except ImportError:  # pragma: no cover - the package itself imports without triton
-    TM = TB = None
+    TM = TB = TT = None
 
-HAVE_TRITON = TM is not None and TM.triton is not None
+HAVE_TRITON = TM is not None and TT.triton is not None
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 GRAD_ARGS = ("hidden_states", "top_k_weights", "gate_up_proj", "gate_up_bias", "down_proj", "down_bias")
 

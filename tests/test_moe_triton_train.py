@@ -35,10 +35,12 @@ try:
     from opreg.backends.triton import moe_experts as TM
     from opreg.backends.triton import moe_experts_backward as B
     from opreg.backends.triton import moe_experts_train as TR
+    from opreg.backends.triton import moe_routing as RT
+    from opreg.backends.triton import moe_tiles as TT
 except ImportError:  # pragma: no cover - the package itself imports without triton
-    TM = B = TR = None
+    TM = B = TR = RT = TT = None
 
-HAVE_TRITON = TM is not None and TM.triton is not None
+HAVE_TRITON = TM is not None and TT.triton is not None
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 GRAD_POS = (0, 2, 3, 4, 5, 6)  # hidden_states, top_k_weights, gate_up_proj, gate_up_bias, down_proj, down_bias
 
@@ -115,7 +117,7 @@ def _case_keep_rows(seed: int) -> None:
     x, ids, w1, gated, transposed = args[0], args[1], args[3], args[8], args[9]
     out, routing, _, _, rows = torch.ops.opreg.moe_experts_fused(*args, True)
     (t, k), e = ids.shape, w1.shape[0]
-    spi, _, tables = TM.routing_views(routing, t * k, e, TR._block_m(x, ids, w1, gated, transposed))
+    spi, _, tables = RT.routing_views(routing, t * k, e, TR._block_m(x, ids, w1, gated, transposed))
     spi = spi.long()
     assert rows.shape == (t * k, x.shape[1]), rows.shape
     real = spi < t * k

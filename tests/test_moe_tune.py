@@ -12,9 +12,10 @@ import torch
 
 import _fresh as fresh
 from opreg.backends.triton import moe_experts as TM
+from opreg.backends.triton import moe_tiles as TT
 from opreg.backends.triton import tune
 
-needs_triton = pytest.mark.skipif(TM.triton is None, reason="triton is not installed")
+needs_triton = pytest.mark.skipif(TT.triton is None, reason="triton is not installed")
 
 
 def _version(mod: object) -> tuple[int, ...]:
@@ -29,10 +30,10 @@ def _version(mod: object) -> tuple[int, ...]:
 # TypeError "only 0-dimensional arrays can be converted to Python scalars", inside triton;
 # the GPU runs both (the CPU suite's other interpreted cases pass with these versions).
 def _interpreter_takes_scalar_bounds() -> bool:
-    if TM.triton is None or torch.cuda.is_available():
+    if TT.triton is None or torch.cuda.is_available():
         return True
     import numpy
-    return _version(TM.triton) >= (3, 8) or _version(numpy) < (2, 4)
+    return _version(TT.triton) >= (3, 8) or _version(numpy) < (2, 4)
 
 
 needs_interpretable = pytest.mark.skipif(
@@ -94,7 +95,7 @@ def test_record_backward_keeps_only_a_faster_right_config(best_us, error, kept):
 
 
 def test_needs_a_gpu_or_the_interpreter(capsys):
-    if torch.cuda.is_available() or TM.interpreting():
+    if torch.cuda.is_available() or TT.interpreting():
         pytest.skip("there is a GPU (or the interpreter) here")
     with pytest.raises(SystemExit) as exc:
         tune.main(["--shapes", "4:32:16:2"])

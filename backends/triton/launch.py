@@ -29,6 +29,10 @@ their shared layout) go through the same generated launcher and descriptor encod
 
 While :mod:`.replay` records a call in this thread (``_recorders``), each raw launch is noted
 there (and not run, in a dry recording), and any other launch fails the recording.
+
+Also the launchers' host helpers: :func:`cdiv` and :func:`next_pow2` (Triton's own are
+ConstexprFunctions, microseconds a call) and :func:`traced_constant` (a cached lookup that
+Dynamo calls instead of tracing).
 """
 from __future__ import annotations
 
@@ -53,12 +57,13 @@ try:
 except ImportError:
     _TensorDescriptor = None
 
-__all__ = ["LazyDescriptor", "descriptor", "launch", "launch_args", "traced_launch"]
+__all__ = ["LazyDescriptor", "cdiv", "descriptor", "dynamo_tracing", "launch", "launch_args", "next_pow2",
+           "traced_constant", "traced_launch"]
 
 _I32 = 2 ** 31
 # True only where Dynamo traces the caller (it folds the call); eager, one plain call (the
 # module attribute lookups of ``torch.compiler.`` saved: launches are per-µs host work)
-_dynamo_tracing = torch.compiler.is_dynamo_compiling
+dynamo_tracing = torch.compiler.is_dynamo_compiling
 _CACHE_LIMIT = 4096  # entries per kernel
 # OPREG_CHECK_SPEC=1 (the test suite sets it, tests/conftest.py): a launch that finds its
 # entry by a spec key also works out the full key and raises if the entry was compiled for
@@ -75,6 +80,28 @@ _recorders: dict[int, Any] = {}
 # the kernels launch() caches: Triton's, and Gluon's (a JITFunction whose source is Gluon)
 _CACHED = ("JITFunction", "GluonJITFunction")
 _GLUON_DESCRIPTORS = "triton.experimental.gluon.nvidia.hopper"  # the module of Gluon's host descriptors
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints. (``triton.cdiv`` is a ConstexprFunction in triton 3.8: each host
+    call unwraps constexprs, ~3-14 us; the launcher calls it on every op call.)"""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of 2 >= n (n >= 1), as ``triton.next_power_of_2`` without its
+    ConstexprFunction wrapper."""
+    return 1 << (n - 1).bit_length()
+
+
+def traced_constant(fn: Any) -> Any:
+    """``fn`` (a cached function of plain values) as Dynamo sees it: a constant it calls when
+    it traces, instead of tracing through ``fn``'s cache wrapper (which it warns about, and
+    through which it would trace torch calls into the graph). Eager: one call more."""
+    def call(*args: Any) -> Any:
+        return fn(*args)
+    call.__name__, call.__qualname__, call.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+    return torch.compiler.assume_constant_result(call)
 
 
 def _arg_key(a: Any) -> Any:
@@ -132,7 +159,7 @@ def launch_args(fn: Any, grid: tuple[int, ...], args: tuple[Any, ...], spec_key:
     """:func:`launch` with the arguments and options as a tuple and a dict, for a caller
     that keeps them (no re-packing of ~20 options per call)."""
     global _direct_ok
-    if _dynamo_tracing():  # Dynamo traces this call: a node of its graph
+    if dynamo_tracing():  # Dynamo traces this call: a node of its graph
         traced_launch(fn, grid, args, kwargs)
         return
     rec = _recorders.get(threading.get_ident()) if _recorders else None

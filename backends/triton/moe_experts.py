@@ -3,10 +3,10 @@
 Four steps, all on the device, no host sync (CUDA-graph capturable), every launch on the
 current stream (Triton launches on torch's current stream of the current device):
 
-1. **Routing** (:func:`align_block_size`: a three-kernel counting sort of the ids, one
+1. **Routing** (:mod:`.moe_routing`: a three-kernel counting sort of the ids, one
    kernel where T*k <= 512): the S = T*k (token, slot) pairs, pair = t*k + j, sorted by
    expert (stable), each expert's segment padded to BLOCK_M: the GEMMs' tiles walk this
-   list, while the buffers of sorted rows hold the real pairs alone (:func:`routing_tables`).
+   list, while the buffers of sorted rows hold the real pairs alone (:func:`.moe_routing.routing_tables`).
    Ids outside [0, E) (the expert-parallel sentinel >= E; negative ids, the caller's error)
    never enter the work list. Buffers have static worst-case sizes, so no size is read back.
 2. **GEMM1** (:func:`_moe_gemm` with ``GATHER``): hidden_states rows read through the sorted
@@ -19,6 +19,9 @@ current stream (Triton launches on torch's current stream of the current device)
 4. **Combine** (:func:`_combine_kernel`): out[t] = sum over j = 0..k-1 in that order, fp32,
    of the pair rows whose id is in [0, E) (a NaN weight in a sentinel slot adds nothing).
    Same bits every run.
+
+The device functions these kernels share with the backward's and the Gluon GEMM1's (the
+gate and its backward, the tile order, a routed tile's main loop) are in :mod:`.moe_tiles`.
 
 Up to 64 tokens without a backward to feed (decode, :func:`decodes`) take the decode
 kernels instead (:func:`decode_forward`), with no routing kernels and no padded rows. One
@@ -80,181 +83,31 @@ from opreg._log import log_once, logger
 from opreg.ops import moe_experts as M
 from opreg.ops import moe_experts_grouped as G
 
-from .launch import DESCRIPTORS, LazyDescriptor, _dynamo_tracing, descriptor, launch, launch_args
+from .launch import (DESCRIPTORS, LazyDescriptor, cdiv, descriptor, dynamo_tracing, launch, launch_args, next_pow2,
+                     traced_constant)
+from . import moe_routing
+from .moe_routing import MAX_EXPERTS, TABLES, route_flat
+from .moe_tiles import (ACT_IDS, IDENTITY, NO_TRITON, gate_tile, gate_up_cols, interpreting, jit, program_tile,
+                        routed_mma, tile_of, tl)
 from .replay import Plans, make, plain
 
 try:
-    import triton
-    import triton.language as tl
-    _NO_TRITON: Optional[str] = None
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
-    except ImportError:  # an older triton: pointer loads only
-        _TensorDescriptor = None
-except ImportError as _e:  # the op still imports; the implementation lists itself as unavailable
-    triton = None
-    _NO_TRITON = f"triton is not installed ({_e})"
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # no triton, or an older one: pointer loads only
     _TensorDescriptor = None
-
-    class tl:  # type: ignore[no-redef]  # just enough for the kernel signatures below
-        constexpr = object
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
-
-
-def traced_constant(fn: Any) -> Any:
-    """``fn`` (a cached function of plain values) as Dynamo sees it: a constant it calls when
-    it traces, instead of tracing through ``fn``'s cache wrapper (which it warns about, and
-    through which it would trace torch calls into the graph). Eager: one call more."""
-    def call(*args: Any) -> Any:
-        return fn(*args)
-    call.__name__, call.__qualname__, call.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
-    return torch.compiler.assume_constant_result(call)
 
 
 CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_experts_configs.json")
 
-# Activation ids shared by the kernels and the launcher (tl.constexpr ACT).
-ACT_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4, "sigmoid": 5, M.GPT_OSS: 6}
-_IDENTITY = -1  # GEMM2: no activation
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-__all__ = ["ACT_IDS", "CONFIG_FILE", "Saved", "TritonImpl", "align_block_size", "checked", "fused_experts_forward",
-           "moe_experts_triton", "pick_config", "register", "routing_size", "routing_tables",
-           "routing_views", "sorted_rows", "spec_of", "why_not_fused"]
+__all__ = ["CONFIG_FILE", "Saved", "TritonImpl", "checked", "fused_experts_forward", "moe_experts_triton",
+           "pick_config", "register", "sorted_rows", "spec_of", "why_not_fused"]
 
 
 # ----------------------------------------------------------------------------- kernels
 
-@_jit
-def _act(x, ACT: tl.constexpr):
-    """The ungated activation (fp32 in, fp32 out); ids as in ACT_IDS."""
-    if ACT == 0:  # silu
-        y = x * tl.sigmoid(x)
-    elif ACT == 1:  # gelu, erf form (F.gelu's default)
-        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    elif ACT == 2:  # gelu, tanh form: 0.5x(1 + tanh(u)) == x * sigmoid(2u), no tanh needed
-        y = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
-    elif ACT == 3:  # relu
-        y = tl.maximum(x, 0.0)
-    elif ACT == 4:  # relu2
-        r = tl.maximum(x, 0.0)
-        y = r * r
-    elif ACT == 5:  # sigmoid
-        y = tl.sigmoid(x)
-    else:  # _IDENTITY
-        y = x
-    return y
-
-
-@_jit
-def _gate(acc0, acc1, alpha, limit, GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr):
-    """apply_gate on fp32 tiles: ``act(acc0)``, or gated with acc0 = gate, acc1 = up."""
-    if GATED:
-        gate = acc0
-        up = acc1
-        if HAS_LIMIT:  # apply_gate's clamps: gate <= limit, |up| <= limit
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        if ACT == 6:  # gpt_oss
-            y = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-        else:
-            y = _act(gate, ACT) * up
-    else:
-        y = _act(acc0, ACT)
-    return y
-
-
-@_jit
-def _tile(block_expert_ptr, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
-    """This program's (M block, N block) in GROUP_M-swizzled order (consecutive programs
-    walk down GROUP_M row blocks of one column tile, so the expert's weight tile is reused
-    from L2), and the M block's expert (-1: past the last padded row)."""
-    return _tile_of(tl.program_id(0), block_expert_ptr, num_m_blocks, num_n_blocks, GROUP_M)
-
-
-@_jit
-def _tile_of(pid, block_expert_ptr, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
-    """:func:`_tile` of tile ``pid`` (a persistent program walks several)."""
-    group = GROUP_M * num_n_blocks
-    first_m = (pid // group) * GROUP_M
-    size_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
-    expert = tl.load(block_expert_ptr + pid_m)
-    return pid_m, pid_n, expert
-
-
-@_jit
-def _w_tile(w_ptrs, k_ok, col_ok, w_desc, expert, wn, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            W_TMA: tl.constexpr, W_KMAJOR: tl.constexpr):
-    """One (BLOCK_K, BLOCK_N) tile of W for :func:`_mma`: through the descriptor (rows wn..
-    of ``expert``, K-major or not) or the pointers."""
-    if W_TMA:
-        if W_KMAJOR:
-            return w_desc.load([expert, wn, k0]).reshape(BLOCK_N, BLOCK_K).trans(1, 0)
-        return w_desc.load([expert, k0, wn]).reshape(BLOCK_K, BLOCK_N)
-    return tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-
-
-@_jit
-def _mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_ok, stride_wn, stride_wk, K,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-         DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr = False,
-         w_desc=None, expert=0, wn0=0, wn1=0, W_TMA: tl.constexpr = False, W_KMAJOR: tl.constexpr = True,
-         a_desc=None, a_row0=0, A_TMA: tl.constexpr = False):
-    """The main loop of a routed GEMM tile: acc0[m, n] = sum over k of A[a_row[m], k] *
-    W[wcol0[n], k] (and acc1 with wcol1 when GATED), fp32; rows not ``row_ok`` and columns
-    not ``col_ok`` load zeros. W is seen through (stride_wn, stride_wk) from ``w_base``, the
-    expert's slice. Shared by the forward GEMMs and the backward's (inlined: one loop).
-
-    W_TMA: W's tiles come through the tensor descriptor ``w_desc`` instead (rows wn0.. and
-    wn1.. of ``expert``: (E, N, K) when W_KMAJOR, else (E, K, N)); the descriptor zero-fills
-    past its edges, and a column past N reads a row that only feeds a column never stored.
-    A_TMA: A's rows are the contiguous a_row0 .. a_row0 + BLOCK_M of ``a_desc`` (the sorted
-    rows; a padding row reads the next expert's row, or the descriptor's zeros past the
-    end, which only feeds its own output row, never stored). EVEN_K: K is
-    a multiple of BLOCK_K, so A's loads need no K mask."""
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :] * stride_ak
-    w0_ptrs = w_base + ks[:, None] * stride_wk + wcol0[None, :] * stride_wn
-    w1_ptrs = w_base + ks[:, None] * stride_wk + wcol1[None, :] * stride_wn
-    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the up half; unused unless GATED
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k0 = kb * BLOCK_K
-        k_ok = ks < K - k0
-        if A_TMA:
-            a = a_desc.load([a_row0, k0])
-        elif EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w0 = _w_tile(w0_ptrs, k_ok, col_ok, w_desc, expert, wn0, k0, BLOCK_N, BLOCK_K, W_TMA, W_KMAJOR)
-        acc0 = tl.dot(a, w0, acc0, input_precision=DOT_PRECISION)
-        if GATED:
-            w1 = _w_tile(w1_ptrs, k_ok, col_ok, w_desc, expert, wn1, k0, BLOCK_N, BLOCK_K, W_TMA, W_KMAJOR)
-            acc1 = tl.dot(a, w1, acc1, input_precision=DOT_PRECISION)
-            w1_ptrs += BLOCK_K * stride_wk
-        a_ptrs += BLOCK_K * stride_ak
-        w0_ptrs += BLOCK_K * stride_wk
-    return acc0, acc1
-
-
-@_jit
-def _halves(cols, N, INTERLEAVED: tl.constexpr):
-    """gate_up's columns of the gate and up halves for output columns ``cols``: (cols,
-    cols + N), or (2 cols, 2 cols + 1) where the halves are interleaved."""
-    if INTERLEAVED:
-        c0 = 2 * cols
-        c1 = 2 * cols + 1
-    else:
-        c0 = cols
-        c1 = cols + N
-    return c0, c1
-
-
-@_jit
+@jit
 def _moe_gemm(
     a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr, w_desc, a_desc,
     a_desc_half, used_ptr, num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
@@ -287,7 +140,7 @@ def _moe_gemm(
     pair buffer, row = pair, scaled by the routing weight. ROUTED without SCALED: the
     backward's dgrad of GEMM1 (no routing weight). Either layout of either weight is just
     strides (stride_wn, stride_wk). W_TMA / A_TMA: W's tiles / A's (sorted, not GATHER) rows
-    come through the tensor descriptors ``w_desc`` / ``a_desc`` (see :func:`_mma`;
+    come through the tensor descriptors ``w_desc`` / ``a_desc`` (see :func:`.moe_tiles.routed_mma`;
     ``launch_gemm`` decides where they apply).
 
     PERSISTENT: the grid is a program per SM, each walking tiles pid, pid + programs, ...
@@ -306,7 +159,7 @@ def _moe_gemm(
     if PERSISTENT:
         used_m = tl.load(used_ptr) // BLOCK_M
         for tile in tl.range(tl.program_id(0), used_m * num_n, tl.num_programs(0), flatten=True):
-            pid_m, pid_n, expert = _tile_of(tile, block_expert_ptr, used_m, num_n, GROUP_M)
+            pid_m, pid_n, expert = tile_of(tile, block_expert_ptr, used_m, num_n, GROUP_M)
             _gemm_tile(pid_m * BLOCK_M, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr,
                        pair_ids_ptr, shift_ptr, w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am,
                        stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_rt, stride_rk,
@@ -316,7 +169,7 @@ def _moe_gemm(
     else:
         # the same call as above, not one loop for both: a one-trip loop with the tile under
         # an `if` would change the default kernel's code (the K loop's pipelining) untimed
-        pid_m, pid_n, expert = _tile(block_expert_ptr, num_m_blocks, num_n, GROUP_M)
+        pid_m, pid_n, expert = program_tile(block_expert_ptr, num_m_blocks, num_n, GROUP_M)
         if expert < 0:
             return  # past the padded work list: nothing to compute, nothing to write
         row0 = pid_m * BLOCK_M
@@ -344,7 +197,7 @@ def _moe_gemm(
                        W_KMAJOR, A_TMA)
 
 
-@_jit
+@jit
 def _gemm_tile(row0, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr, pre_ptr, pair_ids_ptr,
                shift_ptr, w_desc, a_desc, num_pairs, top_k, N, K, alpha, limit, stride_am, stride_ak, stride_we,
                stride_wn, stride_wk, stride_be, stride_bn, stride_rt, stride_rk, stride_om, stride_on, stride_pm,
@@ -367,12 +220,12 @@ def _gemm_tile(row0, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr
         a_row = srows
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    wcol0, wcol1 = _halves(cols, N, INTERLEAVED)
+    wcol0, wcol1 = gate_up_cols(cols, N, INTERLEAVED)
     w_base = w_ptr + expert.to(tl.int64) * stride_we  # int64: E * N * K may pass 2**31
-    acc0, acc1 = _mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_ok,
-                      stride_wn, stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, GATED, DOT_PRECISION, EVEN_K,
-                      w_desc, expert, pid_n * BLOCK_N, N + pid_n * BLOCK_N, W_TMA, W_KMAJOR,
-                      a_desc, srow0, A_TMA)
+    acc0, acc1 = routed_mma(a_ptr, a_row, row_ok, stride_am, stride_ak, w_base, wcol0, wcol1, col_ok,
+                            stride_wn, stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, GATED, DOT_PRECISION, EVEN_K,
+                            w_desc, expert, pid_n * BLOCK_N, N + pid_n * BLOCK_N, W_TMA, W_KMAJOR,
+                            a_desc, srow0, A_TMA)
 
     if HAS_BIAS:
         b_base = bias_ptr + expert.to(tl.int64) * stride_be
@@ -391,7 +244,7 @@ def _gemm_tile(row0, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr
         tl.store(pre_rows + wcol0[None, :] * stride_pn, acc0.to(pre_ptr.dtype.element_ty), mask=pre_mask)
         if GATED:
             tl.store(pre_rows + wcol1[None, :] * stride_pn, acc1.to(pre_ptr.dtype.element_ty), mask=pre_mask)
-    y = _gate(acc0, acc1, alpha, limit, GATED, ACT, HAS_LIMIT)
+    y = gate_tile(acc0, acc1, alpha, limit, GATED, ACT, HAS_LIMIT)
 
     if ROUTED:
         p = tl.where(row_ok, pair, 0)
@@ -409,10 +262,8 @@ def _gemm_tile(row0, pid_n, expert, a_ptr, w_ptr, bias_ptr, route_w_ptr, out_ptr
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-_INTERPRETING = triton is not None and type(_moe_gemm).__name__ == "InterpretedFunction"
 
-
-@_jit
+@jit
 def _combine_kernel(
     pair_ptr, ids_ptr, out_ptr, rows_ptr, H, top_k, num_experts,
     stride_pm, stride_ph, stride_it, stride_ik, stride_ot, stride_oh,
@@ -437,7 +288,7 @@ def _combine_kernel(
     tl.store(out_ptr + t * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-@_jit
+@jit
 def _gemv(a_ptr, w_base, wcol0, wcol1, col_ok, K, stride_a, stride_wn, stride_wk,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr):
     """sum over k of a[k] * W[wcol0[n], k] for BLOCK_N columns, and with TWO the same for
@@ -460,7 +311,7 @@ def _gemv(a_ptr, w_base, wcol0, wcol1, col_ok, K, stride_a, stride_wn, stride_wk
     return tl.sum(acc0, axis=1), tl.sum(acc1, axis=1)
 
 
-@_jit
+@jit
 def _decode_up_kernel(
     x_ptr, ids_ptr, w_ptr, bias_ptr, act_ptr, top_k, num_experts, N, K, alpha, limit,
     stride_xt, stride_xk, stride_it, stride_ik, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
@@ -479,7 +330,7 @@ def _decode_up_kernel(
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    wcol0, wcol1 = _halves(cols, N, INTERLEAVED)
+    wcol0, wcol1 = gate_up_cols(cols, N, INTERLEAVED)
     w_base = w_ptr + e.to(tl.int64) * stride_we  # int64: E * N * K may pass 2**31
     x_row = x_ptr + t * stride_xt
     acc0, acc1 = _gemv(x_row, w_base, wcol0, wcol1, col_ok, K, stride_xk, stride_wn, stride_wk, BLOCK_N, BLOCK_K,
@@ -489,11 +340,11 @@ def _decode_up_kernel(
         acc0 += tl.load(b_base + wcol0 * stride_bn, mask=col_ok, other=0.0).to(tl.float32)
         if GATED:
             acc1 += tl.load(b_base + wcol1 * stride_bn, mask=col_ok, other=0.0).to(tl.float32)
-    y = _gate(acc0, acc1, alpha, limit, GATED, ACT, HAS_LIMIT)
+    y = gate_tile(acc0, acc1, alpha, limit, GATED, ACT, HAS_LIMIT)
     tl.store(act_ptr + p.to(tl.int64) * stride_am + cols * stride_an, y.to(act_ptr.dtype.element_ty), mask=col_ok)
 
 
-@_jit
+@jit
 def _decode_down_kernel(
     act_ptr, ids_ptr, rw_ptr, w_ptr, bias_ptr, out_ptr, top_k, num_experts, N, K,
     stride_am, stride_ak, stride_it, stride_ik, stride_rt, stride_rk, stride_we, stride_wn, stride_wk,
@@ -523,7 +374,7 @@ def _decode_down_kernel(
     tl.store(out_ptr + t * stride_ot + cols * stride_on, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-@_jit
+@jit
 def _expert_pairs(ids_ptr, i, num_pairs, top_k, num_experts, stride_it, stride_ik,
                   BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
     """The grouped decode kernels' work item: of the experts some pair is routed to, the
@@ -545,7 +396,7 @@ def _expert_pairs(ids_ptr, i, num_pairs, top_k, num_experts, stride_it, stride_i
     return tl.maximum(e, -1), ids, ids == e
 
 
-@_jit
+@jit
 def _expert_slots(hit, rank, m0, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
     """Slots m0 .. m0 + BLOCK_M - 1 of an expert's pairs, in pair order: each slot's pair
     index and whether it has one (``hit``: the expert's pairs, ``rank``: their ranks)."""
@@ -555,7 +406,7 @@ def _expert_slots(hit, rank, m0, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
     return pair, tl.max(sel.to(tl.int32), axis=1) > 0
 
 
-@_jit
+@jit
 def _decode_grouped_kernel(
     a_ptr, ids_ptr, rw_ptr, w_ptr, bias_ptr, out_ptr, num_pairs, top_k, num_experts, N, K, alpha, limit,
     stride_at, stride_ak, stride_it, stride_ik, stride_rt, stride_rk, stride_we, stride_wn, stride_wk,
@@ -591,44 +442,24 @@ def _decode_grouped_kernel(
             cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
             col_ok = cols < N
             if UP:
-                wcol0, wcol1 = _halves(cols, N, INTERLEAVED)
+                wcol0, wcol1 = gate_up_cols(cols, N, INTERLEAVED)
             else:
                 wcol0, wcol1 = cols, cols
-            acc0, acc1 = _mma(a_ptr, row, ok, stride_at, stride_ak, w_base, wcol0, wcol1, col_ok, stride_wn,
-                              stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, GATED, DOT_PRECISION)
+            acc0, acc1 = routed_mma(a_ptr, row, ok, stride_at, stride_ak, w_base, wcol0, wcol1, col_ok, stride_wn,
+                                    stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, GATED, DOT_PRECISION)
             if HAS_BIAS:
                 b_base = bias_ptr + e.to(tl.int64) * stride_be
                 acc0 += tl.load(b_base + wcol0 * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
                 if GATED:
                     acc1 += tl.load(b_base + wcol1 * stride_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             if UP:
-                y = _gate(acc0, acc1, alpha, limit, GATED, ACT, HAS_LIMIT)
+                y = gate_tile(acc0, acc1, alpha, limit, GATED, ACT, HAS_LIMIT)
             else:
                 y = acc0 * rw[:, None]
             tl.store(out_ptr + pair.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on,
                      y.to(out_ptr.dtype.element_ty), mask=ok[:, None] & col_ok[None, :])
 
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for ints. (``triton.cdiv`` is a ConstexprFunction in triton 3.8: each host
-    call unwraps constexprs, ~3-14 us; the launcher calls it on every op call.)"""
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of 2 >= n (n >= 1), as ``triton.next_power_of_2`` without its
-    ConstexprFunction wrapper."""
-    return 1 << (n - 1).bit_length()
-
-
-def interpreting() -> bool:
-    """Do the kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1 at import)?
-    A bool fixed at import (``_INTERPRETING``, set below the kernels): Dynamo on torch 2.11
-    cannot take ``type()`` of a Triton kernel ("TritonKernelVariable() has no type"), and
-    ``why_not_fused`` asks this inside compiled training."""
-    return _INTERPRETING
-
-
-@_jit
+@jit
 def _sorted_rows_kernel(
     src_ptr, route_w_ptr, out_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr, used_ptr, num_pairs, top_k, C,
     block_m, stride_st, stride_sc, stride_rt, stride_rk, stride_om, stride_oc,
@@ -664,7 +495,7 @@ def _sorted_rows_kernel(
              mask=m)
 
 
-@_jit
+@jit
 def _act_kernel(
     pre_ptr, act_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr, num_pairs, N, block_m, alpha, limit,
     stride_pm, stride_pn, stride_am, stride_an,
@@ -686,19 +517,19 @@ def _act_kernel(
     srows = (rows + tl.load(shift_ptr + expert)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    c0, c1 = _halves(cols, N, INTERLEAVED)
+    c0, c1 = gate_up_cols(cols, N, INTERLEAVED)
     m = row_ok[:, None] & col_ok[None, :]
     pre_rows = pre_ptr + srows[:, None] * stride_pm
     p0 = tl.load(pre_rows + c0[None, :] * stride_pn, mask=m, other=0.0).to(tl.float32)
     p1 = p0
     if GATED:
         p1 = tl.load(pre_rows + c1[None, :] * stride_pn, mask=m, other=0.0).to(tl.float32)
-    y = _gate(p0, p1, alpha, limit, GATED, ACT, HAS_LIMIT)
+    y = gate_tile(p0, p1, alpha, limit, GATED, ACT, HAS_LIMIT)
     tl.store(act_ptr + srows[:, None] * stride_am + cols[None, :] * stride_an, y.to(act_ptr.dtype.element_ty),
              mask=m)
 
 
-@_jit
+@jit
 def _pair_rows_kernel(pair_ids_ptr, block_expert_ptr, shift_ptr, used_ptr, rows_ptr, num_pairs, block_m,
                       BLOCK: tl.constexpr):
     """rows[p] = the sorted row of pair p: r + shift[e] for the padded row r holding it
@@ -713,281 +544,6 @@ def _pair_rows_kernel(pair_ids_ptr, block_expert_ptr, shift_ptr, used_ptr, rows_
     ok = ok & (p < num_pairs)
     expert = tl.load(block_expert_ptr + r // block_m, mask=ok, other=0)
     tl.store(rows_ptr + tl.where(ok, p, 0), r + tl.load(shift_ptr + expert, mask=ok, other=0), mask=ok)
-
-
-# ----------------------------------------------------------------------------- routing
-
-def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Static worst case of padded M blocks: each of at most min(E, S) non-empty experts
-    wastes at most BLOCK_M - 1 rows, so sum ceil(c_e / BM) <= (S + min(E, S)(BM - 1)) / BM."""
-    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
-
-
-MAX_EXPERTS = 8192  # the routing kernels hold one lane per expert (BINS = next power of 2 >= E)
-
-
-TABLES = 5  # the routing's per-expert tables (routing_tables): run end, padded start, count, padded end, shift
-
-ROUTE_CHUNK = 128  # pairs per program of the routing's count and place kernels
-# Up to this many chunks (T*k <= 512: T = 64 at top-8), one program places every pair
-# (_route_place_kernel's ONE_PROGRAM): two launches fewer where the call waits on its host
-# (decode), for a serial walk of at most 4 chunks twice (a chunk is one program's work in
-# the three-kernel form, whose kernels each cost a launch's gap on the device too).
-ROUTE_ONE_PROGRAM_CHUNKS = 4
-
-
-@_jit
-def _route_count_kernel(ids_ptr, counts_ptr, num_pairs, top_k, stride_t, stride_k, num_experts, num_chunks,
-                        CHUNK: tl.constexpr, BINS: tl.constexpr):
-    """counts[e, c] = how many pairs of chunk c (pairs [c*CHUNK, (c+1)*CHUNK), pair = t*k + j)
-    have expert id e (expert-major: the scan walks c contiguously). Ids outside [0, E) count
-    nowhere (binned at 0, then taken off bin 0's count)."""
-    c = tl.program_id(0)
-    p = c * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + (p // top_k).to(tl.int64) * stride_t + (p % top_k) * stride_k, mask=p < num_pairs,
-                  other=-1)
-    valid = (ids >= 0) & (ids < num_experts)
-    e = tl.arange(0, BINS)
-    h = tl.histogram(tl.where(valid, ids, 0).to(tl.int32), BINS)
-    h -= tl.where(e == 0, tl.sum((~valid).to(tl.int32), axis=0), 0)
-    tl.store(counts_ptr + e * num_chunks + c, h, mask=e < num_experts)
-
-
-@_jit
-def _route_scan_kernel(counts_ptr, tables_ptr, num_experts, num_chunks, CB: tl.constexpr):
-    """Program e (one per expert): expert e's row in place, counts[e, c] -> the rows of its
-    pairs in chunks before c (an exclusive scan, CB chunks at a time), and its total into
-    tables[2, e]. The padded starts need every expert's total: the place kernel adds them.
-    (One program for the whole (E, chunks) matrix walked it serially: 17 us at E = 128,
-    T = 4096, k = 8 on the H200, 2026-12-02.)"""
-    e = tl.program_id(0)
-    row = counts_ptr + e * num_chunks
-    run = tl.zeros((), dtype=tl.int32)
-    for c0 in range(0, num_chunks, CB):
-        cs = c0 + tl.arange(0, CB)
-        m = cs < num_chunks
-        cnt = tl.load(row + cs, mask=m, other=0)
-        tl.store(row + cs, run + tl.cumsum(cnt, 0) - cnt, mask=m)
-        run += tl.sum(cnt, axis=0)
-    tl.store(tables_ptr + 2 * num_experts + e, run)
-
-
-@_jit
-def _chunk_ids(ids_ptr, c, num_pairs, top_k, stride_t, stride_k, num_experts, CHUNK: tl.constexpr):
-    """(pairs, ids, valid) of chunk c: pairs [c*CHUNK, (c+1)*CHUNK), their expert ids (-1
-    past the end), and which ids are in [0, E)."""
-    p = c * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + (p // top_k).to(tl.int64) * stride_t + (p % top_k) * stride_k, mask=p < num_pairs,
-                  other=-1)
-    return p, ids, (ids >= 0) & (ids < num_experts)
-
-
-@_jit
-def _chunk_counts(ids, valid, BINS: tl.constexpr):
-    """How many of a chunk's pairs each expert has (invalid ids count nowhere)."""
-    e = tl.arange(0, BINS)
-    h = tl.histogram(tl.where(valid, ids, 0).to(tl.int32), BINS)
-    return h - tl.where(e == 0, tl.sum((~valid).to(tl.int32), axis=0), 0)
-
-
-@_jit
-def _chunk_ranks(ids, valid, CHUNK: tl.constexpr):
-    """Each valid pair's rank among the chunk's earlier pairs of its expert."""
-    q = tl.arange(0, CHUNK)
-    b = tl.where(valid, ids, -1).to(tl.int32)
-    return tl.sum(((b[:, None] == b[None, :]) & (q[None, :] < q[:, None])).to(tl.int32), axis=1)
-
-
-@_jit
-def _route_place_kernel(ids_ptr, offsets_ptr, tables_ptr, out_ptr, block_expert_ptr,
-                        num_pairs, top_k, stride_t, stride_k, num_experts, num_chunks, num_m_blocks,
-                        CHUNK: tl.constexpr, BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
-                        ONE_PROGRAM: tl.constexpr):
-    """Program c: the experts' run ends (unpadded runs end to end), padded starts, padded
-    ends (runs padded to BLOCK_M, laid end to end) and row shifts (run start - padded
-    start) from their totals, into tables[0], [1], [3] and [4] (every program writes the
-    same values); chunk c's pairs go to out[padded start of e + offsets[e, c] + their rank
-    among the chunk's pairs of expert e] (pair order kept: a stable counting sort); then
-    the expert of M blocks [c * bpp, (c+1) * bpp) (-1 past the last padded row) and the
-    sentinel S in their padding rows. Every out entry is written once.
-
-    ONE_PROGRAM (a grid of one, for a few chunks: :func:`_route_flat`): this program walks
-    every chunk twice, counting (the totals, written to tables[2] here), then placing, with
-    each expert's offset so far kept in ``offsets[e]`` (its first E entries, scratch); the
-    count and scan kernels don't run, and it owns every M block."""
-    c = tl.program_id(0)
-    e = tl.arange(0, BINS)
-    real = e < num_experts
-    if ONE_PROGRAM:
-        total = tl.zeros((BINS,), dtype=tl.int32)
-        for cc in range(0, num_chunks):
-            _, ids, valid = _chunk_ids(ids_ptr, cc, num_pairs, top_k, stride_t, stride_k, num_experts, CHUNK)
-            total += _chunk_counts(ids, valid, BINS)
-        tl.store(tables_ptr + 2 * num_experts + e, total, mask=real)
-        tl.store(offsets_ptr + e, tl.zeros((BINS,), dtype=tl.int32), mask=real)
-    else:
-        total = tl.load(tables_ptr + 2 * num_experts + e, mask=real, other=0)
-    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    pstart = tl.cumsum(padded, 0) - padded
-    pend = pstart + padded
-    end = tl.cumsum(total, 0)
-    tl.store(tables_ptr + e, end, mask=real)
-    tl.store(tables_ptr + num_experts + e, pstart, mask=real)
-    tl.store(tables_ptr + 3 * num_experts + e, pend, mask=real)
-    tl.store(tables_ptr + 4 * num_experts + e, end - total - pstart, mask=real)
-    tl.debug_barrier()  # this program's stores seen by its own threads' loads below
-    if ONE_PROGRAM:
-        run = tl.zeros((BINS,), dtype=tl.int32)
-        for cc in range(0, num_chunks):
-            p, ids, valid = _chunk_ids(ids_ptr, cc, num_pairs, top_k, stride_t, stride_k, num_experts, CHUNK)
-            bb = tl.where(valid, ids, 0)
-            dest = (tl.load(tables_ptr + num_experts + bb, mask=valid, other=0)
-                    + tl.load(offsets_ptr + bb, mask=valid, other=0) + _chunk_ranks(ids, valid, CHUNK))
-            tl.store(out_ptr + dest, p, mask=valid)
-            run += _chunk_counts(ids, valid, BINS)
-            tl.debug_barrier()  # every thread has read offsets[] before it is overwritten
-            tl.store(offsets_ptr + e, run, mask=real)
-            tl.debug_barrier()  # ... and sees the new values in the next chunk
-        first_b = 0
-        b_end = num_m_blocks
-    else:
-        p, ids, valid = _chunk_ids(ids_ptr, c, num_pairs, top_k, stride_t, stride_k, num_experts, CHUNK)
-        bb = tl.where(valid, ids, 0)
-        dest = (tl.load(tables_ptr + num_experts + bb, mask=valid, other=0)
-                + tl.load(offsets_ptr + bb * num_chunks + c, mask=valid, other=0) + _chunk_ranks(ids, valid, CHUNK))
-        tl.store(out_ptr + dest, p, mask=valid)
-        bpp = tl.cdiv(num_m_blocks, num_chunks)
-        first_b = c * bpp
-        b_end = tl.minimum((c + 1) * bpp, num_m_blocks)
-    # this program's M blocks
-    r = tl.arange(0, BLOCK_M)
-    for b0 in range(first_b, b_end, BLOCK_B):
-        blk = b0 + tl.arange(0, BLOCK_B)
-        bok = blk < b_end
-        # the block's expert = how many experts' padded runs end at or before its first row
-        ended = tl.sum(((pend[None, :] <= (blk * BLOCK_M)[:, None]) & real[None, :]).to(tl.int32), axis=1)
-        ex = tl.where(ended < num_experts, ended, -1)
-        tl.store(block_expert_ptr + blk, ex, mask=bok)
-        sel = e[None, :] == ex[:, None]  # (BLOCK_B, BINS): the block's expert's lane
-        ps = tl.sum(tl.where(sel, pstart[None, :], 0), axis=1)
-        tot = tl.sum(tl.where(sel, total[None, :], 0), axis=1)
-        rows = blk[:, None] * BLOCK_M + r[None, :]
-        pad = (ex[:, None] < 0) | (rows - ps[:, None] >= tot[:, None])
-        tl.store(out_ptr + rows, tl.full((BLOCK_B, BLOCK_M), 0, tl.int32) + num_pairs, mask=bok[:, None] & pad)
-
-
-def routing_tables(top_k_index: torch.Tensor, num_experts: int,
-                   block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(T, k) expert ids -> ``sorted_pair_ids`` (num_blocks * block_m,) int32,
-    ``block_expert`` (num_blocks,) int32 and ``tables`` (5, E) int32, on the ids' device,
-    without a host sync.
-
-    ``sorted_pair_ids`` lists the pairs (t*k + j) whose id is in [0, E), grouped by expert
-    in increasing pair order (a stable sort), each expert's run padded with the sentinel
-    S = T*k to a multiple of block_m; unused tail entries are S too. ``block_expert[b]`` is
-    the expert of rows [b*block_m, (b+1)*block_m), or -1 past the last padded row.
-    ``tables`` = each expert's run end among the sorted real pairs (its group end for
-    ``torch._grouped_mm``), its padded start (its first row in ``sorted_pair_ids``), its
-    count (the backward's weight gradients walk an expert's rows [padded start, padded
-    start + count): all real pairs), its padded end, and its shift: run start - padded
-    start. The GEMMs' tiles walk the padded list (a tile is one expert's); the buffers of
-    sorted rows they read and write (GEMM1's output and pre-activation, the sorted copies,
-    the backward's d_pre) hold the real pairs only, S rows: padded row r of expert e is
-    sorted row r + shift[e] (the grouped weight gradients reduce over no padding, and the
-    buffers are S rows, not the padded worst case: on the H200, Qwen3-MoE's training step
-    1.4 % faster, its sorted buffers a third smaller; Mixtral and OLMoE unchanged, thirty-third
-    session, bench/RESULTS.md). Sizes are static
-    (:func:`num_blocks`), so this can be captured in a CUDA graph. All three are views of
-    one int32 buffer (:func:`routing_views`; the forward keeps it as ``Saved.routing``).
-
-    A counting sort in three launches (per-chunk counts, a scan per expert, placement)
-    into one int32 buffer; where the pairs fit a few chunks (T*k <= 512, decode) one
-    program of the placement kernel counts and places them all, one launch. ``torch.sort``
-    cost 100-250 us of host per call on the H200 box and 60 us of GPU at T = 4096, k = 8
-    (eight radix passes over int64 keys)."""
-    return _route(top_k_index, num_experts, block_m)[1:]
-
-
-def routing_views(buf: torch.Tensor, num_pairs: int, num_experts: int,
-                  block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted_pair_ids, block_expert, tables) of :func:`routing_tables`, as views of the
-    routing's one int32 buffer (a saved buffer is one tensor to keep)."""
-    nb = num_blocks(num_pairs, num_experts, block_m)
-    cap = nb * block_m
-    return buf[:cap], buf[cap:cap + nb], buf[cap + nb:cap + nb + TABLES * num_experts].view(TABLES, num_experts)
-
-
-def routing_size(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Length of the routing's int32 buffer: the padded pair list, the block
-    experts, the (5, E) tables, then the count kernel's per-chunk counts (E per chunk)."""
-    nb = num_blocks(num_pairs, num_experts, block_m)
-    if nb == 0:
-        return TABLES * num_experts
-    return nb * block_m + nb + TABLES * num_experts + num_experts * cdiv(num_pairs, ROUTE_CHUNK)
-
-
-def _route(top_k_index: torch.Tensor, num_experts: int, block_m: int, spec: Any = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(buffer, sorted_pair_ids, block_expert, tables). ``spec``: as :func:`launch_gemm`'s."""
-    buf, sorted_pair_ids, block_expert, flat = _route_flat(top_k_index, num_experts, block_m, spec)
-    return buf, sorted_pair_ids, block_expert, flat.view(TABLES, num_experts)
-
-
-@functools.lru_cache(maxsize=4096)
-def _route_layout(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int, int, int, int]:
-    """(blocks, padded rows, buffer length, chunks, BINS) of the routing (see :func:`routing_size`)."""
-    nb = num_blocks(num_pairs, num_experts, block_m)
-    return (nb, nb * block_m, routing_size(num_pairs, num_experts, block_m), cdiv(num_pairs, ROUTE_CHUNK),
-            next_pow2(num_experts))
-
-
-_route_layout = traced_constant(_route_layout)
-
-
-def _route_flat(top_k_index: torch.Tensor, num_experts: int, block_m: int, spec: Any = None
-                ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_route` with the tables as one (5 E,) view (each view is ~3 us of host on the
-    2-core box, and the forward alone reads no table). Traced by Dynamo: four buffers of
-    their own and no common one (None): functionalized, a kernel's write into a view of one
-    buffer becomes a copy of that buffer with the view's part replaced."""
-    t, k = top_k_index.shape
-    s = t * k
-    nb, cap, length, nc, bins = _route_layout(s, num_experts, block_m)
-    dev = top_k_index.device
-    if nb == 0:  # no real pair can be routed: empty lists, zero tables
-        buf = torch.zeros((TABLES * num_experts,), dtype=torch.int32, device=dev)
-        return buf, buf[:0], buf[:0], buf
-    t0 = cap + nb
-    if _dynamo_tracing():
-        buf = None
-        sorted_pair_ids, block_expert, tables, counts = (
-            torch.empty((n,), dtype=torch.int32, device=dev) for n in (cap, nb, TABLES * num_experts,
-                                                                         length - t0 - TABLES * num_experts))
-    else:
-        buf = make(_int_buffer, (length,), torch.int32, dev)
-        sorted_pair_ids, block_expert, tables = buf[:cap], buf[cap:t0], buf[t0:t0 + TABLES * num_experts]
-        counts = buf[t0 + TABLES * num_experts:]  # per (expert, chunk); one program's scratch (E entries)
-    st, sk = top_k_index.stride()
-    # decode-sized (T*k <= ROUTE_ONE_PROGRAM_CHUNKS * ROUTE_CHUNK): one launch instead of
-    # three (each ~15-25 us of host on the H200 box), one program walking the chunks
-    one = nc <= ROUTE_ONE_PROGRAM_CHUNKS
-    if not one:
-        launch(_route_count_kernel, (nc,), top_k_index, counts, s, k, st, sk, num_experts, nc, spec_key=spec,
-               CHUNK=ROUTE_CHUNK, BINS=bins, num_warps=4)
-        launch(_route_scan_kernel, (num_experts,), counts, tables, num_experts, nc, spec_key=spec,
-               CB=min(next_pow2(nc), 1024), num_warps=4)
-    launch(_route_place_kernel, (1 if one else nc,), top_k_index, counts, tables, sorted_pair_ids, block_expert, s,
-           k, st, sk, num_experts, nc, nb, spec_key=spec, CHUNK=ROUTE_CHUNK, BINS=bins, BLOCK_M=block_m,
-           BLOCK_B=max(1, min(64, 8192 // bins)), ONE_PROGRAM=one, num_warps=4)
-    return buf, sorted_pair_ids, block_expert, tables
-
-
-def align_block_size(top_k_index: torch.Tensor, num_experts: int,
-                     block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sorted_pair_ids`` and ``block_expert`` of :func:`routing_tables`."""
-    sorted_pair_ids, block_expert, _ = routing_tables(top_k_index, num_experts, block_m)
-    return sorted_pair_ids, block_expert
-
 
 
 # ----------------------------------------------------------------------------- configs
@@ -1036,7 +592,7 @@ def pick_config(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.
     entry for (dtype, N, K) if any, else its default for the bucket. ``block_m`` forces
     BLOCK_M (gemm2 walks gemm1's padded rows)."""
     if table is None:  # the package's table: cached per bucket (it runs on every op call)
-        if _dynamo_tracing():  # a constant to Dynamo, which need not read the file
+        if dynamo_tracing():  # a constant to Dynamo, which need not read the file
             return dict(_picked(gemm, float(rows_per_expert), n, k, str(dtype).split(".")[-1], block_m))
         return _pick_package(gemm, rows_per_expert, n, k, dtype, block_m)
     return _pick(gemm, rows_per_expert, n, k, dtype, block_m, table)
@@ -1094,12 +650,6 @@ def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     return make(_new_buffer, shape, dtype, device)
 
 
-@plain
-def _int_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The routing's buffer (int32: every element the routing kernels read, they write first)."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def _nk_view(w: torch.Tensor, transposed: bool) -> torch.Tensor:
     """A (E, out, in) weight, or an (E, in, out) one when ``transposed``, seen as (E, N, K):
     the kernels see both layouts through this view's strides."""
@@ -1116,8 +666,8 @@ def why_not_fused(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
                   *rest: Any) -> Optional[str]:
     """Why the fused kernels don't take these (checked) inputs, or None. The message names
     no sizes, so logging it once per message is once per cause."""
-    if _NO_TRITON is not None:
-        return _NO_TRITON
+    if NO_TRITON is not None:
+        return NO_TRITON
     if hidden_states.dtype not in _FUSED_DTYPES:
         return f"hidden_states is {hidden_states.dtype}; the fused kernels take float16, bfloat16, float32"
     if not hidden_states.is_cuda and not interpreting():
@@ -1144,12 +694,12 @@ def _device_ctx(x: torch.Tensor) -> Any:
 class Saved(NamedTuple):
     """What :func:`fused_experts_forward` keeps for the backward (``save=True``): the
     routing (``sorted_pair_ids`` (R,) padded, ``block_expert`` (R / BLOCK_M,), ``tables``
-    (5, E): run end, padded start, count, padded end, shift; int32: :func:`routing_tables`),
+    (5, E): run end, padded start, count, padded end, shift; int32: :func:`.moe_routing.routing_tables`),
     GEMM1's output ``act`` (S, I) in hidden_states' dtype and its pre-activation ``pre``
     (S, N) float32, or bf16 (:func:`pre_dtype`) in gate_up_proj's column order (S = T*k
     sorted rows, the real pairs' by expert; rows past the last run end unwritten), the
     block configs used, ``routing``, the one buffer the three routing tables view
-    (:func:`routing_views` rebuilds them from it; None where the caller kept the views), and
+    (:func:`.moe_routing.routing_views` rebuilds them from it; None where the caller kept the views), and
     ``rows``, GEMM1's sorted copy of the token rows (S, H) where the forward kept it
     (``keep_rows``; else None): the backward's dW1 reads it instead of making it again."""
 
@@ -1251,7 +801,7 @@ def misaligned(t: torch.Tensor) -> bool:
     """Is ``t``'s base off a 16-byte boundary? Traced by Dynamo the address is not known
     (False): Inductor's buffers are aligned, and it copies an input found misaligned at run
     time where it was aligned when compiled."""
-    return not _dynamo_tracing() and t.data_ptr() % 16 != 0
+    return not dynamo_tracing() and t.data_ptr() % 16 != 0
 
 
 def _tma_ok(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
@@ -1284,7 +834,7 @@ def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
                 sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, shift: torch.Tensor, top_k: int, n: int,
                 k: int, gather: bool, routed: bool, scaled: bool = False, gated: bool = False,
                 interleaved: bool = False,
-                act: int = _IDENTITY, alpha: float = 1.0, limit: float = math.inf, spec: Any = None,
+                act: int = IDENTITY, alpha: float = 1.0, limit: float = math.inf, spec: Any = None,
                 used: Optional[torch.Tensor] = None) -> None:
     """One :func:`_moe_gemm` launch over the padded rows (``cfg["BLOCK_M"]`` = the routing's
     BLOCK_M); ``shift``: the routing's fifth table (sorted row = padded row + shift[e]),
@@ -1402,7 +952,7 @@ def sorted_rows(src: torch.Tensor, rw: torch.Tensor, sorted_pair_ids: torch.Tens
                 tile: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
     """(S, C) copy of ``src``'s token rows (T, C) in sorted order (times the routing weight
     if ``scaled``), S = T*k, unwritten past the last run end (``tables[0, -1]``; the
-    routing's, :func:`routing_tables`) (:func:`_sorted_rows_kernel`): GEMM1's A where its
+    routing's, :func:`.moe_routing.routing_tables`) (:func:`_sorted_rows_kernel`): GEMM1's A where its
     config says ``PREGATHER``, and a grouped weight gradient's gathered operand. ``spec``:
     as :func:`launch_gemm`'s; ``tile``: (rows, columns, warps) per program, default
     :data:`ROWS_TILE` (``bench/sorted_rows.py`` times others)."""
@@ -1688,7 +1238,7 @@ def spec_of(*args: Any) -> Optional[int]:
     never reused), so the memos and the launcher each hash an int instead of the nested
     tuple (~0.8 us a hash on the 2-core box, about ten per forward). None under
     Dynamo: the traced launches keep no memo (:func:`.launch.traced_launch`)."""
-    if _dynamo_tracing():
+    if dynamo_tracing():
         return None
     full = tuple(map(_meta, args))
     got = _SPEC_IDS.get(full)
@@ -1728,7 +1278,7 @@ def _plan_state() -> tuple[Any, ...]:
     under other values is not replayed (a test or benchmark that rebinds one records anew)."""
     return (DECODE_MAX_TOKENS, PER_PAIR_MAX_TOKENS, pick_config, _CONFIGS, _DECODE_STATIC, _GEMM_STATIC,
             _new_buffer, GLUON_GEMM1_MIN_ROWS, GLUON_GEMM2_DEVICES, gluon_gemm1_default, gluon_gemm2_default,
-            _device_name, ROWS_TILE, ROUTE_CHUNK, ROUTE_ONE_PROGRAM_CHUNKS, PRE_BF16)
+            _device_name, ROWS_TILE, moe_routing.ROUTE_CHUNK, moe_routing.ROUTE_ONE_PROGRAM_CHUNKS, PRE_BF16)
 
 
 def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
@@ -1907,7 +1457,7 @@ def fused_experts_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor
     # keys). Given configs (tests, tuning) take the full path.
     keep_rows = keep_rows and save
     pre_dt = pre_dtype(x.dtype, gated, limit) if save else None
-    if configs is not None or _dynamo_tracing():  # traced: no memo (.launch.traced_launch)
+    if configs is not None or dynamo_tracing():  # traced: no memo (.launch.traced_launch)
         spec = None
     else:
         spec = (spec or spec_of(x, ids, rw, w1, gate_up_bias, w2, down_bias, activation, gated, transposed,
@@ -1970,7 +1520,7 @@ def _forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: torch.Ten
             if (why := half_tail_unfit(c)) is not None:
                 raise ValueError(f"fused_experts_forward: configs[{gemm!r}]: {why}")
         picked = ({**picked[0], "GROUPED_MM": int(g1)},) + picked[1:]
-        if _dynamo_tracing():  # Gluon's kernels don't trace: under Dynamo, the Triton GEMMs
+        if dynamo_tracing():  # Gluon's kernels don't trace: under Dynamo, the Triton GEMMs
             picked = ({**picked[0], "GLUON": 0}, {**picked[1], "GLUON": 0}, picked[2])
         elif not (configs or {}).get("gemm1") and not g1 and gluon_gemm1_default(s / e):
             fit = {**picked[0], "GLUON": 2, "PREGATHER": 1, "HALF_TAIL": 0, "PERSISTENT": 0}
@@ -2004,7 +1554,7 @@ def _forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: torch.Ten
     grouped1 = bool(c1.get("GROUPED_MM", 0))
     bm = c1["BLOCK_M"]
     with _device_ctx(x):
-        route_buf, sorted_pair_ids, block_expert, tables = _route_flat(ids, e, bm, spec and (spec, "routing"))
+        route_buf, sorted_pair_ids, block_expert, tables = route_flat(ids, e, bm, spec and (spec, "routing"))
         # GEMM1's output and pre-activation (and the sorted copies) hold the real pairs' rows
         # alone, unpadded: S rows (routing_tables)
         act = _buffer((s, i), x.dtype, x.device)
@@ -2064,8 +1614,8 @@ class TritonImpl(registry.Impl):
 
 
 def _why_not_here() -> Optional[str]:
-    if _NO_TRITON is not None:
-        return _NO_TRITON
+    if NO_TRITON is not None:
+        return NO_TRITON
     if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
         return "torch was built without CUDA"
     if not torch.cuda.is_available():

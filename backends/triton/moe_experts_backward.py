@@ -100,8 +100,10 @@ import torch
 
 from opreg._log import log_once
 from opreg.backends.triton import moe_experts as F
-from opreg.backends.triton.launch import LazyDescriptor, launch_args
-from opreg.backends.triton.moe_experts import _IDENTITY, _act, _halves, _jit, _mma, _tile, tl
+from opreg.backends.triton.launch import (LazyDescriptor, cdiv, dynamo_tracing, launch_args, next_pow2,
+                                         traced_constant)
+from opreg.backends.triton.moe_tiles import (ACT_IDS, IDENTITY, gate_tile_grad, gate_up_cols, jit, program_tile,
+                                            routed_mma, tl)
 from opreg.ops import moe_experts as M
 from opreg.ops import moe_experts_grouped as G
 
@@ -111,75 +113,7 @@ __all__ = ["FusedExperts", "clamp_ties", "fused_experts", "fused_experts_backwar
 
 # ----------------------------------------------------------------------------- kernels
 
-@_jit
-def _act_grad(x, ACT: tl.constexpr):
-    """d act(x) / dx (fp32), ids as in ACT_IDS; relu's at 0 is 0, as torch's."""
-    if ACT == 0:  # silu: s + x s (1 - s)
-        s = tl.sigmoid(x)
-        d = s * (1.0 + x * (1.0 - s))
-    elif ACT == 1:  # gelu (erf): Phi(x) + x phi(x)
-        d = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
-    elif ACT == 2:  # gelu (tanh) = x sigmoid(2u), u = c (x + 0.044715 x^3)
-        s = tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
-        d = s + x * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * x * x)
-    elif ACT == 3:  # relu
-        d = tl.where(x > 0.0, 1.0, 0.0)
-    elif ACT == 4:  # relu2
-        d = 2.0 * tl.maximum(x, 0.0)
-    else:  # sigmoid
-        s = tl.sigmoid(x)
-        d = s * (1.0 - s)
-    return d
-
-
-@_jit
-def _gate_grad(p0, p1, dy, alpha, limit, GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr,
-               GATE_TIE: tl.constexpr, UP_LO_TIE: tl.constexpr, UP_HI_TIE: tl.constexpr):
-    """The gate's backward on fp32 tiles: (d p0, d p1, y) for the pre-activation (p0 = gate
-    half, p1 = up half when GATED; else p0 alone) and dy = dL/dy. Where a clamp clips, the
-    derivative is 0 (a ``where``, so a NaN or inf there does not leak); at a tie (a value
-    exactly at the limit) it is what torch's clamp backward gives (``*_TIE``: 1 or 0,
-    :func:`clamp_ties`)."""
-    if GATED:
-        gate = p0
-        up = p1
-        if HAS_LIMIT:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        if ACT == 6:  # gpt_oss: (up + 1) * gate * sigmoid(alpha * gate)
-            s = tl.sigmoid(gate * alpha)
-            glu = gate * s
-            y = (up + 1.0) * glu
-            d_up = dy * glu
-            d_gate = dy * (up + 1.0) * (s + alpha * glu * (1.0 - s))
-        else:
-            a = _act(gate, ACT)
-            y = a * up
-            d_up = dy * a
-            d_gate = dy * up * _act_grad(gate, ACT)
-        if HAS_LIMIT:
-            if GATE_TIE:
-                pass_gate = p0 <= limit
-            else:
-                pass_gate = p0 < limit
-            if UP_LO_TIE:
-                pass_lo = p1 >= -limit
-            else:
-                pass_lo = p1 > -limit
-            if UP_HI_TIE:
-                pass_hi = p1 <= limit
-            else:
-                pass_hi = p1 < limit
-            d_gate = tl.where(pass_gate, d_gate, 0.0)
-            d_up = tl.where(pass_lo & pass_hi, d_up, 0.0)
-    else:
-        y = _act(p0, ACT)
-        d_gate = dy * _act_grad(p0, ACT)
-        d_up = d_gate  # unused
-    return d_gate, d_up, y
-
-
-@_jit
+@jit
 def _gate_grad_tile(g, rw, srows, row_ok, cols, col_ok, pre_ptr, stride_pm, stride_pn, dpre_ptr, stride_gm,
                     stride_gn, N, alpha, limit, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
                     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, GATE_TIE: tl.constexpr,
@@ -189,7 +123,7 @@ def _gate_grad_tile(g, rw, srows, row_ok, cols, col_ok, pre_ptr, stride_pm, stri
     N or 2N, gate_up's column order) from rw * g and ``pre``, at the rows that are
     ``row_ok`` (a padding row has no sorted row). Returns each row's sum over the tile's
     columns of g * gate(pre) (d top_k_weights' partial sum)."""
-    pcol0, pcol1 = _halves(cols, N, INTERLEAVED)
+    pcol0, pcol1 = gate_up_cols(cols, N, INTERLEAVED)
     mask = row_ok[:, None] & col_ok[None, :]
     pre_rows = pre_ptr + srows[:, None] * stride_pm
     p0 = tl.load(pre_rows + pcol0[None, :] * stride_pn, mask=mask, other=0.0).to(tl.float32)
@@ -197,8 +131,8 @@ def _gate_grad_tile(g, rw, srows, row_ok, cols, col_ok, pre_ptr, stride_pm, stri
         p1 = tl.load(pre_rows + pcol1[None, :] * stride_pn, mask=mask, other=0.0).to(tl.float32)
     else:
         p1 = p0
-    d0, d1, y = _gate_grad(p0, p1, g * rw[:, None], alpha, limit, GATED, ACT, HAS_LIMIT,
-                           GATE_TIE, UP_LO_TIE, UP_HI_TIE)
+    d0, d1, y = gate_tile_grad(p0, p1, g * rw[:, None], alpha, limit, GATED, ACT, HAS_LIMIT,
+                               GATE_TIE, UP_LO_TIE, UP_HI_TIE)
     if WRITE_DPRE:
         d_rows = dpre_ptr + srows[:, None] * stride_gm
         tl.store(d_rows + pcol0[None, :] * stride_gn, d0.to(dpre_ptr.dtype.element_ty), mask=mask)
@@ -207,13 +141,13 @@ def _gate_grad_tile(g, rw, srows, row_ok, cols, col_ok, pre_ptr, stride_pm, stri
     return tl.sum(tl.where(mask, g * y, 0.0), axis=1)
 
 
-@_jit
+@jit
 def _column_halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
     """``x`` (ROWS, COLS) as its columns [0, COLS / 2) and [COLS / 2, COLS)."""
     return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, COLS // 2)), (0, 2, 1)))
 
 
-@_jit
+@jit
 def _dgrad_act_kernel(
     dout_ptr, w_ptr, pre_ptr, route_w_ptr, dpre_ptr, part_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr, w_desc,
     a_desc, num_pairs, top_k, N, K, num_m_blocks, alpha, limit,
@@ -236,13 +170,13 @@ def _dgrad_act_kernel(
     gate_up's column order) from rw * g and ``pre`` (sorted rows too); and part[pair, pid_n]
     = sum over the tile's columns of g * gate(pre) (d top_k_weights' partial sum). Padding
     rows: nothing read or written. W_TMA: W's tiles
-    through the descriptor ``w_desc``, as the forward's (:func:`_mma`). SUBTILE (1, 2 or 4):
+    through the descriptor ``w_desc``, as the forward's (:func:`.moe_tiles.routed_mma`). SUBTILE (1, 2 or 4):
     the epilogue walks the tile in that many column slices, left to right (the partial sum
     adds them in that order), so that a wide tile's epilogue holds one slice's g, pre halves
     and gradient halves at a time. GATHER: dout's rows gathered through the pair ids; else
     ``dout_ptr`` is their sorted copy (``configs["dgrad2"]["PREGATHER"]``), read at the
     tile's own sorted rows, through the descriptor ``a_desc`` where A_TMA."""
-    pid_m, pid_n, expert = _tile(block_expert_ptr, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n, expert = program_tile(block_expert_ptr, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if expert < 0:
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -258,9 +192,9 @@ def _dgrad_act_kernel(
         a_row = (p // top_k).to(tl.int64)
     else:
         a_row = srows
-    g, _unused = _mma(dout_ptr, a_row, row_ok, stride_dt, stride_dh, w_base, cols, cols, col_ok, stride_wn,
-                      stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_PRECISION, EVEN_K, w_desc, expert,
-                      pid_n * BLOCK_N, pid_n * BLOCK_N, W_TMA, W_KMAJOR, a_desc, srow0, A_TMA)
+    g, _unused = routed_mma(dout_ptr, a_row, row_ok, stride_dt, stride_dh, w_base, cols, cols, col_ok, stride_wn,
+                            stride_wk, K, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_PRECISION, EVEN_K, w_desc, expert,
+                            pid_n * BLOCK_N, pid_n * BLOCK_N, W_TMA, W_KMAJOR, a_desc, srow0, A_TMA)
 
     rw = tl.load(route_w_ptr + (p // top_k).to(tl.int64) * stride_rt + (p % top_k) * stride_rk,
                  mask=row_ok, other=0.0).to(tl.float32)
@@ -285,7 +219,7 @@ def _dgrad_act_kernel(
         tl.store(part_ptr + p.to(tl.int64) * stride_qm + pid_n * stride_qn, part, mask=row_ok)
 
 
-@_jit
+@jit
 def _gate_grad_kernel(
     g_ptr, pre_ptr, route_w_ptr, dpre_ptr, part_ptr, pair_ids_ptr, block_expert_ptr, shift_ptr,
     num_pairs, top_k, N, block_m, alpha, limit, group_cols,
@@ -333,7 +267,7 @@ def _gate_grad_kernel(
         tl.store(part_ptr + p.to(tl.int64) * stride_qm + tl.program_id(1) * stride_qn, part, mask=row_ok)
 
 
-@_jit
+@jit
 def _route_grad_kernel(
     part_ptr, dout_ptr, bias_ptr, ids_ptr, out_ptr, num_pairs, top_k, num_experts, H, num_parts,
     stride_qm, stride_qn, stride_dt, stride_dh, stride_be, stride_bh, stride_it, stride_ik,
@@ -363,7 +297,7 @@ def _route_grad_kernel(
     tl.store(out_ptr + t * stride_ot + j * stride_ok, tl.where(use, acc, 0.0).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@_jit
+@jit
 def _moe_wgrad(
     l_ptr, r_ptr, route_w_ptr, out_ptr, bias_out_ptr, pair_ids_ptr, pstart_ptr, count_ptr, shift_ptr,
     top_k, M, N,
@@ -447,7 +381,7 @@ def clamp_ties() -> tuple[bool, bool, bool]:
     return bool(dg == 1), bool(du[0] == 1), bool(du[1] == 1)
 
 
-clamp_ties = F.traced_constant(clamp_ties)
+clamp_ties = traced_constant(clamp_ties)
 
 
 def _oi_strides(w: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
@@ -482,7 +416,7 @@ def _sm90(device_index: int) -> bool:
     return torch.version.cuda is not None and torch.cuda.get_device_capability(device_index)[0] == 9
 
 
-_sm90 = F.traced_constant(_sm90)
+_sm90 = traced_constant(_sm90)
 
 
 def grouped_mm_wgrad_default(x: torch.Tensor, n1: int, i: int) -> bool:
@@ -708,7 +642,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
     # tuning run passes configs. (The backward's host work was 162 us a call on the 2-core
     # box with every launch stubbed, ~40 of them picking configs; an eager MoE training step
     # at T <= 4096 waits on its host on the H200.)
-    traced = F._dynamo_tracing()  # no memo: see .launch.traced_launch
+    traced = dynamo_tracing()  # no memo: see .launch.traced_launch
     spec = None if configs or traced else (fwd_spec or F.spec_of(x, ids, rw, w1, b1, w2, b2, activation, gated,
                                                                   transposed, interleaved, alpha, limit),
                                            F.spec_of(dout), tuple(want), saved.pre.dtype)
@@ -803,7 +737,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
 
     def gate_options() -> dict[str, Any]:  # the gate's constexprs (a launch's static part)
         ties = clamp_ties()
-        return dict(GATED=gated, INTERLEAVED=gated and interleaved, ACT=F.ACT_IDS[activation], HAS_LIMIT=finite,
+        return dict(GATED=gated, INTERLEAVED=gated and interleaved, ACT=ACT_IDS[activation], HAS_LIMIT=finite,
                     GATE_TIE=ties[0], UP_LO_TIE=ties[1], UP_HI_TIE=ties[2], WRITE_DPRE=need_dpre,
                     ROUTE_GRAD=need_rw)
 
@@ -819,16 +753,16 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             a2 = F.sorted_rows(dout, rw, sorted_pair_ids, block_expert, tables, k, False, key("dout rows"))
             ties = clamp_ties()
             G1.dgrad2(a2, F._nk_view(w2, not transposed), saved.pre, rw, d_pre, part, sorted_pair_ids, block_expert,
-                      tables[4], used, s, k, F.ACT_IDS[activation], alpha, limit, ties, pingpong=pp2,
+                      tables[4], used, s, k, ACT_IDS[activation], alpha, limit, ties, pingpong=pp2,
                       spec=key("dgrad2"))
         elif need_dpre or need_rw:
             c = cfg["dgrad2"]
             split = bool(c.get("SPLIT", 0))
             # the split gate pass's columns in GATE_GROUPS groups, a program each per row
             # slice (more programs in flight; one partial sum per group): a tuning key
-            gate_n = min(c.get("GATE_N", 256), F.next_pow2(i))
-            group_cols = max(gate_n, F.cdiv(F.cdiv(i, c.get("GATE_GROUPS", 1)), gate_n) * gate_n)
-            nnb = max(1, F.cdiv(i, group_cols)) if split else F.cdiv(i, c["BLOCK_N"])
+            gate_n = min(c.get("GATE_N", 256), next_pow2(i))
+            group_cols = max(gate_n, cdiv(cdiv(i, c.get("GATE_GROUPS", 1)), gate_n) * gate_n)
+            nnb = max(1, cdiv(i, group_cols)) if split else cdiv(i, c["BLOCK_N"])
             d_pre = F._new_buffer((s, n1), x.dtype, dev) if need_dpre else saved.act  # sorted rows
             part = F._new_buffer((s, nnb), torch.float32, dev) if need_rw else saved.act
             w_nk = F._nk_view(w2, not transposed)  # down seen as (E, I, H)
@@ -853,7 +787,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                     F.launch_gemm(c, a=a2, w_nk=w_nk, bias=None, rw=rw, out=g, pre=None,
                                   sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, shift=tables[4],
                                   top_k=k, n=i, k=h,
-                                  gather=not pregather, routed=False, act=_IDENTITY, spec=key("dgrad2"),
+                                  gather=not pregather, routed=False, act=IDENTITY, spec=key("dgrad2"),
                                   used=used)
                 # the gate's pass: BLOCK_R rows (a power of 2 dividing BLOCK_M) x BLOCK_N
                 # columns a step, over the columns of one of GATE_GROUPS groups (grid: row
@@ -903,11 +837,11 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                             site, opts)
         if need_rw:
             drw = F._new_buffer(tuple(rw.shape), rw.dtype, dev)
-            bp, bh = 32, min(128, F.next_pow2(h))
+            bp, bh = 32, min(128, next_pow2(h))
             bias = b2 if b2 is not None else w2  # a valid pointer, never read
             site = key("route grad")
             grid, tail, opts = _static(site, lambda: (
-                (F.cdiv(s, bp),),
+                (cdiv(s, bp),),
                 (s, k, e, h, nnb, part.stride(0), part.stride(-1), dout.stride(0), dout.stride(1), bias.stride(0),
                  bias.stride(-1), ids.stride(0), ids.stride(1), drw.stride(0), drw.stride(1)),
                 dict(BLOCK_P=bp, BLOCK_H=bh, HAS_BIAS=b2 is not None, num_warps=4)))
@@ -927,7 +861,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                 F.launch_gemm(cfg["dgrad1"], a=d_pre, w_nk=F._nk_view(w1, not transposed), bias=None,
                               rw=rw, out=pairs, pre=None, sorted_pair_ids=sorted_pair_ids,
                               block_expert=block_expert, shift=tables[4], top_k=k, n=h, k=n1, gather=False, routed=True,
-                              scaled=False, act=_IDENTITY, spec=key("dgrad1"), used=used)
+                              scaled=False, act=IDENTITY, spec=key("dgrad1"), used=used)
                 F.combine(pairs, ids, dx, e, cfg["combine"], spec=key("combine"))
             out[0] = dx
 
@@ -982,8 +916,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
 
                 def wgrad_static() -> tuple[Any, ...]:
                     so = _oi_strides(dw, transposed) if dw is not None else (0, 0, 0)
-                    nn = F.cdiv(n, c["BLOCK_N"]) if weight else 1
-                    return ((F.cdiv(m, c["BLOCK_M"]) * nn, e),
+                    nn = cdiv(n, c["BLOCK_N"]) if weight else 1
+                    return ((cdiv(m, c["BLOCK_M"]) * nn, e),
                             (k, m, n, lhs.stride(0), lhs.stride(1), rhs.stride(0), rhs.stride(1), rw.stride(0),
                              rw.stride(1), so[0], so[1], so[2], dob.stride(0), dob.stride(-1)),
                             dict(BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], L_GATHER=l_gather,

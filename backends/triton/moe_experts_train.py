@@ -46,6 +46,9 @@ from opreg.ops import moe_experts as M
 
 from . import moe_experts as F
 from . import moe_experts_backward as B
+from .launch import dynamo_tracing
+from .moe_routing import routing_size, routing_views
+from .moe_tiles import interpreting
 
 __all__ = ["GLUON_TRAINING_OPS", "INLINE_KERNELS", "TRACED_MIN_FLOPS", "fused_trains", "inline_forward", "runs_fused",
            "traced_host_bound", "train"]
@@ -63,7 +66,7 @@ def _layout(x: Tensor, ids: Tensor, w1: Tensor, gated: bool, transposed: bool
     if s == 0 or h == 0:
         return None
     bm = _block_m(x, ids, w1, gated, transposed)
-    return s, F.routing_size(s, e, bm), i, n1
+    return s, routing_size(s, e, bm), i, n1
 
 
 # The two ops are defined on a Library of their own, not with torch.library.custom_op: in a
@@ -143,7 +146,7 @@ def _fused_backward(grad: Tensor, hidden_states: Tensor, top_k_index: Tensor, to
     if act.shape[0] > 0:  # else nothing was saved: no slot, or H = 0 (every gradient 0)
         s, e = ids.shape[0] * ids.shape[1], w1.shape[0]
         bm = _block_m(x, ids, w1, gated, transposed)
-        spi, block_expert, tables = F.routing_views(routing, s, e, bm)
+        spi, block_expert, tables = routing_views(routing, s, e, bm)
         saved = F.Saved(spi, block_expert, tables, act, pre, {"gemm1": {"BLOCK_M": bm}}, routing,
                         rows if rows.shape[0] > 0 else None)
     grads = B.fused_experts_backward(grad, x, ids, top_k_weights, w1, gate_up_bias, down_proj, down_bias,
@@ -336,7 +339,7 @@ INLINE_KERNELS = True
 def _inlines() -> bool:
     """:data:`INLINE_KERNELS`, where Dynamo can trace the launches: not under Triton's
     interpreter (its kernels are no ``JITFunction``: the custom ops run them there)."""
-    return INLINE_KERNELS and not F.interpreting()
+    return INLINE_KERNELS and not interpreting()
 
 
 def inline_forward(*args: Any) -> Optional[Tensor]:
@@ -344,7 +347,7 @@ def inline_forward(*args: Any) -> Optional[Tensor]:
     fused forward's kernels in the graph (:data:`INLINE_KERNELS`), where the op would run its
     ``triton`` implementation on these inputs with static sizes and no Gluon kernel
     (:func:`_eager_gluon`); else None (the caller puts the op in the graph, one node)."""
-    if not (F._dynamo_tracing() and _inlines()):
+    if not (dynamo_tracing() and _inlines()):
         return None
     x = args[0]
     if any(isinstance(d, torch.SymInt) for t in (x, args[1]) for d in t.shape):

@@ -119,8 +119,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from opreg.backends.triton.launch import launch
 # the Triton GEMM1's tile order and gate, and the gate's backward of the Triton dgrad2's
 # epilogue (Triton functions: Gluon calls them as they are)
-from opreg.backends.triton.moe_experts import _gate, _tile_of
-from opreg.backends.triton.moe_experts_backward import _gate_grad
+from opreg.backends.triton.moe_tiles import gate_tile, gate_tile_grad, tile_of
 
 __all__ = ["COALESCE", "GEMM2_BLOCK_N", "GEMM2_PP_BLOCK_N", "GEMM2_PP_STAGES", "GEMM2_STAGES", "PP_STAGES", "STAGES",
            "dgrad2", "gemm1", "gemm2", "unfit", "unfit2", "unfit_dgrad2"]
@@ -228,9 +227,9 @@ def _epilogue(acc_g, acc_u, buf, prow, col, expert, act_ptr, pre_ptr, pair_ids_p
         else:
             gl.store(pre_ptr + srows * stride_pre + c, pg, mask=mask)
             gl.store(pre_ptr + srows * stride_pre + (c + NI), pu, mask=mask)
-        y = _gate(pg.to(gl.float32), pu.to(gl.float32), alpha, limit, True, ACT, HAS_LIMIT)
+        y = gate_tile(pg.to(gl.float32), pu.to(gl.float32), alpha, limit, True, ACT, HAS_LIMIT)
     else:
-        y = _gate(acc_g, acc_u, alpha, limit, True, ACT, HAS_LIMIT)
+        y = gate_tile(acc_g, acc_u, alpha, limit, True, ACT, HAS_LIMIT)
     if COALESCE:
         _staged_store(buf, y.to(gl.bfloat16), act_ptr + srows * stride_act + c, mask, out_layout)
     else:
@@ -299,8 +298,8 @@ def _dgrad_epilogue(acc, buf, row0, pid_n, expert, dpre_ptr, pre_ptr, part_ptr, 
         pre_rows = pre_ptr + srows * stride_pre
         p0 = gl.load(pre_rows + c, mask=mask, other=0.0).to(gl.float32)
         p1 = gl.load(pre_rows + (c + NI), mask=mask, other=0.0).to(gl.float32)
-        d0, d1, y = _gate_grad(p0, p1, g * gl.expand_dims(rw, 1), alpha, limit, True, ACT, HAS_LIMIT, GATE_TIE,
-                               UP_LO_TIE, UP_HI_TIE)
+        d0, d1, y = gate_tile_grad(p0, p1, g * gl.expand_dims(rw, 1), alpha, limit, True, ACT, HAS_LIMIT, GATE_TIE,
+                                   UP_LO_TIE, UP_HI_TIE)
         if WRITE_DPRE:
             d_rows = dpre_ptr + srows * stride_dpre
             gl.store(d_rows + c, d0.to(gl.bfloat16), mask=mask)
@@ -332,7 +331,7 @@ def _tma_loader(a_desc, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, block_expe
     nbytes: gl.constexpr = a_desc.block_type.nbytes + (2 if GATED else 1) * w_desc.block_type.nbytes
     g = 0  # k-steps issued over all of this program's tiles
     for i in range(n_local):
-        pid_m, pid_n, expert = _tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, GROUP_M)
+        pid_m, pid_n, expert = tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, GROUP_M)
         srow0 = pid_m * BM + gl.load(shift_ptr + expert)  # the tile's first sorted row
         wrow = expert * N1 + pid_n * BN  # its (gate) columns' first row of W (E * N1, K)
         for kb in range(K // BK):
@@ -375,7 +374,7 @@ def _gather_loader(x_ptr, stride_x, w_desc, a_bufs, g_bufs, u_bufs, ready, empty
     nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes
     g = 0  # k-steps issued over all of this program's tiles
     for i in range(n_local):
-        pid_m, pid_n, expert = _tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, GROUP_M)
+        pid_m, pid_n, expert = tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, GROUP_M)
         wrow = expert * N1 + pid_n * BN
         # the tile's token rows, a round of 32 rows each (int32: kept, the pointers made per round)
         r0 = pid_m * BM + rr
@@ -444,7 +443,7 @@ def _coop_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, act_ptr, pre_ptr
     ksteps = K // BK
     g = 0
     for i in range(n_local):
-        pid_m, pid_n, expert = _tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, GROUP_M)
+        pid_m, pid_n, expert = tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, GROUP_M)
         acc_g = gl.zeros([HM, BN], gl.float32, acc_layout)
         if GATED:
             acc_u = gl.zeros([HM, BN], gl.float32, acc_layout)
@@ -508,7 +507,7 @@ def _pp_consumer(a_bufs, g_bufs, u_bufs, o_buf, ready, empty, order, act_ptr, pr
     ksteps = K // BK
     for i in range(n_local):
         if i % 2 == WHICH:
-            pid_m, pid_n, expert = _tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, GROUP_M)
+            pid_m, pid_n, expert = tile_of(pid + i * nprog, block_expert_ptr, used_m, tiles_n, GROUP_M)
             g = i * ksteps  # every tile has K // BK steps: tile i's first ring position
             # Start this tile's MMAs only once the other consumer has issued all of tile i - 1's
             # (its epilogue then runs under ours), which also keeps this consumer within one

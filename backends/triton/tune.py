@@ -47,6 +47,7 @@ from opreg.ops import moe_experts_grouped as G
 from opreg.testing.timing import graph_us, median_us
 
 from . import moe_experts as fused
+from . import moe_tiles
 
 # name: (experts, hidden, intermediate, top-k): the configs of issue 18's table.
 SHAPES = {"mixtral": (8, 2048, 4096, 2), "qwen3_moe": (128, 2048, 768, 8), "olmoe": (64, 2048, 1024, 8)}
@@ -134,9 +135,9 @@ def _compiled(fn: Callable[[], Any]) -> Optional[Callable[[], Any]]:
     warp-specialized loop: "PassManager::run failed"); said on stdout."""
     try:
         fn()
-    except fused.triton.runtime.errors.OutOfResources:
+    except moe_tiles.triton.runtime.errors.OutOfResources:
         return None
-    except (fused.triton.compiler.errors.CompilationError, RuntimeError) as e:
+    except (moe_tiles.triton.compiler.errors.CompilationError, RuntimeError) as e:
         print(f"  a candidate did not compile ({type(e).__name__}: {str(e).splitlines()[0][:160]}): skipped",
               flush=True)
         return None
@@ -513,8 +514,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         f"grouped kernels' at {_tokens(GROUPED_TOKENS)} tokens; --tokens and --backward do not "
                         "apply)")
     a = p.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() and not fused.interpreting() else "cpu"
-    if device == "cpu" and not fused.interpreting():
+    device = "cuda" if torch.cuda.is_available() and not moe_tiles.interpreting() else "cpu"
+    if device == "cpu" and not moe_tiles.interpreting():
         p.error("tuning needs a CUDA GPU (or TRITON_INTERPRET=1, for tests: its times mean nothing)")
     dtype = getattr(torch, a.dtype)
     shapes = [SHAPES[s] if s in SHAPES else tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
@@ -524,8 +525,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "(moe_experts.decodes), not the GEMMs tuned here: --decode tunes those")
     if a.decode and a.backward:
         p.error("--decode tunes a forward of one token: --backward does not apply")
-    if fused._NO_TRITON is not None:
-        p.error(fused._NO_TRITON)
+    if moe_tiles.NO_TRITON is not None:
+        p.error(moe_tiles.NO_TRITON)
     with open(a.out if os.path.exists(a.out) else fused.CONFIG_FILE) as f:  # update it, or start from ours
         table = json.load(f)
     # The first op call may build opreg's kernel libraries (~40 s): not out of the budget.
@@ -595,7 +596,7 @@ def _write(table: dict[str, Any], out: str, device: str, argv: Optional[list[str
     run = f"python -m opreg tune moe_experts {' '.join(args)}".rstrip() + f" ({today})"
     before = table.get("tuned_on", {}).get("command")
     table["tuned_on"] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
-                         "torch": torch.__version__, "triton": getattr(fused.triton, "__version__", None),
+                         "torch": torch.__version__, "triton": getattr(moe_tiles.triton, "__version__", None),
                          "date": today, "command": f"{run}; before it: {before}" if before else run}
     with open(out, "w") as f:
         json.dump(table, f, indent=2)
