@@ -16,7 +16,7 @@ per-expert body run on each expert's contiguous slice, one ``opreg::scatter_comb
 
 The proof (:func:`prove`): the body is straight-line: the optional unpack and guards, one
 ``where``, assignments, one ``index_add_(0, token, value)`` into ``final``, fresh zeros
-(:func:`~opreg.loops.idiom.prove_fresh`). Every assignment is row-wise (:class:`_Rows`:
+(:func:`~opreg.loops.idiom.prove_fresh`). Every assignment is row-wise (:class:`Rows`:
 row ``r`` of a value depends only on row ``r`` of the gathered rows and on values that
 don't change in the loop): linear maps and matmuls by loop-invariant weights, elementwise
 functions, column slices, gathers by the where's own indices, and calls of loop-invariant
@@ -46,7 +46,7 @@ import torch
 
 from .._log import log_once, logger
 from ..ops.scatter_combine import unsupported
-from .rowwise import PARAM, ROW, _method, _rowwise, _Rows, _src, _stored
+from .rowwise import PARAM, ROW, Rows, is_rowwise, method_name, stored_names, unparsed
 from .idiom import (
     LoopIdiom,
     LoopSite,
@@ -68,7 +68,7 @@ OP = "opreg::scatter_combine"
 def candidate(loop: ast.For) -> bool:
     """A loop whose body ends in ``<name>.index_add_(...)``: worth a finding."""
     last = loop.body[-1]
-    return isinstance(last, ast.Expr) and _method(last.value) == "index_add_"
+    return isinstance(last, ast.Expr) and method_name(last.value) == "index_add_"
 
 
 def _is_continue_if(s: ast.stmt) -> bool:
@@ -93,7 +93,7 @@ def _skip_empty(s: ast.stmt, names: tuple[str, str]) -> bool:
     if not (isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq)
             and isinstance(t.comparators[0], ast.Constant) and t.comparators[0].value == 0):
         return False
-    return _src(t.left) in {f for n in names for f in (f"{n}.numel()", f"len({n})", f"{n}.shape[0]",
+    return unparsed(t.left) in {f for n in names for f in (f"{n}.numel()", f"len({n})", f"{n}.shape[0]",
                                                        f"{n}.size(0)")}
 
 
@@ -108,19 +108,19 @@ def _where(site: LoopSite, s: ast.stmt, var: str) -> tuple[tuple[str, str], str,
     tuple_kw = [k for k in call.keywords if k.arg == "as_tuple"]
     if fn is torch.where and len(call.args) == 1 and not call.keywords or fn is torch.nonzero and len(call.args) == 1 and _true(tuple_kw, call):
         cond = call.args[0]
-    elif _method(call) == "nonzero" and not call.args and _true(tuple_kw, call):
+    elif method_name(call) == "nonzero" and not call.args and _true(tuple_kw, call):
         cond = call.func.value  # type: ignore[attr-defined]
     else:
-        raise Reject(f"{_src(call)} is not torch.where(mask) or nonzero(as_tuple=True)")
+        raise Reject(f"{unparsed(call)} is not torch.where(mask) or nonzero(as_tuple=True)")
     if isinstance(cond, ast.Subscript) and isinstance(cond.slice, ast.Name) and cond.slice.id == var:
         form, mask = "mask", cond.value
     elif isinstance(cond, ast.Compare) and len(cond.ops) == 1 and isinstance(cond.ops[0], ast.Eq) \
-            and var in (_src(cond.left), _src(cond.comparators[0])):
-        form, mask = "eq", cond.comparators[0] if _src(cond.left) == var else cond.left
+            and var in (unparsed(cond.left), unparsed(cond.comparators[0])):
+        form, mask = "eq", cond.comparators[0] if unparsed(cond.left) == var else cond.left
     else:
-        raise Reject(f"{_src(cond)} is not mask[e] or (ids == e)")
+        raise Reject(f"{unparsed(cond)} is not mask[e] or (ids == e)")
     if var in names_in(mask) or not isinstance(mask, (ast.Name, ast.Attribute)):
-        raise Reject(f"{_src(mask)}: the mask must be a loop-invariant name")
+        raise Reject(f"{unparsed(mask)}: the mask must be a loop-invariant name")
     return names, form, mask  # type: ignore[return-value]
 
 
@@ -138,8 +138,8 @@ def _combine(stmt: ast.stmt, names: tuple[str, str]) -> tuple[str, int, ast.expr
             and isinstance(call.args[1], ast.Name) and call.args[1].id in names):
         raise Reject("the combine is not final.index_add_(0, token_idx, value) with token_idx from the where")
     value, cast = call.args[2], False
-    if _method(value) == "to" and len(value.args) == 1 and not value.keywords \
-            and _src(value.args[0]) == f"{final.id}.dtype":
+    if method_name(value) == "to" and len(value.args) == 1 and not value.keywords \
+            and unparsed(value.args[0]) == f"{final.id}.dtype":
         value, cast = value.func.value, True
     return final.id, names.index(call.args[1].id), value, cast
 
@@ -162,21 +162,21 @@ UNPACKS = {"": "{s}[-1]", "index": "{s}[-1][0]", "item": "{s}[-1].item()"}
 def _head(site: LoopSite, var: str) -> tuple[list[ast.stmt], str, ast.expr | None]:
     body, unpack, skip = list(site.loop.body), "", None
     first = body[0]
-    if isinstance(first, ast.Assign) and len(first.targets) == 1 and _src(first.targets[0]) == var:
-        unpack = {f"{var}[0]": "index", f"{var}.item()": "item"}.get(_src(first.value), "")
+    if isinstance(first, ast.Assign) and len(first.targets) == 1 and unparsed(first.targets[0]) == var:
+        unpack = {f"{var}[0]": "index", f"{var}.item()": "item"}.get(unparsed(first.value), "")
         body = body[1:] if unpack else body
-    if body and _skip_id(body[0], var) is not None and not names_in(_skip_id(body[0], var)) & _stored(body):
+    if body and _skip_id(body[0], var) is not None and not names_in(_skip_id(body[0], var)) & stored_names(body):
         skip, body = _skip_id(body[0], var), body[1:]
     return body, unpack, skip
 
 
 def _body_def(site: LoopSite, var: str, names: tuple[str, str], stmts: list[ast.stmt],
-              value: ast.expr, rows: _Rows) -> ast.FunctionDef:
+              value: ast.expr, rows: Rows) -> ast.FunctionDef:
     """def _opreg_eb(var, a, b): <stmts>; return (hidden, gates) or (value, None)."""
     last = stmts[-1] if stmts else None
     if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult):
         ret = [value.left, value.right]
-    elif isinstance(value, ast.Name) and isinstance(last, ast.Assign) and _src(last.targets[0]) == value.id \
+    elif isinstance(value, ast.Name) and isinstance(last, ast.Assign) and unparsed(last.targets[0]) == value.id \
             and isinstance(last.value, ast.BinOp) and isinstance(last.value.op, ast.Mult):
         stmts, ret = stmts[:-1], [last.value.left, last.value.right]
     else:
@@ -192,18 +192,18 @@ def _body_def(site: LoopSite, var: str, names: tuple[str, str], stmts: list[ast.
 
 
 def _rowwise_body(site: LoopSite, var: str, names: tuple[str, str], final: str, mask: ast.expr,
-                  rest: list[ast.stmt], value: ast.expr) -> _Rows:
+                  rest: list[ast.stmt], value: ast.expr) -> Rows:
     """Prove every statement between the where and the combine row-wise (and the rest)."""
-    bound = _stored(site.loop.body) - {var}
+    bound = stored_names(site.loop.body) - {var}
     if len({var, final, *names}) != 4 or final in bound or final in names_in(mask):
         raise Reject("the loop variable, the where's indices and the output must be distinct names")
-    rows = _Rows(site.resolve, site.local, bound, {var: PARAM, names[0]: ROW, names[1]: ROW}, names)
+    rows = Rows(site.resolve, site.local, bound, {var: PARAM, names[0]: ROW, names[1]: ROW}, names)
     for s in rest:
         if final in names_in(s):
-            raise Reject(f"{_src(s)}: the body reads the output it accumulates into")
+            raise Reject(f"{unparsed(s)}: the body reads the output it accumulates into")
         rows.assign(s)
     if final in names_in(value) or rows.kind(value) != ROW:
-        raise Reject(f"{_src(value)}: the added value is not rows of the body")
+        raise Reject(f"{unparsed(value)}: the added value is not rows of the body")
     seen = _read_elsewhere(site, bound)
     if seen:
         raise Reject(f"{seen}, which the loop body binds, is used outside the loop")
@@ -298,7 +298,7 @@ def _all_rowwise(callables: Iterable[Any]) -> bool:
     """Are all the callables the body calls on rows row-wise? The first that isn't is
     named in the log, once."""
     for c in callables:
-        if not _rowwise(c):
+        if not is_rowwise(c):
             f = getattr(c, "__func__", c)
             name = getattr(f, "__qualname__", None) or type(c).__qualname__
             log_once(("not row-wise", name), logging.INFO, "opreg: expert loop: %s is not provably row-wise "

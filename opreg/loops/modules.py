@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from .registry import ModuleRewrite, registered_module_rewrites
-from .rewriter import _NO_SOURCE, LoopFinding, _rewrite, _warn_unavailable
+from .rewriter import NO_SOURCE, LoopFinding, try_rewrite, warn_unavailable
 
 __all__ = ["module_findings", "rewrite_loops", "user_functions"]
 
@@ -82,9 +82,9 @@ def rewrite_loops(model: torch.nn.Module) -> list[LoopFinding]:
             if _replaced(mod, name):
                 continue  # already replaced on this instance by someone
             if fn not in rewritten:
-                new, found, why = _rewrite(fn)
+                new, found, why = try_rewrite(fn)
                 rewritten[fn] = new
-                if new is None and why == _NO_SOURCE:
+                if new is None and why == NO_SOURCE:
                     unavailable.append(fn)
                 mine.extend(found)
             new = rewritten[fn]
@@ -94,5 +94,5 @@ def rewrite_loops(model: torch.nn.Module) -> list[LoopFinding]:
         mod._opreg_methods = tuple(n for n, v in vars(mod).items()  # type: ignore[assignment]
                                    if hasattr(getattr(v, "__func__", None), "__opreg_original__"))
         findings.extend(mine)
-    _warn_unavailable(unavailable)
+    warn_unavailable(unavailable)
     return findings

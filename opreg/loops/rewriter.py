@@ -33,10 +33,10 @@ from .idiom import NESTED_SCOPES, LoopIdiom, LoopSite, Plan, Reject
 from .registry import registered_loop_idioms
 from .wrappers import rebuild, wrapped
 
-__all__ = ["LoopFinding", "find_loops", "rewrite_function"]
+__all__ = ["NO_SOURCE", "LoopFinding", "find_loops", "rewrite_function", "try_rewrite", "warn_unavailable"]
 
 _warned: set[str] = set()
-_NO_SOURCE = "its source is not available (exec'd or compiled code)"
+NO_SOURCE = "its source is not available (exec'd or compiled code)"
 
 
 @dataclasses.dataclass
@@ -67,7 +67,7 @@ def _source_of(fn: Callable[..., Any]) -> tuple[ast.FunctionDef, str, list[str]]
         lines, first = inspect.getsourcelines(fn)
         file = inspect.getsourcefile(fn) or inspect.getfile(fn)
     except (OSError, TypeError):
-        return _NO_SOURCE
+        return NO_SOURCE
     try:
         tree = ast.parse(textwrap.dedent("".join(lines)))
     except SyntaxError:
@@ -318,7 +318,7 @@ def _compile(fn: Callable[..., Any], fn_def: ast.FunctionDef, file: str,
 
 def find_loops(fn: Callable[..., Any]) -> list[LoopFinding]:
     """The loops :func:`opreg.optimize` would rewrite in ``fn`` (matched) or leave (why)."""
-    return _rewrite(getattr(fn, "__opreg_original__", fn))[1]
+    return try_rewrite(getattr(fn, "__opreg_original__", fn))[1]
 
 
 def _left(findings: list[LoopFinding], why: str) -> list[LoopFinding]:
@@ -329,8 +329,8 @@ def _left(findings: list[LoopFinding], why: str) -> list[LoopFinding]:
     return findings
 
 
-def _rewrite(fn: Callable[..., Any], unwrapped: bool = False
-             ) -> tuple[Callable[..., Any] | None, list[LoopFinding], str]:
+def try_rewrite(fn: Callable[..., Any], unwrapped: bool = False
+                ) -> tuple[Callable[..., Any] | None, list[LoopFinding], str]:
     """(rewritten fn or None, findings, why not rewritten). ``unwrapped``: ``fn`` was
     reached through a wrapper's ``__wrapped__`` (its source's decorators are that wrapper,
     rebuilt by the caller)."""
@@ -338,9 +338,9 @@ def _rewrite(fn: Callable[..., Any], unwrapped: bool = False
         got_inner = wrapped(fn)
         if isinstance(got_inner, str):
             inner = inspect.unwrap(fn)
-            found = _rewrite(inner, unwrapped=True)[1] if isinstance(inner, types.FunctionType) else []
+            found = try_rewrite(inner, unwrapped=True)[1] if isinstance(inner, types.FunctionType) else []
             return None, _left(found, got_inner), got_inner
-        new_inner, found, why = _rewrite(got_inner[0], unwrapped=True)
+        new_inner, found, why = try_rewrite(got_inner[0], unwrapped=True)
         return (None if new_inner is None else rebuild(fn, got_inner[1], new_inner)), found, why
     if not _loops(fn, nested=True):
         # No for loop in its code or any code nested in it: nothing the scan could match
@@ -384,7 +384,7 @@ def _loops(fn: Callable[..., Any], nested: bool) -> bool:
     return False
 
 
-def _warn_unavailable(fns: list[Callable[..., Any]]) -> None:
+def warn_unavailable(fns: list[Callable[..., Any]]) -> None:
     """One warning per call for functions with loops but no source, never twice for the
     same function."""
     new = [f.__qualname__ for f in fns if f.__qualname__ not in _warned and _loops(f, nested=False)]
@@ -399,7 +399,7 @@ def _warn_unavailable(fns: list[Callable[..., Any]]) -> None:
 
 def rewrite_function(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[LoopFinding]]:
     """(a rewritten copy of ``fn``, or ``fn`` itself if nothing was rewritten; findings)."""
-    new, found, why = _rewrite(fn)
-    if new is None and why == _NO_SOURCE:
-        _warn_unavailable([fn])
+    new, found, why = try_rewrite(fn)
+    if new is None and why == NO_SOURCE:
+        warn_unavailable([fn])
     return new or fn, found

@@ -1,7 +1,7 @@
 """What "row-wise" means for the expert-loop idiom (:mod:`opreg.loops.experts`): row ``r``
 of a value depends only on row ``r`` of the gathered rows and on values that don't change in
-the loop. From the source (:class:`_Rows`, over a body's statements) and at run time for the
-callables a body calls (:func:`_rowwise`: modules and functions known or proven row-wise)."""
+the loop. From the source (:class:`Rows`, over a body's statements) and at run time for the
+callables a body calls (:func:`is_rowwise`: modules and functions known or proven row-wise)."""
 from __future__ import annotations
 
 import ast
@@ -20,6 +20,9 @@ from torch import nn
 from .idiom import Reject, value_of
 
 ROW, PARAM = "row", "param"
+
+__all__ = ["ELEMENTWISE", "HF_ACTIVATIONS", "MATMULS", "PARAM", "PARAM_METHODS", "ROW", "ROWWISE_MODULES", "ROW_ATTRS",
+           "ROW_METHODS", "Rows", "is_rowwise", "method_name", "stored_names", "unparsed"]
 
 ELEMENTWISE = {F.silu, F.gelu, F.relu, F.relu6, F.sigmoid, F.tanh, F.softplus, F.mish, F.elu,
                F.leaky_relu, F.hardswish, F.selu, torch.sigmoid, torch.tanh, torch.relu, torch.exp,
@@ -41,7 +44,7 @@ HF_ACTIVATIONS = {"SiLUActivation", "GELUActivation", "GELUTanh", "PytorchGELUTa
 
 # ===================================================================== row-wise proof
 
-class _Rows:
+class Rows:
     """Kinds of the body's values: ROW (row r depends only on the rows' row r) or PARAM
     (the same for every row: loop-invariant, the expert id, constants). ``callables``:
     loop-invariant things called on rows (checked at run time)."""
@@ -54,17 +57,17 @@ class _Rows:
 
     def assign(self, stmt: ast.stmt) -> None:
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
-            raise Reject(f"{_src(stmt)}: only plain assignments may come between the where and the index_add_")
+            raise Reject(f"{unparsed(stmt)}: only plain assignments may come between the where and the index_add_")
         target, kind = stmt.targets[0], self.kind(stmt.value)
         if isinstance(target, ast.Name):
             self.env[target.id] = kind
             if kind == PARAM:
                 self.defs[target.id] = stmt.value
         elif isinstance(target, ast.Tuple) and all(isinstance(t, ast.Name) for t in target.elts) \
-                and kind == ROW and _method(stmt.value) == "chunk":
+                and kind == ROW and method_name(stmt.value) == "chunk":
             self.env.update({t.id: ROW for t in target.elts})
         else:
-            raise Reject(f"{_src(stmt)}: assigns something other than names")
+            raise Reject(f"{unparsed(stmt)}: assigns something other than names")
 
     def _name(self, node: ast.Name) -> str:
         if node.id in self.env:
@@ -78,7 +81,7 @@ class _Rows:
             return PARAM if isinstance(node, ast.Constant) else self._name(node)
         if isinstance(node, ast.Attribute):
             if self.kind(node.value) == ROW and node.attr not in ROW_ATTRS:
-                raise Reject(f"{_src(node)} is not row-wise (it depends on all the rows)")
+                raise Reject(f"{unparsed(node)} is not row-wise (it depends on all the rows)")
             return PARAM
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
             return self.kind(node.operand)
@@ -88,16 +91,16 @@ class _Rows:
             return self._subscript(node)
         if isinstance(node, ast.Call):
             return self._call(node)
-        raise Reject(f"{_src(node)} is not a row-wise operation opreg knows")
+        raise Reject(f"{unparsed(node)} is not a row-wise operation opreg knows")
 
     def _binop(self, node: ast.BinOp) -> str:
         left, right = self.kind(node.left), self.kind(node.right)
         if isinstance(node.op, ast.MatMult):
             if right == ROW:
-                raise Reject(f"{_src(node)}: a matmul with rows on the right mixes rows")
+                raise Reject(f"{unparsed(node)}: a matmul with rows on the right mixes rows")
             return left
         if not isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Pow)):
-            raise Reject(f"{_src(node)} is not a row-wise operation opreg knows")
+            raise Reject(f"{unparsed(node)} is not a row-wise operation opreg knows")
         return ROW if ROW in (left, right) else PARAM
 
     def _parts(self, node: ast.Subscript) -> list[ast.expr]:
@@ -107,12 +110,12 @@ class _Rows:
         if isinstance(part, ast.Slice):
             for p in (part.lower, part.upper, part.step):
                 if p is not None and self.kind(p) == ROW:
-                    raise Reject(f"{_src(part)}: a slice bounded by row values")
+                    raise Reject(f"{unparsed(part)}: a slice bounded by row values")
             return PARAM
         if isinstance(part, ast.Name) and part.id in self.index:
             return ROW
         if self.kind(part) == ROW:
-            raise Reject(f"{_src(part)}: rows indexed by computed values")
+            raise Reject(f"{unparsed(part)}: rows indexed by computed values")
         return PARAM
 
     def _subscript(self, node: ast.Subscript) -> str:
@@ -121,49 +124,49 @@ class _Rows:
         if self.kind(node.value) == ROW:
             full = isinstance(parts[0], ast.Slice) and parts[0].lower is parts[0].upper is parts[0].step is None
             if not full or ROW in kinds:
-                raise Reject(f"{_src(node)}: only columns of rows may be selected (x[:, ...])")
+                raise Reject(f"{unparsed(node)}: only columns of rows may be selected (x[:, ...])")
             return ROW
         if ROW not in kinds:
             return PARAM
         if kinds[0] != ROW:
-            raise Reject(f"{_src(node)}: the gathered rows must be the first index")
+            raise Reject(f"{unparsed(node)}: the gathered rows must be the first index")
         return ROW
 
     def _call(self, node: ast.Call) -> str:
         args = [*node.args, *(k.value for k in node.keywords)]
         if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
-            raise Reject(f"{_src(node)}: *args/**kwargs")
+            raise Reject(f"{unparsed(node)}: *args/**kwargs")
         fn = value_of(node.func, self.local, self.resolve)
         if fn is not None and any(fn is f for f in ELEMENTWISE | MATMULS):
             kinds = [self.kind(a) for a in args]
             if kinds[:1] != [ROW] or ROW in kinds[1:]:
-                raise Reject(f"{_src(node)}: rows only as the first argument")
+                raise Reject(f"{unparsed(node)}: rows only as the first argument")
             return ROW
         if isinstance(node.func, ast.Attribute) and self.kind(node.func.value) == ROW:
             return self._row_method(node, args)
         if fn is not None and not isinstance(fn, nn.Module) and not inspect.ismethod(fn):
-            raise Reject(f"{_src(node.func)} is not a function opreg knows to be row-wise")
+            raise Reject(f"{unparsed(node.func)} is not a function opreg knows to be row-wise")
         kinds = [self.kind(a) for a in args]
         if self.kind(node.func) != PARAM:
-            raise Reject(f"{_src(node)} is not row-wise")
+            raise Reject(f"{unparsed(node)} is not row-wise")
         if ROW not in kinds:
-            if _method(node) in PARAM_METHODS:
+            if method_name(node) in PARAM_METHODS:
                 return PARAM
-            raise Reject(f"{_src(node)}: a call that could have side effects")
+            raise Reject(f"{unparsed(node)}: a call that could have side effects")
         if len(node.args) != 1 or node.keywords:
-            raise Reject(f"{_src(node)}: a loop-invariant callable called with more than the rows")
+            raise Reject(f"{unparsed(node)}: a loop-invariant callable called with more than the rows")
         self.callables.append(self._expand(node.func))
         return ROW
 
     def _row_method(self, node: ast.Call, args: list[ast.expr]) -> str:
         name = node.func.attr  # type: ignore[attr-defined]
         if name not in ROW_METHODS:
-            raise Reject(f"{_src(node)}: .{name}() is not a row-wise operation opreg knows")
+            raise Reject(f"{unparsed(node)}: .{name}() is not a row-wise operation opreg knows")
         if name == "chunk":
             dims = node.args[1:] + [k.value for k in node.keywords if k.arg == "dim"]
             if len(dims) != 1 or not (isinstance(dims[0], ast.UnaryOp) or isinstance(dims[0], ast.Constant)) \
                     or ast.literal_eval(dims[0]) not in (-1, 1):
-                raise Reject(f"{_src(node)}: chunks other than along the columns (dim=-1)")
+                raise Reject(f"{unparsed(node)}: chunks other than along the columns (dim=-1)")
         for a in args:
             self.kind(a)
         return ROW
@@ -180,15 +183,18 @@ class _Rows:
         return node
 
 
-def _src(node: ast.AST) -> str:
+def unparsed(node: ast.AST) -> str:
+    """``node`` as source text (what a rejection quotes)."""
     return ast.unparse(node)
 
 
-def _method(node: ast.expr) -> str:
+def method_name(node: ast.expr) -> str:
+    """The method a call ``x.name(...)`` calls, or "" for any other expression."""
     return node.func.attr if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else ""
 
 
-def _stored(nodes: list[ast.stmt]) -> set[str]:
+def stored_names(nodes: list[ast.stmt]) -> set[str]:
+    """Every name the statements assign (at any depth)."""
     return {n.id for s in nodes for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
 
 
@@ -210,8 +216,8 @@ def _forward_rowwise(cls: type) -> tuple[str, ...] | None:
     body = [s for s in tree.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     self_, x = a.args[0].arg, a.args[1].arg
     g = fwd.__globals__
-    rows = _Rows(lambda n: g[n] if n in g else getattr(builtins, n, None), frozenset(_stored(body) | {self_, x}),
-                 _stored(body), {x: ROW, self_: PARAM}, ())
+    rows = Rows(lambda n: g[n] if n in g else getattr(builtins, n, None), frozenset(stored_names(body) | {self_, x}),
+                stored_names(body), {x: ROW, self_: PARAM}, ())
     try:
         for s in body[:-1]:
             rows.assign(s)
@@ -220,11 +226,11 @@ def _forward_rowwise(cls: type) -> tuple[str, ...] | None:
             return None
     except Reject:
         return None
-    calls = [c.attr for c in rows.callables if isinstance(c, ast.Attribute) and _src(c.value) == self_]
+    calls = [c.attr for c in rows.callables if isinstance(c, ast.Attribute) and unparsed(c.value) == self_]
     return tuple(calls) if len(calls) == len(rows.callables) else None
 
 
-def _rowwise(m: Any, depth: int = 0) -> bool:
+def is_rowwise(m: Any, depth: int = 0) -> bool:
     """Is calling ``m`` on rows row-wise (module or function)?"""
     if not isinstance(m, nn.Module):
         return any(m is f for f in ELEMENTWISE)
@@ -234,8 +240,8 @@ def _rowwise(m: Any, depth: int = 0) -> bool:
     if t in ROWWISE_MODULES or (t.__module__ == "transformers.activations" and t.__name__ in HF_ACTIVATIONS):
         return True
     if t is nn.Sequential:
-        return all(_rowwise(c, depth + 1) for c in m)
+        return all(is_rowwise(c, depth + 1) for c in m)
     if t is nn.Dropout:
         return not m.training or m.p == 0
     calls = _forward_rowwise(t)
-    return calls is not None and all(_rowwise(getattr(m, c, None), depth + 1) for c in calls)
+    return calls is not None and all(is_rowwise(getattr(m, c, None), depth + 1) for c in calls)
