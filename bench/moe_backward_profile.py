@@ -90,8 +90,8 @@ def main() -> None:
                 print(f"  GEMM1's dgrad on {path}: fused fwd+bwd {us:.0f} us (default: {d1})", flush=True)
             # the gate's backward pass (split) alone, per tile shape: its device time under the
             # profiler (a kernel of ~100-200 us at T = 4096, below the step's run-to-run spread)
-            base2 = B._configs(t * k / e, torch.bfloat16, fused.pick_config("gemm1", t * k / e, n1, h,
-                               torch.bfloat16)["BLOCK_M"], n1, h, n1 // 2, {})["dgrad2"]
+            base2 = B.backward_configs(t * k / e, torch.bfloat16, fused.pick_config("gemm1", t * k / e, n1, h,
+                                       torch.bfloat16)["BLOCK_M"], n1, h, n1 // 2, {})["dgrad2"]
             for gr, gn, gw, gg in GATE_TILES:
                 c2 = {"dgrad2": {**base2, "SPLIT": 1, "GATE_R": gr, "GATE_N": gn, "GATE_WARPS": gw,
                                  "GATE_GROUPS": gg}}

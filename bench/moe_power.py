@@ -80,7 +80,7 @@ def main() -> None:
     for name in a.configs:
         e, h, i, k = tune.SHAPES[name]
         args = tune.inputs(e, h, i, k, a.tokens, torch.bfloat16, "cuda")
-        table = F._configs({}, a.tokens * k / e, 2 * i, h, i, k, torch.bfloat16)
+        table = F.forward_configs({}, a.tokens * k / e, 2 * i, h, i, k, torch.bfloat16)
         cands = candidates(table, variants)
         want = F.fused_experts_forward(*args, configs=cands["table"])
         calls = {}

@@ -298,14 +298,14 @@ def test_cuda_gluon_gemm1_forward(gate: str, shape: str, gluon: int, coalesce: b
                                      "nan")
     want = M.reference(*tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                               for a in ref_args))
-    old = TM._new_buffer
-    TM._new_buffer = _nan_buffer
+    old = TM.new_buffer
+    TM.new_buffer = _nan_buffer
     try:
         got = TM.fused_experts_forward(*args, configs=_gemm1_config(args, gluon))
         again = TM.fused_experts_forward(*args, configs=_gemm1_config(args, gluon))
         triton_path = TM.fused_experts_forward(*args, configs=_gemm1_config(args, 0))
     finally:
-        TM._new_buffer = old
+        TM.new_buffer = old
     assert_matches(got, want, torch.bfloat16)
     assert_matches(triton_path, want, torch.bfloat16)
     assert_matches(got, triton_path.double(), torch.bfloat16)
@@ -331,14 +331,14 @@ def test_cuda_gluon_gemm1_gathered(gate: str, shape: str, save: bool) -> None:
                               for a in ref_args))
     gathered = _gemm1_config(args, 2)
     gathered["gemm1"]["PREGATHER"] = 0
-    old = TM._new_buffer
-    TM._new_buffer = _nan_buffer
+    old = TM.new_buffer
+    TM.new_buffer = _nan_buffer
     try:
         got = TM.fused_experts_forward(*args, configs=gathered, save=save)
         again = TM.fused_experts_forward(*args, configs=gathered, save=save)
         sorted_copy = TM.fused_experts_forward(*args, configs=_gemm1_config(args, 2), save=save)
     finally:
-        TM._new_buffer = old
+        TM.new_buffer = old
     if save:
         (got, saved), (again, _), (sorted_copy, saved_copy) = got, again, sorted_copy
         # bit for bit, the NaN-filled rows no pair writes too (torch.equal takes NaN != NaN)
@@ -373,14 +373,14 @@ def test_cuda_gluon_gemm2_forward(shape: str, rw_dtype: torch.dtype, gluon2: int
     want = M.reference(*tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                               for a in ref_args))
     gluon, triton_gemm2 = _gemm2_config(args, gluon1, gluon2), _gemm1_config(args, gluon1)
-    old = TM._new_buffer
-    TM._new_buffer = _nan_buffer
+    old = TM.new_buffer
+    TM.new_buffer = _nan_buffer
     try:
         got = TM.fused_experts_forward(*args, configs=gluon)
         again = TM.fused_experts_forward(*args, configs=gluon)
         triton_path = TM.fused_experts_forward(*args, configs=triton_gemm2)
     finally:
-        TM._new_buffer = old
+        TM.new_buffer = old
     assert_matches(got, want, torch.bfloat16)
     assert_matches(got, triton_path.double(), torch.bfloat16)
     assert torch.equal(got, again), "two runs differ"
@@ -462,7 +462,7 @@ def test_cuda_gluon_gemm1_default(save: bool, gemm2_device: bool, monkeypatch: p
     real, real2 = G.gemm1, G.gemm2
     monkeypatch.setattr(G, "gemm1", lambda *a, **kw: (calls.append(kw.get("pingpong", False)), real(*a, **kw))[1])
     monkeypatch.setattr(G, "gemm2", lambda *a, **kw: (calls2.append(kw.get("pingpong", False)), real2(*a, **kw))[1])
-    monkeypatch.setattr(TM, "_new_buffer", _nan_buffer)
+    monkeypatch.setattr(TM, "new_buffer", _nan_buffer)
     monkeypatch.setattr(TM, "GLUON_GEMM2_DEVICES", ("",) if gemm2_device else ("no such device",))
     monkeypatch.setattr(TM, "_CONFIGS", {})  # picked afresh under this rule
     rows = TM.GLUON_GEMM1_MIN_ROWS

@@ -98,7 +98,7 @@ def test_gluon_sizes_keep_the_op_one_node(monkeypatch: pytest.MonkeyPatch) -> No
     ``GLUON_GEMM1_MIN_ROWS`` rows per expert, a triton with Gluon), which the graph could only
     hold as the Triton GEMMs."""
     module = object()  # stands for moe_gemm1_gluon
-    monkeypatch.setattr(TM, "_gluon_gemm1", lambda: module)
+    monkeypatch.setattr(TM, "gluon_gemm1", lambda: module)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     rows = TM.GLUON_GEMM1_MIN_ROWS
     assert TR._eager_gluon("cuda", 0, "bfloat16", float(rows))
@@ -110,7 +110,7 @@ def test_gluon_sizes_keep_the_op_one_node(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (10, 0))
     assert not TR._eager_gluon("cuda", 0, "bfloat16", float(rows))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
-    monkeypatch.setattr(TM, "_gluon_gemm1", lambda: "triton has no Gluon (...)")
+    monkeypatch.setattr(TM, "gluon_gemm1", lambda: "triton has no Gluon (...)")
     assert not TR._eager_gluon("cuda", 0, "bfloat16", float(rows))
 
 
@@ -122,7 +122,7 @@ def test_gluon_wgrad_sizes_train_through_the_ops(monkeypatch: pytest.MonkeyPatch
     ``_eager_gluon``, only where a weight's gradient is wanted."""
     from opreg.backends.triton import tune
     monkeypatch.setattr(B, "_gluon_wgrad", lambda: object())  # stands for moe_wgrad_gluon
-    monkeypatch.setattr(B, "_sm90", lambda index: index == 0)
+    monkeypatch.setattr(B, "is_sm90", lambda index: index == 0)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     rows, h, n1, i = B.GLUON_WGRAD_MIN_ROWS, 2048, 1536, 768
     assert TR._eager_gluon_wgrad("cuda", 0, "bfloat16", float(rows), h, n1, i)
@@ -135,7 +135,7 @@ def test_gluon_wgrad_sizes_train_through_the_ops(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(B, "_gluon_wgrad", lambda: None)  # a triton without Gluon
     assert not TR._eager_gluon_wgrad("cuda", 0, "bfloat16", float(rows), h, n1, i)
     monkeypatch.setattr(B, "_gluon_wgrad", lambda: object())
-    monkeypatch.setattr(B, "_sm90", lambda index: False)
+    monkeypatch.setattr(B, "is_sm90", lambda index: False)
     assert not TR._eager_gluon_wgrad("cuda", 0, "bfloat16", float(rows), h, n1, i)
 
     # _trains_on_gluon's arguments: the rows per expert, H, N1 and I of the op's (CPU tensors

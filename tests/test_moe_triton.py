@@ -468,7 +468,7 @@ def interpreter_child(case_ids: list[str], run: Callable[[str, int], None]) -> N
     _fast_device_calls()
     _fast_np_dtype()
     _no_idle_overflow_check()
-    TM._new_buffer = _nan_buffer  # every buffer starts NaN: an unwritten element fails
+    TM.new_buffer = _nan_buffer  # every buffer starts NaN: an unwritten element fails
     seed = int(os.environ.get("OPREG_TEST_SEED", "0"))
     verdicts = {}
     t_all = time.perf_counter()
@@ -703,12 +703,12 @@ def test_cuda_correct(dtype: torch.dtype) -> None:
 def test_cuda_cases(case_id: str) -> None:
     """The interpreted cases, compiled, in bfloat16 (the interpreter can't do bfloat16;
     float32 and float16 compiled: test_cuda_correct)."""
-    old = TM._new_buffer
-    TM._new_buffer = _nan_buffer
+    old = TM.new_buffer
+    TM.new_buffer = _nan_buffer
     try:
         run_case(case_id, 0, "cuda")
     finally:
-        TM._new_buffer = old
+        TM.new_buffer = old
 
 
 @pytest.mark.cuda
@@ -812,7 +812,7 @@ def test_cuda_replay(case: str, buffers: str, monkeypatch: pytest.MonkeyPatch) -
     from opreg.backends.triton import replay
     assert TM.DECODE_MAX_TOKENS < REPLAYED["gemm"][0]
     if buffers == "nan":
-        monkeypatch.setattr(TM, "_new_buffer", _nan_buffer)
+        monkeypatch.setattr(TM, "new_buffer", _nan_buffer)
     t, k, e, family = REPLAYED[case]
     kw = {**FAMILIES[family][1], "sentinels": 1, "transposed": case == "gemm transposed"}
 

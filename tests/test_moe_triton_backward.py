@@ -866,7 +866,7 @@ def test_cuda_gradients(shape: str, family: str, dtype: torch.dtype, pre_bf16: b
     names = [n for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
     leaves = [a for n, a in zip(ARGS, args) if n in GRAD_ARGS and a is not None]
     leaves64 = [a for n, a in zip(ARGS, args64) if n in GRAD_ARGS and a is not None]
-    monkeypatch.setattr(TM, "_new_buffer", _nan_buffer)
+    monkeypatch.setattr(TM, "new_buffer", _nan_buffer)
     out = TB.FusedExperts.apply(*args)
     want = M.reference(*args64)
     # the reference's cotangent is the one the op gets (rounded to dtype), as run_case's
@@ -891,12 +891,12 @@ def test_cuda_gradients(shape: str, family: str, dtype: torch.dtype, pre_bf16: b
 def test_cuda_cases(case_id: str) -> None:
     """The interpreted cases, compiled, in bfloat16, and a second backward bit-identical
     (the weight gradients on torch._grouped_mm where that is the default, sm90, or forced)."""
-    old = TM._new_buffer
-    TM._new_buffer = _nan_buffer
+    old = TM.new_buffer
+    TM.new_buffer = _nan_buffer
     try:
         run_case(case_id, 0, "cuda")
     finally:
-        TM._new_buffer = old
+        TM.new_buffer = old
 
 
 REPLAY_TRAINED = {"prefill fp32": ("prefill", "gpt_oss biases", torch.float32),
@@ -925,7 +925,7 @@ def test_cuda_replay_training(case: str, buffers: str, monkeypatch: pytest.Monke
     from opreg.backends.triton import replay
     monkeypatch.setattr(TM, "REPLAY_TRAINING", True)
     if buffers == "nan":
-        monkeypatch.setattr(TM, "_new_buffer", _nan_buffer)
+        monkeypatch.setattr(TM, "new_buffer", _nan_buffer)
     shape, family, dtype = REPLAY_TRAINED[case]
 
     def fresh() -> tuple:
@@ -1008,8 +1008,8 @@ def _two_paths(args: tuple, configs_of: Callable[[int], dict], calls_of: Callabl
     cot = torch.randn(args[0].shape, dtype=torch.bfloat16, device="cuda")
     runs: dict[int, list[tuple[torch.Tensor, ...]]] = {1: [], 0: []}
     calls: list[int] = []
-    old, old_mm = TM._new_buffer, torch._grouped_mm
-    TM._new_buffer, torch._grouped_mm = _nan_buffer, _counted(torch._grouped_mm, calls)
+    old, old_mm = TM.new_buffer, torch._grouped_mm
+    TM.new_buffer, torch._grouped_mm = _nan_buffer, _counted(torch._grouped_mm, calls)
     try:
         for g in (1, 0, 1):
             calls.clear()
@@ -1017,7 +1017,7 @@ def _two_paths(args: tuple, configs_of: Callable[[int], dict], calls_of: Callabl
             runs[g].append(torch.autograd.grad(out, leaves, cot))
             assert len(calls) == calls_of(g), f"{label}={g}: torch._grouped_mm ran {len(calls)} times"
     finally:
-        TM._new_buffer, torch._grouped_mm = old, old_mm
+        TM.new_buffer, torch._grouped_mm = old, old_mm
     (first, again), (other,) = runs[1], runs[0]
     args64 = _requires(tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                              for a in args), GRAD_ARGS)

@@ -554,7 +554,7 @@ def _config_table(path: str = CONFIG_FILE) -> dict[str, Any]:
         return json.load(f)
 
 
-def _bucket(rows_per_expert: float, keys: list[str]) -> str:
+def rows_bucket(rows_per_expert: float, keys: list[str]) -> str:
     bounds = sorted(float(k) for k in keys if k != "inf")
     for b in bounds:
         if rows_per_expert <= b:
@@ -565,7 +565,7 @@ def _bucket(rows_per_expert: float, keys: list[str]) -> str:
 _SMEM_BUDGET = 200 * 1024  # bytes; H200 has 227 KB per block, leave room for the epilogue
 
 
-def _fit_smem(cfg: dict[str, int], itemsize: int, operands_b: int) -> dict[str, int]:
+def fit_smem(cfg: dict[str, int], itemsize: int, operands_b: int) -> dict[str, int]:
     """Shrink num_stages, then BLOCK_K, until the pipelined A and B tiles fit in shared
     memory (fp32 halves what bf16 defaults fit): a config must never fail to compile."""
     cfg = dict(cfg)
@@ -601,7 +601,7 @@ def pick_config(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.
 def _pick_package(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.dtype,
                   block_m: Optional[int]) -> dict[str, int]:
     t = _config_table()
-    bucket = "-" if gemm in _UNBUCKETED else _bucket(rows_per_expert, list(t["default"][gemm]))
+    bucket = "-" if gemm in _UNBUCKETED else rows_bucket(rows_per_expert, list(t["default"][gemm]))
     return dict(_pick_cached(gemm, bucket, n, k, dtype, block_m))
 
 
@@ -626,31 +626,31 @@ def _pick(gemm: str, rows_per_expert: float, n: int, k: int, dtype: torch.dtype,
         tuned = table.get("tuned", {}).get(dname, {}).get(f"N={n},K={k}", {}).get(gemm, {})
         return dict(tuned.get("-", table["default"][gemm]))
     default = table["default"][gemm]
-    bucket = _bucket(rows_per_expert, list(default))
+    bucket = rows_bucket(rows_per_expert, list(default))
     tuned = table.get("tuned", {}).get(dname, {}).get(f"N={n},K={k}", {}).get(gemm, {})
     # The default's buckets for both: a shape tuned at 256 rows per expert says nothing of decode.
     cfg = dict(tuned.get(bucket, default[bucket]))
     cfg.setdefault("BLOCK_M", block_m or 64)
     if block_m is not None:
         cfg["BLOCK_M"] = block_m
-    return _fit_smem(cfg, dtype.itemsize, 2 if gemm == "gemm1" else 1)
+    return fit_smem(cfg, dtype.itemsize, 2 if gemm == "gemm1" else 1)
 
 
 # ----------------------------------------------------------------------------- launcher
 
 @plain  # a replay carves the scratch ones from one allocation (.replay)
-def _new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every float buffer the launcher fills (tests replace this with a NaN-filled one, so
     an element a kernel forgets to write shows up)."""
     return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """:func:`_new_buffer`'s buffer, noted where a call is recorded (:func:`.replay.make`)."""
-    return make(_new_buffer, shape, dtype, device)
+    """:func:`new_buffer`'s buffer, noted where a call is recorded (:func:`.replay.make`)."""
+    return make(new_buffer, shape, dtype, device)
 
 
-def _nk_view(w: torch.Tensor, transposed: bool) -> torch.Tensor:
+def nk_view(w: torch.Tensor, transposed: bool) -> torch.Tensor:
     """A (E, out, in) weight, or an (E, in, out) one when ``transposed``, seen as (E, N, K):
     the kernels see both layouts through this view's strides."""
     return w.transpose(1, 2) if transposed else w
@@ -683,7 +683,7 @@ def why_not_fused(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
     return None
 
 
-def _device_ctx(x: torch.Tensor) -> Any:
+def device_ctx(x: torch.Tensor) -> Any:
     # Triton launches on the *current* device's current stream: make it the tensors' device
     # (entering torch.cuda.device costs two device switches of host time: only when needed).
     if x.is_cuda and x.device.index != torch.cuda.current_device():
@@ -804,7 +804,7 @@ def misaligned(t: torch.Tensor) -> bool:
     return not dynamo_tracing() and t.data_ptr() % 16 != 0
 
 
-def _tma_ok(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
+def tma_ok(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
     """Whether a tensor descriptor can walk ``t`` (its last dim contiguous, base and other
     strides 16-byte aligned) with a box of ``dims``. TMA needs sm90+; the interpreter
     emulates it."""
@@ -841,7 +841,7 @@ def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
     for ``a`` where not ``gather`` and ``out`` and ``pre`` where not ``routed``.
     ``w_nk``: the weight seen as (E, N, K) (a view: either layout); ``bias``/``pre``
     None: none. ``cfg["TMA"]`` (default 1): load W's tiles, and A's where A is the sorted
-    rows (not ``gather``), through tensor descriptors where :func:`_tma_ok` allows (not
+    rows (not ``gather``), through tensor descriptors where :func:`tma_ok` allows (not
     for interleaved gate/up columns). ``cfg["PERSISTENT"]`` (default 0): a program per SM
     walks the tiles; it needs ``used``, the routing tables' last padded end
     (``tables[3, -1:]``). ``cfg["HALF_TAIL"]`` (default 0): a block whose second half is
@@ -859,7 +859,7 @@ def launch_gemm(cfg: dict[str, int], *, a: torch.Tensor, w_nk: torch.Tensor,
         static = _gemm_static(cfg, a, w_nk, b, rw, out, p, block_expert, top_k, n, k, gather, routed, scaled,
                               gated, interleaved, act, bias is not None, pre is not None, limit)
         if spec is not None:
-            _remember(_GEMM_STATIC, spec, static)
+            remember(_GEMM_STATIC, spec, static)
     grid, kmajor, w_box, a_box, w_key, a_key, head, tail, kwargs = static
     # built only where the launch needs the descriptor objects (not Triton's C launcher)
     w_desc = None if w_box is None else LazyDescriptor(w_nk if kmajor else w_nk.transpose(1, 2), w_box, w_key)
@@ -918,9 +918,9 @@ def _gemm_static(cfg: dict[str, int], a: torch.Tensor, w_nk: torch.Tensor, b: to
     # a (E, K, N) weight's up half starts at column N: a tile's first column must sit on 16
     # bytes (Triton's interpreter asserts it; a gated I = 18 transposed fp32 weight failed there)
     up_ok = kmajor or not gated or (n * w_nk.element_size()) % 16 == 0
-    use_w = tma and not (gated and interleaved) and up_ok and _tma_ok(w_tiles, tuple(w_box))
+    use_w = tma and not (gated and interleaved) and up_ok and tma_ok(w_tiles, tuple(w_box))
     # (a box past the last sorted row reads the descriptor's zeros: only padding rows meet them)
-    use_a = tma and not gather and _tma_ok(a, (bm, bk)) and a.shape[0] >= bm
+    use_a = tma and not gather and tma_ok(a, (bm, bk)) and a.shape[0] >= bm
     sw = w_nk.stride()
     head = (rw.shape[0] * top_k, top_k, n, k, nb)
     tail = (a.stride(0), a.stride(1), sw[0], sw[1], sw[2], b.stride(0), b.stride(-1),
@@ -994,7 +994,7 @@ def pair_rows(sorted_pair_ids: torch.Tensor, block_expert: torch.Tensor, tables:
     sentinel slot's pair. ``block_expert``, ``tables``: the routing's. ``spec``: as
     :func:`launch_gemm`'s."""
     r = sorted_pair_ids.shape[0]
-    out = _new_buffer((num_pairs,), torch.int32, sorted_pair_ids.device)
+    out = new_buffer((num_pairs,), torch.int32, sorted_pair_ids.device)
     block = 1024
     launch(_pair_rows_kernel, (cdiv(r, block),), sorted_pair_ids, block_expert, tables[4], tables[3, -1:], out,
            num_pairs, r // block_expert.shape[0], spec_key=spec, BLOCK=block, num_warps=4)
@@ -1085,14 +1085,14 @@ def decode_forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: tor
         cfg = cfg or _decode_config(x, ids, w1, transposed)
         static = _decode_static(x, ids, rw, w1, b1, w2, b2, activation, gated, transposed, interleaved, limit, cfg)
         if spec is not None:
-            _remember(_DECODE_STATIC, spec, static)
+            remember(_DECODE_STATIC, spec, static)
     (g1, head1, tail1, opts1), (g2, head2, tail2, opts2), act_shape, combined = static
-    w1v, w2v = _nk_view(w1, transposed), _nk_view(w2, transposed)
+    w1v, w2v = nk_view(w1, transposed), nk_view(w2, transposed)
     bias1, bias2 = b1 if b1 is not None else w1v, b2 if b2 is not None else w2v
     lim = float(limit) if opts1["HAS_LIMIT"] else 0.0
     act = _buffer(act_shape, x.dtype, x.device)
     out = _buffer(tuple(x.shape), x.dtype, x.device)
-    with _device_ctx(x):
+    with device_ctx(x):
         if combined is None:
             launch_args(_decode_up_kernel, g1, (x, ids, w1v, bias1, act, *head1, float(alpha), lim, *tail1),
                         spec and (spec, "decode up"), opts1)
@@ -1150,7 +1150,7 @@ def _decode_static(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: tor
     t, h = x.shape
     k, e = ids.shape[1], w1.shape[0]
     s = t * k
-    w1v, w2v = _nk_view(w1, transposed), _nk_view(w2, transposed)
+    w1v, w2v = nk_view(w1, transposed), nk_view(w2, transposed)
     n1 = w1v.shape[1]
     i = n1 // 2 if gated else n1
     grouped = bool(cfg.get("GROUPED", 0))
@@ -1277,11 +1277,11 @@ def _plan_state() -> tuple[Any, ...]:
     """The module state a forward's launches follow from besides its spec: a plan recorded
     under other values is not replayed (a test or benchmark that rebinds one records anew)."""
     return (DECODE_MAX_TOKENS, PER_PAIR_MAX_TOKENS, pick_config, _CONFIGS, _DECODE_STATIC, _GEMM_STATIC,
-            _new_buffer, GLUON_GEMM1_MIN_ROWS, GLUON_GEMM2_DEVICES, gluon_gemm1_default, gluon_gemm2_default,
+            new_buffer, GLUON_GEMM1_MIN_ROWS, GLUON_GEMM2_DEVICES, gluon_gemm1_default, gluon_gemm2_default,
             _device_name, ROWS_TILE, moe_routing.ROUTE_CHUNK, moe_routing.ROUTE_ONE_PROGRAM_CHUNKS, PRE_BF16)
 
 
-def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
+def remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
     if len(memo) >= _MEMO_LIMIT:
         memo.clear()
     memo[key] = value
@@ -1290,8 +1290,8 @@ def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
 _GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")  # a forward GEMM config's own
 
 
-def _configs(picked: dict[str, dict[str, int]], rows_per_expert: float, n1: int, h: int, i: int, k: int,
-             dtype: torch.dtype) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+def forward_configs(picked: dict[str, dict[str, int]], rows_per_expert: float, n1: int, h: int, i: int, k: int,
+                    dtype: torch.dtype) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """(gemm1, gemm2, combine) configs: each given one whole, in place of the table's (a
     partial one is a ValueError naming what it lacks); gemm2's BLOCK_M is gemm1's."""
     for gemm, keys in (("gemm1", _GEMM_KEYS + ("BLOCK_M",)), ("gemm2", _GEMM_KEYS)):
@@ -1306,7 +1306,7 @@ def _configs(picked: dict[str, dict[str, int]], rows_per_expert: float, n1: int,
 
 
 @functools.lru_cache(maxsize=None)
-def _gluon_gemm1() -> Any:
+def gluon_gemm1() -> Any:
     """:mod:`.moe_gemm1_gluon`, or the ImportError's message where triton has no Gluon."""
     try:
         from . import moe_gemm1_gluon
@@ -1390,7 +1390,7 @@ def gluon_gemm2_default(rows_per_expert: float, device: torch.device) -> int:
 def _gluon_for(c: dict[str, int]) -> Any:
     """:mod:`.moe_gemm1_gluon` for a GEMM config that asks for it, or why it can't take the
     config (no Gluon; the Triton kernels' HALF_TAIL or PERSISTENT asked for too)."""
-    module = _gluon_gemm1()
+    module = gluon_gemm1()
     if not isinstance(module, str) and (c.get("HALF_TAIL", 0) or c.get("PERSISTENT", 0)):
         return "the Gluon kernel is persistent with whole tiles: HALF_TAIL and PERSISTENT must be 0"
     return module
@@ -1409,7 +1409,7 @@ def _gluon_gemm1_unfit(c1: dict[str, int], x: torch.Tensor, w1: torch.Tensor, bi
         return module
     if pre_dt is not None and pre_dt not in (torch.bfloat16, torch.float32):
         return f"the saved pre-activation's dtype {pre_dt} is neither bf16 nor fp32"
-    return module.unfit(x, _nk_view(w1, transposed), i, gated=gated, interleaved=interleaved,
+    return module.unfit(x, nk_view(w1, transposed), i, gated=gated, interleaved=interleaved,
                         has_bias=bias is not None, block_m=c1["BLOCK_M"], pingpong=c1["GLUON"] == 1,
                         gather=not c1.get("PREGATHER", 1))
 
@@ -1424,7 +1424,7 @@ def _gluon_gemm2_unfit(c1: dict[str, int], c2: dict[str, int], x: torch.Tensor, 
     module = _gluon_for(c2)
     if isinstance(module, str):
         return module
-    return module.unfit2(x, _nk_view(w2, transposed), i, has_bias=bias is not None, block_m=c1["BLOCK_M"],
+    return module.unfit2(x, nk_view(w2, transposed), i, has_bias=bias is not None, block_m=c1["BLOCK_M"],
                          pingpong=c2["GLUON"] == 1)
 
 
@@ -1508,7 +1508,7 @@ def _forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: torch.Ten
                               interleaved, alpha, limit, configs["decode"] if configs is not None else None, spec)
     picked = _CONFIGS.get(spec) if spec is not None else None
     if picked is None:
-        picked = _configs(configs or {}, s / e, n1, h, i, k, x.dtype)
+        picked = forward_configs(configs or {}, s / e, n1, h, i, k, x.dtype)
         if keep_rows and not picked[0].get("PREGATHER", 0):
             picked = ({**picked[0], "PREGATHER": 1},) + picked[1:]
         # GEMM1 on CUTLASS where the config asks (a training forward's, keep_rows), or fused
@@ -1544,7 +1544,7 @@ def _forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: torch.Ten
                                                                      transposed)) is not None:
             raise ValueError(f"fused_experts_forward: configs['gemm2']['GLUON'] = {picked[1]['GLUON']!r}, but {why}")
         if spec is not None:
-            _remember(_CONFIGS, spec, picked)
+            remember(_CONFIGS, spec, picked)
         # once a spec (its configs are remembered above); not under Dynamo (spec None), which
         # can't trace the logger, nor for given configs (the caller's own)
         if spec is not None and logger.isEnabledFor(logging.DEBUG):
@@ -1553,7 +1553,7 @@ def _forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: torch.Ten
     c1, c2, cc = picked
     grouped1 = bool(c1.get("GROUPED_MM", 0))
     bm = c1["BLOCK_M"]
-    with _device_ctx(x):
+    with device_ctx(x):
         route_buf, sorted_pair_ids, block_expert, tables = route_flat(ids, e, bm, spec and (spec, "routing"))
         # GEMM1's output and pre-activation (and the sorted copies) hold the real pairs' rows
         # alone, unpadded: S rows (routing_tables)
@@ -1575,25 +1575,25 @@ def _forward(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1: torch.Ten
         if grouped1:
             # CUTLASS over the sorted rows (unwritten past the last run end, which it does
             # not read: its groups end there), then the gate
-            pre = torch._grouped_mm(a1, _nk_view(w1, transposed).transpose(1, 2), offs=tables[0])
+            pre = torch._grouped_mm(a1, nk_view(w1, transposed).transpose(1, 2), offs=tables[0])
             act_pass(pre, act, sorted_pair_ids, block_expert, tables[4], s, i, bm, gated, interleaved, activation,
                      alpha, limit, spec and (spec, "act"))
         elif c1.get("GLUON", 0):
-            _gluon_gemm1().gemm1(a1, _nk_view(w1, transposed), act, pre, sorted_pair_ids, block_expert,
+            gluon_gemm1().gemm1(a1, nk_view(w1, transposed), act, pre, sorted_pair_ids, block_expert,
                                  routing["shift"], routing["used"], s, i, ACT_IDS[activation], alpha, limit,
                                  pingpong=c1["GLUON"] == 1, gather=not pregather, top_k=k,
                                  spec=spec and (spec, "gemm1"))
         else:
-            launch_gemm(c1, a=a1, w_nk=_nk_view(w1, transposed), bias=gate_up_bias, out=act, pre=pre,
+            launch_gemm(c1, a=a1, w_nk=nk_view(w1, transposed), bias=gate_up_bias, out=act, pre=pre,
                         n=i, k=h, gather=not pregather, routed=False, gated=gated, interleaved=interleaved,
                         act=ACT_IDS[activation], alpha=alpha, limit=limit, spec=spec and (spec, "gemm1"),
                         **routing)
         if c2.get("GLUON", 0):
-            _gluon_gemm1().gemm2(act, _nk_view(w2, transposed), pairs, rw, sorted_pair_ids, block_expert,
+            gluon_gemm1().gemm2(act, nk_view(w2, transposed), pairs, rw, sorted_pair_ids, block_expert,
                                  routing["shift"], routing["used"], s, k, pingpong=c2["GLUON"] == 1,
                                  spec=spec and (spec, "gemm2"))
         else:
-            launch_gemm(c2, a=act, w_nk=_nk_view(w2, transposed), bias=down_bias, out=pairs, pre=None,
+            launch_gemm(c2, a=act, w_nk=nk_view(w2, transposed), bias=down_bias, out=pairs, pre=None,
                         n=h, k=i, gather=False, routed=True, scaled=True, spec=spec and (spec, "gemm2"), **routing)
         combine(pairs, ids, out, e, cc, spec=spec and (spec, "combine"))
     if not save:
@@ -1668,7 +1668,7 @@ def checked(args: tuple[Any, ...]) -> tuple[int, Optional[str]]:
     if why is _UNCHECKED:
         M.check(*args)
         why = why_not_fused(*args)
-        _remember(_CHECKED, spec, why)
+        remember(_CHECKED, spec, why)
     return spec, why
 
 

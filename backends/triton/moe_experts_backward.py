@@ -390,8 +390,8 @@ def _oi_strides(w: torch.Tensor, transposed: bool) -> tuple[int, int, int]:
     return (w.stride(0), w.stride(2), w.stride(1)) if transposed else (w.stride(0), w.stride(1), w.stride(2))
 
 
-def _configs(rows_per_expert: float, dtype: torch.dtype, bm: int, n1: int, h: int, i: int,
-             picked: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+def backward_configs(rows_per_expert: float, dtype: torch.dtype, bm: int, n1: int, h: int, i: int,
+                     picked: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     """The backward's block configs: ``picked`` (a test's or tuning run's) over the table's,
     key by key (so ``{"wgrad": {"GROUPED_MM": 0}}`` keeps the table's blocks). The dgrads
     walk the forward's padded rows, so their BLOCK_M is the forward's."""
@@ -412,11 +412,11 @@ grouped_mm_unfit = F.grouped_mm_unfit
 
 
 @functools.cache
-def _sm90(device_index: int) -> bool:
+def is_sm90(device_index: int) -> bool:
     return torch.version.cuda is not None and torch.cuda.get_device_capability(device_index)[0] == 9
 
 
-_sm90 = traced_constant(_sm90)
+is_sm90 = traced_constant(is_sm90)
 
 
 def grouped_mm_wgrad_default(x: torch.Tensor, n1: int, i: int) -> bool:
@@ -427,7 +427,7 @@ def grouped_mm_wgrad_default(x: torch.Tensor, n1: int, i: int) -> bool:
     with no rows is one here), and elsewhere torch's grouped_mm is a loop that reads the
     offsets on the host (see ``uses_grouped_mm``)."""
     return (x.is_cuda and grouped_mm_unfit(x, n1, i) is None
-            and _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+            and is_sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
 def grouped_mm_dgrad1_default(x: torch.Tensor, w1: torch.Tensor, n1: int, i: int) -> bool:
@@ -505,10 +505,10 @@ def _gluon_dgrad2_unfit(c2: dict[str, Any], given: dict[str, Any], x: torch.Tens
     other += [key for key, off in (("SUBTILE", 1), ("PREGATHER", 1)) if given.get(key, off) != off]
     if other:
         return f"{', '.join(other)} are the Triton and CUTLASS kernels' modes: give GLUON alone"
-    module = F._gluon_gemm1()
+    module = F.gluon_gemm1()
     if isinstance(module, str):
         return module
-    return module.unfit_dgrad2(x, F._nk_view(w2, not transposed), i, gated=gated, interleaved=interleaved,
+    return module.unfit_dgrad2(x, F.nk_view(w2, not transposed), i, gated=gated, interleaved=interleaved,
                                pre_dtype=pre_dtype, block_m=c2["BLOCK_M"], pingpong=c2["GLUON"] == 1)
 
 
@@ -562,13 +562,13 @@ def keeps_rows(x: torch.Tensor, n1: int, gated: bool, needs_w1: bool,
 def _w_tiles(w_nk: torch.Tensor, cfg: dict[str, int]) -> tuple[bool, list[int] | None, Any]:
     """(W k-major, the box of a tensor descriptor of W's tiles or None, what the descriptor's
     encoding reads besides the address) for a (E, N, K) weight view, as the forward's GEMMs
-    load theirs (``cfg["TMA"]``, default 1, where :func:`F._tma_ok` allows). GEMM2's dgrad
+    load theirs (``cfg["TMA"]``, default 1, where :func:`F.tma_ok` allows). GEMM2's dgrad
     reads down_proj transposed (N = I, K = H): with the pointer loads it ran at ~230 TF/s on
     the H200, where the forward's GEMMs went 11-14 % faster with TMA."""
     kmajor = w_nk.stride(2) == 1
     tiles = w_nk if kmajor else w_nk.transpose(1, 2)
     box = [1, cfg["BLOCK_N"], cfg["BLOCK_K"]] if kmajor else [1, cfg["BLOCK_K"], cfg["BLOCK_N"]]
-    if not cfg.get("TMA", 1) or not F._tma_ok(tiles, tuple(box)):
+    if not cfg.get("TMA", 1) or not F.tma_ok(tiles, tuple(box)):
         return kmajor, None, None
     return kmajor, box, (tiles.dtype, tuple(tiles.shape), tiles.stride(), tuple(box))
 
@@ -586,7 +586,7 @@ def _static(site: Any, make: Callable[[], Any]) -> Any:
     got = _STATIC.get(site)
     if got is None:
         got = make()
-        F._remember(_STATIC, site, got)
+        F.remember(_STATIC, site, got)
     return got
 
 
@@ -648,7 +648,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                                            F.spec_of(dout), tuple(want), saved.pre.dtype)
     plan = _PLANS.get(spec) if spec is not None else None
     if plan is None:
-        cfg = _configs(s / e, x.dtype, bm, n1, h, i, configs or {})
+        cfg = backward_configs(s / e, x.dtype, bm, n1, h, i, configs or {})
         grouped = bool(cfg["wgrad"].get("GROUPED_MM", grouped_mm_wgrad_default(x, n1, i)))
         if grouped and (why := grouped_mm_unfit(x, n1, i)) is not None:
             raise ValueError(f"fused_experts_backward: configs['wgrad']['GROUPED_MM'] = 1, but {why}")
@@ -720,7 +720,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                              "over the rows: no tile of rows to halve)")
         plan = (cfg, grouped, grouped1, gluon)
         if spec is not None:
-            F._remember(_PLANS, spec, plan)
+            F.remember(_PLANS, spec, plan)
     cfg, grouped, grouped1, gluon = plan
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     sorted_pair_ids, block_expert = saved.sorted_pair_ids, saved.block_expert
@@ -741,18 +741,18 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                     GATE_TIE=ties[0], UP_LO_TIE=ties[1], UP_HI_TIE=ties[2], WRITE_DPRE=need_dpre,
                     ROUTE_GRAD=need_rw)
 
-    with F._device_ctx(x):
+    with F.device_ctx(x):
         if (need_dpre or need_rw) and cfg["dgrad2"].get("GLUON", 0):
             # GEMM2's dgrad and the gate's backward in one Gluon kernel over dout's sorted rows
             # (_gluon_dgrad2_unfit has checked it can): one partial sum a column tile (256 wide
             # on the cooperative kernel, 128 on the ping-pong one)
-            d_pre = F._new_buffer((s, n1), x.dtype, dev) if need_dpre else None
-            G1, pp2 = F._gluon_gemm1(), cfg["dgrad2"]["GLUON"] == 1
+            d_pre = F.new_buffer((s, n1), x.dtype, dev) if need_dpre else None
+            G1, pp2 = F.gluon_gemm1(), cfg["dgrad2"]["GLUON"] == 1
             nnb = i // (G1.DGRAD2_PP_BLOCK_N if pp2 else G1.DGRAD2_BLOCK_N)
-            part = F._new_buffer((s, nnb), torch.float32, dev) if need_rw else None
+            part = F.new_buffer((s, nnb), torch.float32, dev) if need_rw else None
             a2 = F.sorted_rows(dout, rw, sorted_pair_ids, block_expert, tables, k, False, key("dout rows"))
             ties = clamp_ties()
-            G1.dgrad2(a2, F._nk_view(w2, not transposed), saved.pre, rw, d_pre, part, sorted_pair_ids, block_expert,
+            G1.dgrad2(a2, F.nk_view(w2, not transposed), saved.pre, rw, d_pre, part, sorted_pair_ids, block_expert,
                       tables[4], used, s, k, ACT_IDS[activation], alpha, limit, ties, pingpong=pp2,
                       spec=key("dgrad2"))
         elif need_dpre or need_rw:
@@ -763,9 +763,9 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             gate_n = min(c.get("GATE_N", 256), next_pow2(i))
             group_cols = max(gate_n, cdiv(cdiv(i, c.get("GATE_GROUPS", 1)), gate_n) * gate_n)
             nnb = max(1, cdiv(i, group_cols)) if split else cdiv(i, c["BLOCK_N"])
-            d_pre = F._new_buffer((s, n1), x.dtype, dev) if need_dpre else saved.act  # sorted rows
-            part = F._new_buffer((s, nnb), torch.float32, dev) if need_rw else saved.act
-            w_nk = F._nk_view(w2, not transposed)  # down seen as (E, I, H)
+            d_pre = F.new_buffer((s, n1), x.dtype, dev) if need_dpre else saved.act  # sorted rows
+            part = F.new_buffer((s, nnb), torch.float32, dev) if need_rw else saved.act
+            w_nk = F.nk_view(w2, not transposed)  # down seen as (E, I, H)
             pre = saved.pre
             # PREGATHER: dout's rows copied into sorted order first (as GEMM1's
             # PREGATHER copies x's), so that the GEMM reads them as plain rows, through a
@@ -783,7 +783,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                 if grouped2:  # CUTLASS over the sorted copy (past offs[-1] unwritten and unread)
                     g = torch._grouped_mm(a2, w_nk.transpose(1, 2), offs=tables[0])
                 else:
-                    g = F._new_buffer((s, i), pre.dtype, dev)
+                    g = F.new_buffer((s, i), pre.dtype, dev)
                     F.launch_gemm(c, a=a2, w_nk=w_nk, bias=None, rw=rw, out=g, pre=None,
                                   sorted_pair_ids=sorted_pair_ids, block_expert=block_expert, shift=tables[4],
                                   top_k=k, n=i, k=h,
@@ -813,7 +813,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                     sw = w_nk.stride()
                     kmajor, box, dkey = _w_tiles(w_nk, c)
                     a_box = [bm, c["BLOCK_K"]]
-                    use_a = (pregather and c.get("TMA", 1) and F._tma_ok(a2, tuple(a_box))
+                    use_a = (pregather and c.get("TMA", 1) and F.tma_ok(a2, tuple(a_box))
                              and a2.shape[0] >= bm)
                     a_key = (a2.dtype, tuple(a2.shape), a2.stride(), tuple(a_box)) if use_a else None
                     return ((nb * nnb,),
@@ -836,7 +836,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                              a_desc) + tail,
                             site, opts)
         if need_rw:
-            drw = F._new_buffer(tuple(rw.shape), rw.dtype, dev)
+            drw = F.new_buffer(tuple(rw.shape), rw.dtype, dev)
             bp, bh = 32, min(128, next_pow2(h))
             bias = b2 if b2 is not None else w2  # a valid pointer, never read
             site = key("route grad")
@@ -848,7 +848,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
             launch_args(_route_grad_kernel, grid, (part, dout, bias, ids, drw) + tail, site, opts)
             out[1] = drw
         if need_x:
-            dx = F._new_buffer((t, h), x.dtype, dev)
+            dx = F.new_buffer((t, h), x.dtype, dev)
             if grouped1:
                 # CUTLASS over the sorted rows of d_pre (unwritten past offs[-1], which it
                 # does not read), its result in that order: the combine finds each pair's
@@ -857,8 +857,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                 where = F.pair_rows(sorted_pair_ids, block_expert, tables, s, key("pair rows"))
                 F.combine(rows, ids, dx, e, cfg["combine"], spec=key(("combine", "rows")), rows=where)
             else:
-                pairs = F._new_buffer((s, h), x.dtype, dev)
-                F.launch_gemm(cfg["dgrad1"], a=d_pre, w_nk=F._nk_view(w1, not transposed), bias=None,
+                pairs = F.new_buffer((s, h), x.dtype, dev)
+                F.launch_gemm(cfg["dgrad1"], a=d_pre, w_nk=F.nk_view(w1, not transposed), bias=None,
                               rw=rw, out=pairs, pre=None, sorted_pair_ids=sorted_pair_ids,
                               block_expert=block_expert, shift=tables[4], top_k=k, n=h, k=n1, gather=False, routed=True,
                               scaled=False, act=IDENTITY, spec=key("dgrad1"), used=used)
@@ -892,7 +892,7 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                 why = ("traced by Dynamo" if traced else _gluon_wgrad().unfit(a_rows, b_rows, coop) if gluon
                        else None)
                 if gluon and why is None:
-                    dw = _gluon_wgrad().wgrad(a_rows, b_rows, offs, out=F._new_buffer(
+                    dw = _gluon_wgrad().wgrad(a_rows, b_rows, offs, out=F.new_buffer(
                         (e, a_rows.shape[1], b_rows.shape[1]), x.dtype, dev),
                         stages=None if coop else _gluon_wgrad().stages_for(s / e), cooperative=coop)
                 else:
@@ -900,8 +900,8 @@ def fused_experts_backward(grad_out: torch.Tensor, hidden_states: torch.Tensor, 
                         raise ValueError(f"fused_experts_backward: configs['wgrad']['GLUON'] = {gluon}, but {why}")
                     dw = torch._grouped_mm(a_rows.t(), b_rows, offs=offs)
             elif do_w:
-                dw = F._new_buffer(tuple(w.shape), w.dtype, dev)
-            db = F._new_buffer(tuple(b.shape), b.dtype, dev) if do_b and b is not None else None
+                dw = F.new_buffer(tuple(w.shape), w.dtype, dev)
+            db = F.new_buffer(tuple(b.shape), b.dtype, dev) if do_b and b is not None else None
             # The weight and the bias gradient in separate launches: both in one (the
             # bias's row sums beside the dot) computed wrong, run-to-run different dW at
             # 128 x 256 x 64 tiles, 8 warps, 3 stages on the H200 with triton 3.6

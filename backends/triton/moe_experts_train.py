@@ -156,7 +156,7 @@ def _fused_backward(grad: Tensor, hidden_states: Tensor, top_k_index: Tensor, to
 
 
 def _block_m(x: Tensor, ids: Tensor, w1: Tensor, gated: bool, transposed: bool) -> int:
-    """The forward's BLOCK_M: its own config pick (:func:`F._configs`), from the sizes alone."""
+    """The forward's BLOCK_M: its own config pick (:func:`.moe_experts.forward_configs`), from the sizes alone."""
     n1 = w1.shape[2] if transposed else w1.shape[1]
     (t, k), e = ids.shape, w1.shape[0]
     return _block_m_of(t, k, e, n1, x.shape[1], gated, x.dtype)
@@ -165,7 +165,7 @@ def _block_m(x: Tensor, ids: Tensor, w1: Tensor, gated: bool, transposed: bool) 
 @functools.lru_cache(maxsize=1024)
 def _block_m_of(t: int, k: int, e: int, n1: int, h: int, gated: bool, dtype: torch.dtype) -> int:
     # cached: the backward's custom op asks on every call (~20 us of host on the 2-core box)
-    return F._configs({}, t * k / e, n1, h, n1 // 2 if gated else n1, k, dtype)[0]["BLOCK_M"]
+    return F.forward_configs({}, t * k / e, n1, h, n1 // 2 if gated else n1, k, dtype)[0]["BLOCK_M"]
 
 
 @torch.library.register_fake("opreg::moe_experts_fused_backward", lib=_LIB)
@@ -401,7 +401,7 @@ def _eager_gluon_wgrad(device_type: str, index: Optional[int], dtype: str, rows_
     :data:`GLUON_TRAINING_OPS`."""
     if device_type != "cuda" or dtype != "bfloat16" or not hasattr(torch, "_grouped_mm"):
         return False
-    if not B._sm90(index if index is not None else torch.cuda.current_device()):
+    if not B.is_sm90(index if index is not None else torch.cuda.current_device()):
         return False
     if B.gluon_wgrad_default(rows_per_expert, h, n1, i) == B.GLUON_OFF:
         return False
@@ -431,7 +431,7 @@ def _eager_gluon(device_type: str, index: Optional[int], dtype: str, rows_per_ex
     these sizes goes through the two custom ops likewise: :data:`GLUON_TRAINING_OPS`.)"""
     if device_type != "cuda" or dtype != "bfloat16" or not F.gluon_gemm1_default(rows_per_expert):
         return False
-    if torch.cuda.get_device_capability(index)[0] != 9 or isinstance(F._gluon_gemm1(), str):
+    if torch.cuda.get_device_capability(index)[0] != 9 or isinstance(F.gluon_gemm1(), str):
         return False
     log_once(("inline gluon", index, rows_per_expert), logging.INFO,
              "opreg: a compiled moe_experts call at %.0f rows per expert is the op in the graph (with gradients "

@@ -213,7 +213,7 @@ def tune_shape(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, devic
         configs = {name: c for name, c in (("gemm1", c1), ("gemm2", c2)) if c is not None}
         for name, c in configs.items():
             c = {**c, "BLOCK_M": c.get("BLOCK_M", (c1 or {}).get("BLOCK_M", 64))}
-            if fused._fit_smem(c, itemsize, 2 if name == "gemm1" else 1) != c:
+            if fused.fit_smem(c, itemsize, 2 if name == "gemm1" else 1) != c:
                 return None
         return _compiled(lambda: fused.fused_experts_forward(*args, configs=configs))
 
@@ -307,7 +307,7 @@ def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, de
 
     def run(picked: dict[str, dict[str, int]]) -> Optional[Callable[[], Any]]:
         for c in picked.values():  # as the forward's: tiles that don't fit are another candidate
-            if fused._fit_smem({**c, "BLOCK_M": bm}, itemsize, 1) != {**c, "BLOCK_M": bm}:
+            if fused.fit_smem({**c, "BLOCK_M": bm}, itemsize, 1) != {**c, "BLOCK_M": bm}:
                 return None
         return _compiled(lambda: grads(picked))
 
@@ -316,7 +316,7 @@ def tune_backward(e: int, h: int, i: int, k: int, t: int, dtype: torch.dtype, de
         raise RuntimeError("moe_experts' tuning: the table's own backward configs do not fit this GPU")
     best: dict[str, dict[str, int]] = {}
     best_run, tried = default, 0
-    defaults = B._configs(rpe, dtype, bm, 2 * i, h, i, {})  # the table's, as the default runs them
+    defaults = B.backward_configs(rpe, dtype, bm, 2 * i, h, i, {})  # the table's, as the default runs them
     skipped = 0  # persistent candidates that don't apply (not counted in "of")
     # GEMM2's split dgrad on torch._grouped_mm: one more dgrad2 candidate where it can run
     # (B.grouped_mm_dgrad2_default's conditions but the rows per expert)
@@ -456,7 +456,7 @@ def record(table: dict[str, Any], e: int, h: int, i: int, k: int, t: int, dtype:
     dname = str(dtype).replace("torch.", "")
     rpe = found["rows_per_expert"]
     for gemm, n, kk in (("gemm1", 2 * i, h), ("gemm2", h, i)):
-        bucket = fused._bucket(rpe, list(table["default"][gemm]))
+        bucket = fused.rows_bucket(rpe, list(table["default"][gemm]))
         entry = table.setdefault("tuned", {}).setdefault(dname, {}).setdefault(f"N={n},K={kk}", {})
         entry.setdefault(gemm, {})[bucket] = found[gemm]
     return True
@@ -473,7 +473,7 @@ def record_backward(table: dict[str, Any], e: int, h: int, i: int, k: int, t: in
     for gemm, n, kk in (("dgrad2", i, h), ("dgrad1", h, 2 * i)):  # N, K as pick_config is asked
         if found[gemm] is None:
             continue
-        bucket = fused._bucket(rpe, list(table["default"][gemm]))
+        bucket = fused.rows_bucket(rpe, list(table["default"][gemm]))
         entry = table.setdefault("tuned", {}).setdefault(dname, {}).setdefault(f"N={n},K={kk}", {})
         entry.setdefault(gemm, {})[bucket] = found[gemm]
     return True
@@ -489,7 +489,7 @@ def shared_buckets(table: dict[str, Any], shape: tuple[int, int, int, int], toke
     for gemm in gemms:
         by: dict[str, list[int]] = {}
         for t in tokens:
-            by.setdefault(fused._bucket(t * k / e, list(table["default"][gemm])), []).append(t)
+            by.setdefault(fused.rows_bucket(t * k / e, list(table["default"][gemm])), []).append(t)
         lines += [f"note: E={e} k={k}: T={', '.join(map(str, ts))} share {gemm}'s bucket '{b}': "
                   f"a later T's winner, where written, replaces an earlier one's there"
                   for b, ts in by.items() if len(ts) > 1]
