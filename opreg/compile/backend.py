@@ -144,8 +144,8 @@ def inductor_config_patches(mode: str | None = None, options: Mapping[str, Any] 
     return patches
 
 
-def _parse_options(mode: str | None, options: Mapping[str, Any] | None
-                   ) -> tuple[str, list[str] | None, str | None, dict[str, Any], str]:
+def parse_options(mode: str | None, options: Mapping[str, Any] | None
+                  ) -> tuple[str, list[str] | None, str | None, dict[str, Any], str]:
     opts = dict(options or {})
     inner = opts.pop("inner", "auto")
     names = opts.pop("patterns", None)
@@ -167,9 +167,9 @@ def _parse_options(mode: str | None, options: Mapping[str, Any] | None
     return inner, names, mode, opts, how
 
 
-def _compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str,
-                   names: list[str] | None, mode: str | None, opts: dict[str, Any]
-                   ) -> Callable[..., Any]:
+def compile_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: str,
+                  names: list[str] | None, mode: str | None, opts: dict[str, Any]
+                  ) -> Callable[..., Any]:
     if inner == "eager":
         return gm.forward
     if inner == "aot_eager":
@@ -190,20 +190,20 @@ def opreg_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: st
     inputs. ``mode``/``options`` are what ``torch.compile`` forwards; see the module
     docstring for the keys.
     """
-    inner, names, mode, opts, how = _parse_options(mode, options)
+    inner, names, mode, opts, how = parse_options(mode, options)
     timed = inner == "auto" and (how == "time" or (how == "auto" and _on_cuda(example_inputs)))
     captured = _copy(gm) if timed else None
     ctx = apply_patterns(gm, example_inputs, only=names)
     stats["graphs"] += 1
     stats["rewrites"] += ctx.rewrites
     if inner != "auto":
-        return _compile_inner(gm, example_inputs, inner, names, mode, opts)
+        return compile_inner(gm, example_inputs, inner, names, mode, opts)
     rule = "eager" if ctx.rewrites and _nothing_to_generate(gm) else "inductor"
     refusal = choose.timing_refusal(captured, example_inputs, ctx.fake_mode) if captured is not None else None
     if captured is None or refusal is not None:
         if refusal is not None:
             choose.record_refusal(gm, f"{'rewritten' if ctx.rewrites else 'captured'}/{rule}", refusal)
-        return _compile_inner(gm, example_inputs, rule, names, mode, opts)
+        return compile_inner(gm, example_inputs, rule, names, mode, opts)
 
     def compiled(g: fx.GraphModule, compiler: str) -> Callable[[], Callable[..., Any]]:
         def make() -> Callable[..., Any]:
@@ -211,7 +211,7 @@ def opreg_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: st
             # happens inside this compile, where a lazy backward compile fails
             # ("Metric(s) {'is_forward'} have already been set").
             with choose.eager_backward():
-                return _compile_inner(g, example_inputs, compiler, names, mode, opts)
+                return compile_inner(g, example_inputs, compiler, names, mode, opts)
         return make
 
     # The rule's pick first (the default if the others fail), then the rest.

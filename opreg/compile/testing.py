@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch.fx as fx
 
-from .backend import _compile_inner, _parse_options
+from .backend import compile_inner, parse_options
 from .fx_utils import op_counts
 from .pass_manager import apply_patterns
 from .pattern import Finding
@@ -37,13 +37,13 @@ class RecordingBackend:
         self.graphs: list[fx.GraphModule] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        inner, names, mode, opts, _ = _parse_options(None, self.options)  # no timed choice here
+        inner, names, mode, opts, _ = parse_options(None, self.options)  # no timed choice here
         self.before.append(op_counts(gm))
         ctx = apply_patterns(gm, example_inputs, only=names)
         self.after.append(op_counts(gm))
         self.findings.extend(ctx.findings)
         self.graphs.append(gm)
-        return _compile_inner(gm, example_inputs, inner, names, mode, opts)
+        return compile_inner(gm, example_inputs, inner, names, mode, opts)
 
     @property
     def near_misses(self) -> list[Finding]:

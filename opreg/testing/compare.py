@@ -7,8 +7,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["FLOAT_DTYPES", "TOL", "BadCase", "Sample", "Unavailable", "assert_matches", "describe",
-           "map_tensors", "outputs", "poison", "tensors", "to_float64"]
+__all__ = ["FLOAT_DTYPES", "TOL", "BadCase", "Sample", "Unavailable", "assert_matches", "assert_outputs_match",
+           "assert_same_bits", "describe", "grad_leaves", "grads_wrt", "map_tensors", "need_device", "outputs",
+           "poison", "samples_from_list", "tensors", "to_float64"]
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -121,25 +122,28 @@ def outputs(out: Any) -> list[torch.Tensor]:
     return [out] if isinstance(out, torch.Tensor) else list(out)
 
 
-def _leaves(args: Args) -> list[torch.Tensor]:
+def grad_leaves(args: Args) -> list[torch.Tensor]:
+    """The tensors of ``args`` that require grad (what a gradient check differentiates)."""
     return [t for t in tensors(args) if t.requires_grad]
 
 
-# ----------------------------------------------------------------------------- internals
+# ----------------------------------------------------------------------------- the suite's checks (suite.py)
 
-def _need_device(device: str) -> None:
+def need_device(device: str) -> None:
+    """Raise :class:`Unavailable` where ``device`` is "cuda" and there is none."""
     if device == "cuda" and not torch.cuda.is_available():
         raise Unavailable("needs a CUDA device")
 
 
-def _grads(out: list[torch.Tensor], leaves: list[torch.Tensor],
-           cot: list[torch.Tensor]) -> list[torch.Tensor]:
+def grads_wrt(out: list[torch.Tensor], leaves: list[torch.Tensor],
+              cot: list[torch.Tensor]) -> list[torch.Tensor]:
     """d(out . cot)/d(leaves); an unused leaf's gradient is zeros."""
     got = torch.autograd.grad(out, leaves, cot, allow_unused=True)
     return [torch.zeros_like(t) if g is None else g for g, t in zip(got, leaves, strict=True)]
 
 
-def _same_bits(run: Callable[..., Any], args: Args, one_thread: bool) -> None:
+def assert_same_bits(run: Callable[..., Any], args: Args, one_thread: bool) -> None:
+    """``run(*args)`` gives the same bits on a second call (and on one thread, with ``one_thread``)."""
     first = outputs(run(*args))
     again = [outputs(run(*args))]
     if one_thread:
@@ -154,7 +158,8 @@ def _same_bits(run: Callable[..., Any], args: Args, one_thread: bool) -> None:
             raise AssertionError("different bits on " + ("a second call", "one thread")[i])
 
 
-def _assert_all(got: list[torch.Tensor], want: list[torch.Tensor], dtypes: list[torch.dtype]) -> None:
+def assert_outputs_match(got: list[torch.Tensor], want: list[torch.Tensor], dtypes: list[torch.dtype]) -> None:
+    """:func:`assert_matches` for each output, at its dtype's tolerance; the failing one named by index."""
     if len(got) != len(want):
         raise AssertionError(f"{len(got)} outputs, expected {len(want)}")
     for i, (g, w, d) in enumerate(zip(got, want, dtypes, strict=True)):
@@ -164,7 +169,7 @@ def _assert_all(got: list[torch.Tensor], want: list[torch.Tensor], dtypes: list[
             raise AssertionError(f"[{i}] {e}" if len(got) > 1 else str(e)) from None
 
 
-def _from_list(fixed: list[Any]) -> SampleFn:
+def samples_from_list(fixed: list[Any]) -> SampleFn:
     """A sample function over fixed samples: tensors moved to the device, floats cast."""
     def fn(device: str, dtype: torch.dtype, requires_grad: bool = False) -> list[Sample]:
         def adapt(t: torch.Tensor) -> torch.Tensor:

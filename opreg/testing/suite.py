@@ -9,8 +9,9 @@ from typing import Any, Callable, ContextManager, Iterable, Mapping, Sequence
 import torch
 
 from .. import registry
-from .compare import (FLOAT_DTYPES, Args, BadCase, Sample, SampleFn, Unavailable, _assert_all,
-                      _from_list, _grads, _leaves, _need_device, _same_bits, map_tensors, outputs, poison, tensors, to_float64)
+from .compare import (FLOAT_DTYPES, Args, BadCase, Sample, SampleFn, Unavailable, assert_outputs_match,
+                      assert_same_bits, grad_leaves, grads_wrt, map_tensors, need_device, outputs, poison,
+                      samples_from_list, tensors, to_float64)
 
 __all__ = ["OpTestSuite"]
 
@@ -40,7 +41,7 @@ class OpTestSuite:
                  reference: Callable[..., Any] | None = None) -> None:
         self.op = op
         self._op = registry.lookup(op)
-        self.samples_fn = samples if callable(samples) else _from_list(list(samples))
+        self.samples_fn = samples if callable(samples) else samples_from_list(list(samples))
         self.bad = list(bad)
         self.bad_sample = bad_sample
         self.bad_context = bad_context
@@ -63,7 +64,7 @@ class OpTestSuite:
 
     def samples(self, device: str, dtype: torch.dtype, requires_grad: bool = False,
                 fn: SampleFn | None = None) -> list[Sample]:
-        _need_device(device)
+        need_device(device)
         got = (fn or self.samples_fn)(device, dtype, requires_grad=requires_grad)
         return [s if isinstance(s, Sample) else Sample(tuple(s)) for s in got]
 
@@ -71,7 +72,7 @@ class OpTestSuite:
                dispatch: bool = False) -> list[str]:
         """The named one (Unavailable if it can't run here), or all that can; for checks
         through the dispatcher (``dispatch``), not the one "default" runs a second time."""
-        _need_device(device)
+        need_device(device)
         names = self.implementations(device, dtype)
         why = {n: self._op.impls[n].unavailable(device) for n in names if n != "default"}
         if impl is None:
@@ -123,7 +124,7 @@ class OpTestSuite:
             before = [t.clone() for t in tensors(s.args)]
             poison(max(w.numel() for w in want) * dtype.itemsize, device)
             got = outputs(self.runner(name)(*s.args))
-            _assert_all(got, want, [s.dtype or dtype] * len(want))
+            assert_outputs_match(got, want, [s.dtype or dtype] * len(want))
             if not all(torch.equal(b, t) for b, t in zip(before, tensors(s.args), strict=True)):
                 raise AssertionError("an input was modified")
 
@@ -137,10 +138,10 @@ class OpTestSuite:
             cot = [torch.randn_like(w) for w in want]
             with self.scope(name):
                 out = outputs(self._op.torch_op(*s.args))
-            got = _grads(out, _leaves(s.args), [c.to(o.dtype) for c, o in zip(cot, out, strict=True)])
-            _assert_all(got, _grads(want, _leaves(args64), cot), [t.dtype for t in got])
+            got = grads_wrt(out, grad_leaves(s.args), [c.to(o.dtype) for c, o in zip(cot, out, strict=True)])
+            assert_outputs_match(got, grads_wrt(want, grad_leaves(args64), cot), [t.dtype for t in got])
 
-        samples = [s for s in self.samples(device, torch.float32, True) if _leaves(s.args)]
+        samples = [s for s in self.samples(device, torch.float32, True) if grad_leaves(s.args)]
         self._run(f"gradients on {device}", self._impls(device, torch.float32, impl, True), samples, once)
 
     def _small(self, device: str, dtype: torch.dtype, requires_grad: bool) -> list[Sample]:
@@ -152,7 +153,7 @@ class OpTestSuite:
     def check_gradcheck(self, device: str, impl: str | None = None) -> None:
         """``torch.autograd.gradcheck`` in float64 on the small samples."""
         def once(name: str, s: Sample) -> None:
-            leaves = _leaves(s.args)
+            leaves = grad_leaves(s.args)
             if not leaves:
                 raise AssertionError("no input requires grad (sample_inputs ignored requires_grad?)")
 
@@ -183,14 +184,14 @@ class OpTestSuite:
             raise Unavailable(f"{self.op}/{impl} is not deterministic: {self.not_deterministic[impl]}")
         impls = [n for n in self._impls(device, dtype, impl) if n not in self.not_deterministic]
         self._run(f"determinism on {device}/{dtype}", impls,
-                  self.samples(device, dtype), lambda name, s: _same_bits(
+                  self.samples(device, dtype), lambda name, s: assert_same_bits(
                       self.runner(name), s.args, device == "cpu" and name in self.thread_invariant))
 
     def check_bad_input(self, device: str, case: str | None = None, impl: str | None = None) -> None:
         """Each bad-input row (or the one named ``case``) raises the same exception type,
         naming the argument, in every implementation."""
         rows = [b for b in self.bad if case is None or b[0] == case]
-        _need_device(device)
+        need_device(device)
         base = self.bad_sample(device) if self.bad_sample else self.samples(device, torch.float32)[0]
         base_args = base.args if isinstance(base, Sample) else tuple(base)
         bad = [Sample(tuple(mutate(*base_args)), what) for what, mutate, _, _ in rows]
@@ -239,7 +240,7 @@ class OpTestSuite:
         graph.replay()
         torch.cuda.synchronize()
         new = self._ref64(s)[1]
-        _assert_all(captured, new, [dtype] * len(captured))
+        assert_outputs_match(captured, new, [dtype] * len(captured))
         for c, e, o, n in zip(captured, eager, old, new, strict=True):
             if torch.equal(c, e) and not torch.equal(o, n):  # (an output that can't change may not)
                 raise AssertionError("the replay did not recompute (same result as before)")
