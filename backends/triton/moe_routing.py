@@ -35,42 +35,6 @@ ROUTE_ONE_PROGRAM_CHUNKS = 4
 
 
 @jit
-def _route_count_kernel(ids_ptr, counts_ptr, num_pairs, top_k, stride_t, stride_k, num_experts, num_chunks,
-                        CHUNK: tl.constexpr, BINS: tl.constexpr):
-    """counts[e, c] = how many pairs of chunk c (pairs [c*CHUNK, (c+1)*CHUNK), pair = t*k + j)
-    have expert id e (expert-major: the scan walks c contiguously). Ids outside [0, E) count
-    nowhere (binned at 0, then taken off bin 0's count)."""
-    c = tl.program_id(0)
-    p = c * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + (p // top_k).to(tl.int64) * stride_t + (p % top_k) * stride_k, mask=p < num_pairs,
-                  other=-1)
-    valid = (ids >= 0) & (ids < num_experts)
-    e = tl.arange(0, BINS)
-    h = tl.histogram(tl.where(valid, ids, 0).to(tl.int32), BINS)
-    h -= tl.where(e == 0, tl.sum((~valid).to(tl.int32), axis=0), 0)
-    tl.store(counts_ptr + e * num_chunks + c, h, mask=e < num_experts)
-
-
-@jit
-def _route_scan_kernel(counts_ptr, tables_ptr, num_experts, num_chunks, CB: tl.constexpr):
-    """Program e (one per expert): expert e's row in place, counts[e, c] -> the rows of its
-    pairs in chunks before c (an exclusive scan, CB chunks at a time), and its total into
-    tables[2, e]. The padded starts need every expert's total: the place kernel adds them.
-    (One program for the whole (E, chunks) matrix walked it serially: 17 us at E = 128,
-    T = 4096, k = 8 on the H200, 2026-12-02.)"""
-    e = tl.program_id(0)
-    row = counts_ptr + e * num_chunks
-    run = tl.zeros((), dtype=tl.int32)
-    for c0 in range(0, num_chunks, CB):
-        cs = c0 + tl.arange(0, CB)
-        m = cs < num_chunks
-        cnt = tl.load(row + cs, mask=m, other=0)
-        tl.store(row + cs, run + tl.cumsum(cnt, 0) - cnt, mask=m)
-        run += tl.sum(cnt, axis=0)
-    tl.store(tables_ptr + 2 * num_experts + e, run)
-
-
-@jit
 def _chunk_ids(ids_ptr, c, num_pairs, top_k, stride_t, stride_k, num_experts, CHUNK: tl.constexpr):
     """(pairs, ids, valid) of chunk c: pairs [c*CHUNK, (c+1)*CHUNK), their expert ids (-1
     past the end), and which ids are in [0, E)."""
@@ -94,6 +58,37 @@ def _chunk_ranks(ids, valid, CHUNK: tl.constexpr):
     q = tl.arange(0, CHUNK)
     b = tl.where(valid, ids, -1).to(tl.int32)
     return tl.sum(((b[:, None] == b[None, :]) & (q[None, :] < q[:, None])).to(tl.int32), axis=1)
+
+
+@jit
+def _route_count_kernel(ids_ptr, counts_ptr, num_pairs, top_k, stride_t, stride_k, num_experts, num_chunks,
+                        CHUNK: tl.constexpr, BINS: tl.constexpr):
+    """counts[e, c] = how many pairs of chunk c (pairs [c*CHUNK, (c+1)*CHUNK), pair = t*k + j)
+    have expert id e (expert-major: the scan walks c contiguously). Ids outside [0, E) count
+    nowhere (binned at 0, then taken off bin 0's count)."""
+    c = tl.program_id(0)
+    _, ids, valid = _chunk_ids(ids_ptr, c, num_pairs, top_k, stride_t, stride_k, num_experts, CHUNK)
+    e = tl.arange(0, BINS)
+    tl.store(counts_ptr + e * num_chunks + c, _chunk_counts(ids, valid, BINS), mask=e < num_experts)
+
+
+@jit
+def _route_scan_kernel(counts_ptr, tables_ptr, num_experts, num_chunks, CB: tl.constexpr):
+    """Program e (one per expert): expert e's row in place, counts[e, c] -> the rows of its
+    pairs in chunks before c (an exclusive scan, CB chunks at a time), and its total into
+    tables[2, e]. The padded starts need every expert's total: the place kernel adds them.
+    (One program for the whole (E, chunks) matrix walked it serially: 17 us at E = 128,
+    T = 4096, k = 8 on the H200, 2026-12-02.)"""
+    e = tl.program_id(0)
+    row = counts_ptr + e * num_chunks
+    run = tl.zeros((), dtype=tl.int32)
+    for c0 in range(0, num_chunks, CB):
+        cs = c0 + tl.arange(0, CB)
+        m = cs < num_chunks
+        cnt = tl.load(row + cs, mask=m, other=0)
+        tl.store(row + cs, run + tl.cumsum(cnt, 0) - cnt, mask=m)
+        run += tl.sum(cnt, axis=0)
+    tl.store(tables_ptr + 2 * num_experts + e, run)
 
 
 @jit
