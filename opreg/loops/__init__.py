@@ -11,12 +11,12 @@ plug-in API and the proof helpers) and :mod:`opreg.loops.registry`; one file per
 from __future__ import annotations
 
 from . import experts, scatter_combine
-from .idiom import (Fresh, LoopIdiom, LoopSite, Plan, Reject, fresh_origin, names_in, plain_tensors,
+from .idiom import (Fresh, LoopFinding, LoopIdiom, LoopSite, Plan, Reject, fresh_origin, names_in, plain_tensors,
                     positive_count, prove_fresh, range_loop, subscript_of)
 from .registry import (ModuleRewrite, register_loop_idiom, register_module_rewrite, registered_loop_idioms,
                        registered_module_rewrites, unregister_loop_idiom, unregister_module_rewrite)
 from .modules import module_findings, rewrite_loops, user_functions
-from .rewriter import LoopFinding, find_loops, rewrite_function
+from .rewriter import find_loops, rewrite_function
 from .wrappers import rewrap
 
 #: The idioms opreg ships, tried in this order.

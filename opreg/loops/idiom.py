@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Fresh", "LoopIdiom", "LoopSite", "Plan", "Reject", "fresh_origin", "names_in",
+__all__ = ["Fresh", "LoopFinding", "LoopIdiom", "LoopSite", "Plan", "Reject", "fresh_origin", "names_in",
            "plain_tensors", "positive_count", "prove_fresh", "range_loop", "subscript_of"]
 
 NESTED_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
@@ -195,6 +195,26 @@ class LoopIdiom:
     runtime: Callable[..., Any]
     runs: Callable[[Any], bool] = positive_count
     note: str = ""
+
+
+@dataclasses.dataclass
+class LoopFinding:
+    """A loop in a function's source: rewritten (``matched``) to ``op`` by ``idiom``, or
+    left as written and why (``reason``; ``op``/``idiom`` then name the idiom that came
+    closest)."""
+
+    function: str      # qualified name
+    file: str
+    line: int
+    code: str          # the loop's first body line
+    matched: bool
+    reason: str = ""
+    op: str = ""       # "opreg::scatter_combine"
+    idiom: str = ""
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
 
 
 # ================================================================== proof helpers

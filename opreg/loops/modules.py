@@ -10,7 +10,8 @@ from typing import Any, Callable
 import torch
 
 from .registry import ModuleRewrite, registered_module_rewrites
-from .rewriter import NO_SOURCE, LoopFinding, try_rewrite, warn_unavailable
+from .idiom import LoopFinding
+from .rewriter import NO_SOURCE, try_rewrite, warn_unavailable
 
 __all__ = ["module_findings", "rewrite_loops", "user_functions"]
 

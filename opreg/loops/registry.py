@@ -5,15 +5,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from .._log import logger
-from .idiom import LoopIdiom
-
-if TYPE_CHECKING:
-    from .rewriter import LoopFinding
+from .idiom import LoopFinding, LoopIdiom
 
 __all__ = ["ModuleRewrite", "register_loop_idiom", "register_module_rewrite", "registered_loop_idioms",
            "registered_module_rewrites", "unregister_loop_idiom", "unregister_module_rewrite"]
@@ -68,7 +65,7 @@ class ModuleRewrite:
 
     name: str
     op: str                                                      # the op the module then runs
-    check: Callable[[torch.nn.Module], Optional["LoopFinding"]]
+    check: Callable[[torch.nn.Module], Optional[LoopFinding]]
     apply: Callable[[torch.nn.Module], None]
     note: str = ""                                               # for explain: what it does instead
 

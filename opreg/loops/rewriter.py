@@ -29,34 +29,14 @@ from typing import Any, Callable
 
 
 from .._log import logger
-from .idiom import NESTED_SCOPES, LoopIdiom, LoopSite, Plan, Reject
+from .idiom import NESTED_SCOPES, LoopFinding, LoopIdiom, LoopSite, Plan, Reject
 from .registry import registered_loop_idioms
 from .wrappers import rebuild, wrapped
 
-__all__ = ["NO_SOURCE", "LoopFinding", "find_loops", "rewrite_function", "try_rewrite", "warn_unavailable"]
+__all__ = ["NO_SOURCE", "find_loops", "rewrite_function", "try_rewrite", "warn_unavailable"]
 
 _warned: set[str] = set()
 NO_SOURCE = "its source is not available (exec'd or compiled code)"
-
-
-@dataclasses.dataclass
-class LoopFinding:
-    """A loop in a function's source: rewritten (``matched``) to ``op`` by ``idiom``, or
-    left as written and why (``reason``; ``op``/``idiom`` then name the idiom that came
-    closest)."""
-
-    function: str      # qualified name
-    file: str
-    line: int
-    code: str          # the loop's first body line
-    matched: bool
-    reason: str = ""
-    op: str = ""       # "opreg::scatter_combine"
-    idiom: str = ""
-
-    @property
-    def where(self) -> str:
-        return f"{self.file}:{self.line}"
 
 
 # ===================================================================== the source
